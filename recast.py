@@ -21,9 +21,17 @@ dimensions, then over the batch; numpy math is float64.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 # =============================================================================
 # Math: budgets and optimality probabilities (DESIGN §2, §3.1)
@@ -357,3 +365,719 @@ def shifted_sigmas(T, shift=3.0):
     uniform grid. The training loop uses the scheduler's own sigmas; this is for the toy and tests."""
     u = np.linspace(1.0, 0.0, T + 1)
     return shift * u / (1 + (shift - 1) * u)
+
+
+# =============================================================================
+# Args
+# =============================================================================
+
+EMBEDDED_MODEL = "assets/shapes-sd3"
+LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
+
+
+@dataclass
+class Args:
+    model: str = field(default=EMBEDDED_MODEL, metadata={"help": "diffusers folder or hub id (e.g. stabilityai/stable-diffusion-3.5-medium); default: the embedded tiny shapes model"})
+    rewards: str = field(default="", metadata={"help": "comma-separated reward names, in budget order (default for the embedded model: its four default rewards)"})
+    budgets: str = field(default="0.4,0.3,0.2,0.1", metadata={"help": "reward budgets lambda_k, one per reward (W's row sums)"})
+    credit: str = field(default="recast", metadata={"help": "recast: W from Renyi gains; uniform: W = lambda / T (per-reward normalisation); nft: DiffusionNFT's raw weighted sum", "choices": ["recast", "uniform", "nft"]})
+    gain_estimator: str = field(default="pairs", metadata={"help": "pairs: branched-rollout pair products (alpha = 2, unbiased); denoised: rewards of decoded x0_hat at the branch steps (any alpha, biased)", "choices": ["pairs", "denoised"]})
+    alpha: float = field(default=2.0, metadata={"help": "Renyi order (pairs needs 2; 1 is the KL limit)"})
+    tau: float = field(default=1.0, metadata={"help": "temperature of the profile in W's kernel lambda_k P~^tau (0: uniform W)"})
+    eps: float = field(default=1e-3, metadata={"help": "profile smoothing P~ = (1 - eps) P + eps / T (> 0 keeps W unique)"})
+    gain_ema: float = field(default=0.9, metadata={"help": "EMA decay of the D curves across iterations"})
+    iterations: int = field(default=40, metadata={"help": "training iterations (rollout + update)"})
+    prompts_per_iter: int = field(default=8, metadata={"help": "prompt groups per iteration and process"})
+    n_roots: int = field(default=2, metadata={"help": "independent noises per prompt (tree roots)"})
+    n_branch: int = field(default=2, metadata={"help": "copies made of every state at each branch step"})
+    branch_steps: str = field(default="3,6", metadata={"help": "sampler steps j (0 < j < T - 1) at which states branch; group size = n_roots * n_branch^len"})
+    steps: int = field(default=10, metadata={"help": "sampler steps T (= columns of W = training timesteps)"})
+    sde_a: float = field(default=0.7, metadata={"help": "SDE noise level a after the first branch (g = a sqrt(s / (1 - s)))"})
+    resolution: int = field(default=0, metadata={"help": "image size in pixels (0: the model's default, 512 for SD3.5-M)"})
+    max_sequence_length: int = field(default=0, metadata={"help": "T5 tokens (0: the model's default)"})
+    nft_b: float = field(default=1.0, metadata={"help": "DiffusionNFT guidance strength b in v+- = v_old +- b (v_theta - v_old)"})
+    base_reg: float = field(default=1e-4, metadata={"help": "weight of the velocity MSE to the frozen base model"})
+    train_steps_per_leaf: int = field(default=4, metadata={"help": "training timesteps drawn (without replacement) from the T grid steps per leaf and iteration"})
+    train_batch: int = field(default=32, metadata={"help": "micro-batch of (leaf, timestep) samples per optimizer step"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    rollout_batch: int = field(default=64, metadata={"help": "chunk size for transformer calls during rollouts"})
+    lr: float = field(default=3e-4, metadata={"help": "AdamW learning rate"})
+    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay"})
+    grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clip"})
+    lora_rank: int = field(default=32, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha"})
+    eval_every: int = field(default=20, metadata={"help": "evaluate every N iterations (and at start and end); 0: never"})
+    eval_prompts: str = field(default="", metadata={"help": "file with evaluation prompts, one per line (embedded model: its held-out prompts)"})
+    train_prompts: str = field(default="", metadata={"help": "file with training prompts, one per line (embedded model: its train split)"})
+    save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
+    out: str = field(default="", metadata={"help": "run folder (default runs/<name>)"})
+    name: str = field(default="", metadata={"help": "run name (default recast-<credit>-<seed>)"})
+    seed: int = field(default=0, metadata={"help": "seed for prompts, noise and LoRA init"})
+    resume: str = field(default="", metadata={"help": "run folder to resume from its last checkpoint (uses its config.json)"})
+    device: str = field(default="", metadata={"help": "cpu or cuda (default: cuda if available)"})
+    dtype: str = field(default="", metadata={"help": "frozen weights' dtype: float32, bfloat16, float16 (default: bfloat16 on cuda, float32 on cpu)"})
+    dry_run: bool = field(default=False, metadata={"help": "build SD3.5-Medium's transformer on the meta device, attach the LoRA, print trainable parameters and a memory plan, exit"})
+    pickscore_model: str = field(default="yuvalkirstain/PickScore_v1", metadata={"help": "PickScore weights"})
+    pickscore_processor: str = field(default="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", metadata={"help": "PickScore processor"})
+    clip_model: str = field(default="openai/clip-vit-large-patch14", metadata={"help": "CLIP for clipscore and the aesthetic predictor"})
+    aesthetic_mlp: str = field(default="", metadata={"help": "aesthetic MLP weights file (LAION improved aesthetic predictor)"})
+    geneval_url: str = field(default="http://127.0.0.1:18085", metadata={"help": "GenEval reward server address"})
+
+
+def make_parser(suppress=False):
+    """argparse from Args; every field's help string is its --help line. With suppress=True
+    only the flags actually given appear in the result (used by --resume)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS if suppress else None)
+    for f in fields(Args):
+        flag = "--" + f.name.replace("_", "-")
+        extra = {} if suppress else {"default": f.default}
+        if f.type in (bool, "bool"):
+            parser.add_argument(flag, action="store_true", help=f.metadata["help"], **extra)
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            parser.add_argument(flag, type=kind, help=f.metadata["help"], choices=f.metadata.get("choices"), **extra)
+    return parser
+
+
+def parse_args(argv=None) -> Args:
+    args = Args(**vars(make_parser().parse_args(argv)))
+    if args.resume:
+        config = Path(args.resume) / "config.json"
+        if not config.exists():
+            raise SystemExit(f"--resume {args.resume}: no config.json there; give the run folder of an earlier run")
+        saved = json.loads(config.read_text())["args"]
+        saved.update(vars(make_parser(suppress=True).parse_args(argv)))  # flags given now win (e.g. --iterations)
+        args = Args(**saved)
+        args.out = args.out or args.resume
+    return args
+
+
+def seed_everything(seed):
+    """Seeds Python's `random`, numpy's global RNG and torch's CPU and CUDA default generators.
+    The loop itself draws every random number from per-iteration generators seeded by
+    (seed, iteration), so a resumed run repeats the iterations an uninterrupted one would."""
+    import random
+
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def iteration_generator(seed, iteration, device="cpu"):
+    import torch
+
+    return torch.Generator(device).manual_seed(seed * 1_000_003 + iteration)
+
+
+def validate(args: Args, extra_rewards=None):
+    """Every check on the user's input that can fail before any model is loaded.
+    Returns (reward names, budgets, branch steps). Raises SystemExit with the problem and the fix."""
+    import torch
+
+    try:
+        budgets = parse_budgets(args.budgets)
+    except ValueError as err:
+        raise SystemExit(f"--budgets: {err}") from None
+    names = [n.strip() for n in args.rewards.split(",") if n.strip()]
+    if not names:
+        if not is_embedded(args.model):
+            raise SystemExit("--rewards is required for this model, e.g. --rewards pickscore,clipscore,aesthetic,ocr")
+        import shapes_world
+
+        names = list(shapes_world.DEFAULT_REWARDS)
+    known = known_rewards(extra_rewards)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown reward(s) {unknown}; known rewards: {sorted(known)}. Fix --rewards.")
+    if len(budgets) != len(names):
+        raise SystemExit(f"{len(budgets)} budgets for {len(names)} rewards ({','.join(names)}): give one budget per reward with --budgets")
+    try:
+        branch = sorted({int(b) for b in args.branch_steps.split(",") if b.strip()})
+    except ValueError:
+        raise SystemExit(f"--branch-steps {args.branch_steps!r}: give step indices such as 3,6") from None
+    if any(not 0 < b < args.steps - 1 for b in branch):
+        raise SystemExit(f"--branch-steps must lie strictly between 0 and T - 1 = {args.steps - 1}, got {branch}")
+    if args.gain_estimator == "pairs":
+        if args.alpha != 2:
+            raise SystemExit("--gain-estimator pairs estimates the order-2 Renyi divergence only: use --alpha 2, or --gain-estimator denoised for other orders")
+        if args.n_roots < 2 or not branch:
+            raise SystemExit("--gain-estimator pairs needs --n-roots >= 2 and at least one --branch-steps entry")
+    if args.alpha <= 0:
+        raise SystemExit(f"--alpha must be > 0, got {args.alpha}")
+    model_path = Path(args.model)
+    if not args.dry_run:
+        if not model_path.exists():
+            if args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:
+                raise SystemExit(f"--model {args.model}: no such folder. Give a diffusers folder or a hub id such as stabilityai/stable-diffusion-3.5-medium")
+            if not torch.cuda.is_available() and args.device != "cpu":
+                raise SystemExit(f"--model {args.model} (SD3.5-Medium scale) needs a CUDA GPU and none is visible. On a CPU, train the embedded model: omit --model")
+        elif not (model_path / "model_index.json").exists():
+            raise SystemExit(f"--model {args.model}: not a diffusers pipeline folder (no model_index.json)")
+    out = Path(args.out or f"runs/{args.name or default_name(args)}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise SystemExit(f"cannot write to the run folder {out} ({err.strerror}): choose another with --out") from None
+    return names, budgets, branch
+
+
+def default_name(args):
+    return f"recast-{args.credit}-{args.seed}"
+
+
+def is_embedded(model):
+    return Path(model).resolve() == (Path(__file__).parent / EMBEDDED_MODEL).resolve()
+
+
+# =============================================================================
+# Model loading
+# =============================================================================
+
+
+def load_pipeline(args, device, dtype):
+    """StableDiffusion3Pipeline (the real SD3.5-M or the embedded tiny one, same classes) with
+    frozen VAE and text encoders, and two LoRA adapters on the transformer: "default" (trained)
+    and "old" (sampling policy, a copy). Disabling adapters gives the frozen base."""
+    import torch
+    from diffusers import StableDiffusion3Pipeline
+    from peft import LoraConfig
+
+    local = Path(args.model).exists()
+    pipe = StableDiffusion3Pipeline.from_pretrained(args.model, torch_dtype=dtype, local_files_only=local)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.to(device)
+    for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.transformer):
+        if module is not None:
+            module.requires_grad_(False)
+            module.eval()
+    transformer = pipe.transformer
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian", target_modules=LORA_TARGETS)
+    torch.manual_seed(args.seed)
+    transformer.add_adapter(config, adapter_name="default")
+    transformer.add_adapter(config, adapter_name="old")
+    copy_adapter(transformer, "default", "old")
+    for p in lora_params(transformer, "default") + lora_params(transformer, "old"):
+        p.data = p.data.float()  # LoRA weights and their optimizer state in float32
+    transformer.set_adapter("default")
+    return pipe
+
+
+def lora_params(transformer, adapter):
+    return [p for n, p in transformer.named_parameters() if f".{adapter}." in n]
+
+
+def copy_adapter(transformer, src, dst, keep=0.0):
+    """dst <- keep * dst + (1 - keep) * src, parameter by parameter (DiffusionNFT's soft update)."""
+    import torch
+
+    with torch.no_grad():
+        for p_src, p_dst in zip(lora_params(transformer, src), lora_params(transformer, dst)):
+            p_dst.mul_(keep).add_(p_src.to(p_dst.dtype), alpha=1 - keep)
+
+
+def dry_run(args, device):
+    """SD3.5-Medium readiness without weights: its transformer (shipped config) on the meta device,
+    the LoRA attached, trainable parameters and a memory plan for one micro-batch."""
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers import SD3Transformer2DModel
+    from peft import LoraConfig
+
+    config = json.loads((Path(__file__).parent / "assets/sd3.5-medium-transformer.json").read_text())
+    with init_empty_weights():
+        transformer = SD3Transformer2DModel.from_config(config)
+        lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=LORA_TARGETS)
+        transformer.add_adapter(lora, adapter_name="default")
+        transformer.add_adapter(lora, adapter_name="old")
+    total = sum(p.numel() for p in transformer.parameters())
+    trainable = sum(p.numel() for p in lora_params(transformer, "default"))
+    targets = sum(1 for n, _ in transformer.named_modules() if n.endswith(".lora_A.default"))
+    res = args.resolution or 512
+    tokens = (res // 8 // config["patch_size"]) ** 2 + 77 + (args.max_sequence_length or 256)
+    gib = 2**30
+    plan = {
+        "frozen weights (bf16)": 2 * (total - 2 * trainable) / gib,
+        "two LoRA adapters (fp32)": 4 * 2 * trainable / gib,
+        "AdamW state + grads (fp32)": 3 * 4 * trainable / gib,
+        # rough activation size kept for backward: per block ~ 12 tensors of (tokens, hidden) in bf16
+        f"activations, micro-batch {args.train_batch} (estimate)": args.train_batch * config["num_layers"] * 12 * tokens
+        * config["num_attention_heads"] * config["attention_head_dim"] * 2 / gib,
+    }
+    print(f"SD3.5-Medium transformer: {total / 1e6:.1f}M parameters, LoRA on {targets} linear layers "
+          f"(r={args.lora_rank}, alpha={args.lora_alpha}): {trainable / 1e6:.2f}M trainable")
+    for key, value in plan.items():
+        print(f"  {key:<45} {value:8.2f} GiB")
+    print(f"  {'total (transformer training, excl. VAE/text encoders)':<45} {sum(plan.values()):8.2f} GiB")
+    return {"total_params": total, "trainable_params": trainable, "lora_layers": targets, "memory_gib": plan}
+
+
+# =============================================================================
+# Rewards
+# =============================================================================
+
+
+def known_rewards(extra=None):
+    """Reward names this run can use: the embedded world's programs, the real reward models, and `extra`."""
+    import shapes_world
+
+    return {**shapes_world.REWARDS, **REWARD_MODELS, **(extra or {})}
+
+
+def build_rewards(names, args, device, extra=None):
+    """Callables (images: list of PIL, prompts: list of str) -> np.ndarray (N,), in `names` order."""
+    registry = known_rewards(extra)
+    out = []
+    for name in names:
+        fn = registry[name]
+        out.append(fn(args, device) if name in REWARD_MODELS and name not in (extra or {}) else fn)
+    return out
+
+
+def score(rewards, images, prompts):
+    """Rewards (N, K) float64; non-finite values are kept (NaN) and handled by `optimality`."""
+    return np.stack([np.asarray(fn(images, prompts), dtype=np.float64).reshape(len(images)) for fn in rewards], 1)
+
+
+REWARD_MODELS = {}  # real reward models (PickScore, CLIPScore, aesthetic, OCR, GenEval): factories (args, device) -> callable
+
+
+# =============================================================================
+# Rollout (DESIGN §5)
+# =============================================================================
+
+
+def encode(pipe, prompts, max_len, device):
+    """CFG-free text conditioning: (prompt_embeds (P, L, D), pooled (P, D'))."""
+    import torch
+
+    with torch.no_grad():
+        emb, _, pooled, _ = pipe.encode_prompt(prompts, prompts, prompts, device=device,
+                                               do_classifier_free_guidance=False, max_sequence_length=max_len)
+    return emb, pooled
+
+
+def velocity(transformer, x, s, emb, pooled, chunk=64):
+    """v(x_t, t, c) of the active adapter; x (N, C, h, w) float32, s (N,) sigmas in [0, 1],
+    emb/pooled already indexed per sample. The transformer takes timestep = 1000 s. Returns float32."""
+    import torch
+
+    dtype = emb.dtype
+    outs = []
+    for i in range(0, len(x), chunk):
+        sl = slice(i, i + chunk)
+        outs.append(transformer(hidden_states=x[sl].to(dtype), timestep=(s[sl] * 1000).to(dtype), encoder_hidden_states=emb[sl],
+                                pooled_projections=pooled[sl], return_dict=False)[0].float())
+    return torch.cat(outs)
+
+
+def tree_rollout(transformer, emb, pooled, sigmas, n_roots, n_branch, branch, sde_a, gen, shape, chunk=64, probe_steps=()):
+    """One tree per prompt: n_roots noises, ODE to the first branch step, then at each branch step
+    every state is copied n_branch times and continued with the SDE (the last step is an Euler
+    step, so leaves are clean). sigmas (T+1,) float tensor from 1 to 0.
+
+    Returns leaves (N, C, h, w) with N = P n_roots n_branch^len(branch), groups (N,) prompt index,
+    ancestry (N, 1 + len(branch)) codes for `split_levels`, and probes: a list of
+    (step, x0_hat = x - s v, groups) at `probe_steps` for the denoised estimator."""
+    import torch
+
+    device = emb.device
+    P, T = len(emb), len(sigmas) - 1
+    x = torch.randn((P * n_roots, *shape), generator=gen).to(device)
+    groups = torch.arange(P).repeat_interleave(n_roots)
+    ancestry = [np.arange(P * n_roots)]
+    probes = []
+    with torch.no_grad():
+        for j in range(T):
+            if j in branch:
+                x, groups = x.repeat_interleave(n_branch, 0), groups.repeat_interleave(n_branch)
+                ancestry = [a.repeat(n_branch) for a in ancestry] + [np.tile(np.arange(n_branch), len(x) // n_branch)]
+            s, s_next = float(sigmas[j]), float(sigmas[j + 1])
+            v = velocity(transformer, x, torch.full((len(x),), s, device=device), emb[groups], pooled[groups], chunk)
+            if j in probe_steps:
+                probes.append((j, x - s * v, groups.clone()))
+            if branch and j >= min(branch) and j < T - 1:
+                noise = torch.randn(x.shape, generator=gen).to(device)
+                x = sde_step(x, v, s, s_next, sde_a, float(sigmas[1]), noise)
+            else:
+                x = ode_step(x, v, s, s_next)
+    return x, groups.numpy(), np.stack(ancestry, 1), probes
+
+
+def decode(pipe, latents, chunk=32):
+    """Latents (scaled as the transformer sees them) -> list of PIL images."""
+    import torch
+
+    cfg = pipe.vae.config
+    images = []
+    with torch.no_grad():
+        for z in latents.split(chunk):
+            x = pipe.vae.decode((z / cfg.scaling_factor + cfg.shift_factor).to(pipe.vae.dtype), return_dict=False)[0]
+            images += pipe.image_processor.postprocess(x.float(), output_type="pil")
+    return images
+
+
+# =============================================================================
+# Credit: Renyi curves -> gains -> W (DESIGN §3.3-3.4)
+# =============================================================================
+
+
+def renyi_grid(args, r, groups, ancestry, probe_r, sigmas, branch, reduce):
+    """D_k on the sampler grid (K, T+1) for this iteration, from statistics summed over processes.
+    pairs: levels t = 1, sigma at each branch step, 0. denoised: t = 1, each probe step, 0."""
+    if args.gain_estimator == "pairs":
+        sums, counts = pair_moments(r, groups, ancestry)
+        sums, counts = reduce(sums), reduce(counts)
+        t_levels = [1.0] + [float(sigmas[b]) for b in branch] + [0.0]
+        return gains_on_grid(t_levels, pairs_curve(sums, counts), sigmas, weights=counts)[0]
+    t_levels, D = [1.0], [np.zeros(r.shape[1])]
+    for step, h, g in probe_r + [(None, r, groups)]:
+        sums, counts = denoised_moments(h[None], g, args.alpha)
+        D.append(renyi_from_moment(reduce(sums)[:, 0] / reduce(counts)[0], args.alpha))
+        t_levels.append(0.0 if step is None else float(sigmas[step]))
+    return gains_on_grid(t_levels, np.stack(D, 1), sigmas)[0]
+
+
+# =============================================================================
+# Update: the NFT loss over the sampler's timesteps (DESIGN §2, §3.1)
+# =============================================================================
+
+
+def nft_update(transformer, opt, leaves, groups, r_mix_table, W, emb, pooled, sigmas, args, gen, all_reduce_grads):
+    """One pass over (leaf, timestep) samples: fresh noise, x_t = (1 - s) x0 + s eps, loss
+    nft_loss(v_theta, v_old, r~) + base_reg |v_theta - v_base|^2, AdamW with grad clip.
+    r_mix_table (N, K) optimality per reward; W (K, T): the loss at t = sigmas[j] (the velocity
+    that moves s_j -> s_{j+1}) uses r~ = sum_k (T / Lam) W_kj r_k. Returns mean losses."""
+    import torch
+
+    device = leaves.device
+    N, T = len(leaves), len(sigmas) - 1
+    n_steps = min(args.train_steps_per_leaf, T)
+    steps = torch.stack([torch.randperm(T, generator=gen)[:n_steps] for _ in range(N)])  # (N, n_steps)
+    pairs = torch.stack([torch.arange(N).repeat_interleave(n_steps), steps.reshape(-1)], 1)
+    pairs = pairs[torch.randperm(len(pairs), generator=gen)]
+    r_t, W_t = torch.as_tensor(r_mix_table, dtype=torch.float32), torch.as_tensor(W, dtype=torch.float32)
+    params = lora_params(transformer, "default")
+    totals = {"loss/policy": 0.0, "loss/base_reg": 0.0}
+    batches = pairs.split(args.train_batch)
+    for b_idx, batch in enumerate(tqdm(batches, desc="update", leave=False)):
+        i, j = batch[:, 0], batch[:, 1]
+        x0, s = leaves[i], sigmas[j].to(device)
+        eps = torch.randn(x0.shape, generator=gen).to(device)
+        x_t = (1 - s.view(-1, 1, 1, 1)) * x0 + s.view(-1, 1, 1, 1) * eps
+        cond = (emb[groups[i]], pooled[groups[i]])
+        with torch.no_grad():
+            transformer.set_adapter("old")
+            v_old = velocity(transformer, x_t, s, *cond)
+            transformer.disable_adapters()
+            v_base = velocity(transformer, x_t, s, *cond) if args.base_reg > 0 else v_old
+            transformer.enable_adapters()
+        transformer.set_adapter("default")
+        v_theta = velocity(transformer, x_t, s, *cond)
+        r = mix_optimality(r_t[i], W_t, j).to(device)
+        policy = nft_loss(v_theta, v_old, x_t, x0, s, r, args.nft_b).mean()
+        base = ((v_theta - v_base) ** 2).mean()
+        ((policy + args.base_reg * base) / args.grad_accum).backward()
+        totals["loss/policy"] += policy.item() / len(batches)
+        totals["loss/base_reg"] += base.item() / len(batches)
+        if (b_idx + 1) % args.grad_accum == 0 or b_idx == len(batches) - 1:
+            all_reduce_grads(params)
+            totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return totals
+
+
+# =============================================================================
+# Checkpoints (atomic) and evaluation
+# =============================================================================
+
+
+def save_checkpoint(out, iteration, transformer, opt, state):
+    """checkpoints/iter_N/: the "default" LoRA in diffusers' format (pipe.load_lora_weights(dir)
+    loads it) and state.pt (both adapters, optimizer, D EMA, iteration). Written to a .tmp folder,
+    renamed, then `latest` is replaced atomically: a kill at any moment leaves the last good one."""
+    import torch
+    from diffusers import StableDiffusion3Pipeline
+    from peft.utils import get_peft_model_state_dict
+
+    root = out / "checkpoints"
+    final, tmp = root / f"iter_{iteration:06d}", root / f"iter_{iteration:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    lora = {a: get_peft_model_state_dict(transformer, adapter_name=a) for a in ("default", "old")}
+    StableDiffusion3Pipeline.save_lora_weights(tmp, transformer_lora_layers=lora["default"])
+    torch.save({"iteration": iteration, "lora": lora, "optimizer": opt.state_dict(), **state}, tmp / "state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    (root / "latest.tmp").write_text(final.name)
+    os.replace(root / "latest.tmp", root / "latest")
+    for old in sorted(root.glob("iter_??????"))[:-2]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(out, transformer, opt):
+    """Restore the latest checkpoint of a run folder; returns its state dict (None if there is none)."""
+    import torch
+    from peft.utils import set_peft_model_state_dict
+
+    latest = out / "checkpoints" / "latest"
+    if not latest.exists():
+        return None
+    state = torch.load(out / "checkpoints" / latest.read_text().strip() / "state.pt", weights_only=False)
+    for adapter, sd in state.pop("lora").items():
+        set_peft_model_state_dict(transformer, sd, adapter_name=adapter)
+    opt.load_state_dict(state.pop("optimizer"))
+    transformer.set_adapter("default")
+    return state
+
+
+def evaluate(pipe, prompts, rewards, names, judges, sigmas, shape, emb_fn, chunk):
+    """Held-out evaluation with the trained ("default") adapter: ODE sampling on fixed prompts and
+    seeds, training rewards and held-out judges. Returns (metrics, images)."""
+    import torch
+
+    emb, pooled = emb_fn(prompts)
+    gen = torch.Generator().manual_seed(12345)
+    pipe.transformer.set_adapter("default")
+    latents, groups, _, _ = tree_rollout(pipe.transformer, emb, pooled, sigmas, 1, 1, [], 0.0, gen, shape, chunk)
+    images = decode(pipe, latents)
+    R = score(rewards, images, prompts)
+    metrics = {f"eval/{n}": float(np.nanmean(R[:, k])) for k, n in enumerate(names)}
+    for name, fn in (judges or {}).items():
+        metrics[f"eval/judge/{name}"] = float(np.nanmean(fn(images, prompts)))
+    return metrics, images
+
+
+def save_grid(images, path, cols=8):
+    from PIL import Image
+
+    w, h = images[0].size
+    rows = (len(images) + cols - 1) // cols
+    grid = Image.new("RGB", (cols * w, rows * h), "white")
+    for i, im in enumerate(images):
+        grid.paste(im, ((i % cols) * w, (i // cols) * h))
+    grid.save(path)
+
+
+def plot_run(out, names):
+    """Figures from metrics.jsonl: reward curves, the last W heatmap, D_k(t) curves and gains."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    if not rows:
+        return
+    its = [m["iteration"] for m in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n in names + ["weighted"]:
+        ax.plot(its, [m[f"reward/{n}"] for m in rows], label=n)
+    ax.set(xlabel="iteration", ylabel="mean training reward", title="rewards")
+    ax.legend(fontsize=7)
+    fig.savefig(out / "rewards.png", dpi=120, bbox_inches="tight")
+    last, sig = rows[-1], np.array(rows[-1]["recast/sigmas"])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))
+    im = axes[0].imshow(np.array(last["recast/W"]), aspect="auto", cmap="viridis")
+    axes[0].set(yticks=range(len(names)), yticklabels=names, xlabel="step j (t = sigma_j)", title="W (last iteration)")
+    fig.colorbar(im, ax=axes[0])
+    for k, n in enumerate(names):
+        axes[1].plot(sig, np.array(last["recast/D"])[k], marker=".", label=n)
+        axes[2].plot(sig[:-1], np.array(last["recast/gains"])[k], marker=".", label=n)
+    axes[1].set(xlabel="t", ylabel="D_k(t)", title="Renyi discriminability (EMA)")
+    axes[2].set(xlabel="t at step start", ylabel="gain", title="gains per step")
+    for a in axes[1:]:
+        a.invert_xaxis()
+        a.legend(fontsize=7)
+    fig.savefig(out / "credit.png", dpi=120, bbox_inches="tight")
+    plt.close("all")
+
+
+# =============================================================================
+# Train loop
+# =============================================================================
+
+
+def train(args: Args, extra_rewards=None, judges=None):
+    """The whole run: validate, load, then per iteration rollout -> rewards -> credit (D, W) ->
+    NFT update -> soft update of "old" -> log / evaluate / checkpoint. Returns the run folder."""
+    import torch
+    from accelerate import Accelerator
+
+    names, budgets, branch = validate(args, extra_rewards)
+    device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    acc = Accelerator(cpu=device_name == "cpu")
+    device = acc.device
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    out = Path(args.out or f"runs/{args.name or default_name(args)}")
+    seed_everything(args.seed)
+    embedded = is_embedded(args.model)
+    world = __import__("shapes_world") if embedded else None
+    gen_kwargs = world.GEN_KWARGS if embedded else {}
+    res = args.resolution or gen_kwargs.get("height", 512)
+    max_len = args.max_sequence_length or gen_kwargs.get("max_sequence_length", 256)
+    T, K = args.steps, len(names)
+
+    pipe = load_pipeline(args, device, dtype)
+    transformer = pipe.transformer
+    rewards = build_rewards(names, args, device, extra_rewards)
+    if judges is None and embedded:
+        judges = world.JUDGES
+    pipe.scheduler.set_timesteps(T)
+    sigmas = pipe.scheduler.sigmas.float().cpu()  # (T+1,), 1 -> 0: the W columns and training timesteps
+    shape = (transformer.config.in_channels, res // pipe.vae_scale_factor, res // pipe.vae_scale_factor)
+    opt = torch.optim.AdamW(lora_params(transformer, "default"), lr=args.lr, weight_decay=args.weight_decay)
+    train_prompts = read_prompts(args.train_prompts) if args.train_prompts else None
+    eval_prompts = read_prompts(args.eval_prompts) if args.eval_prompts else (world.sample_prompts(16, "heldout", 0) if embedded else [])
+    if not embedded and train_prompts is None:
+        raise SystemExit("--train-prompts FILE is required for this model (one prompt per line)")
+
+    def reduce(a):  # sum numpy statistics over processes
+        if acc.num_processes == 1:
+            return np.asarray(a)
+        return acc.reduce(torch.as_tensor(np.asarray(a), dtype=torch.float64, device=device), "sum").cpu().numpy()
+
+    def all_reduce_grads(params):
+        if acc.num_processes > 1:
+            for p in params:
+                if p.grad is not None:
+                    p.grad = acc.reduce(p.grad, "mean")
+
+    def emb_fn(prompts):
+        return encode(pipe, prompts, max_len, device)
+
+    state = load_checkpoint(out, transformer, opt) if args.resume else None
+    start = state["iteration"] + 1 if state else 0
+    D_ema = state["D_ema"] if state else None
+    if acc.is_main_process:
+        (out / "config.json").write_text(json.dumps({"args": asdict(args), "rewards": names, "git_sha": git_sha()}, indent=2))
+        keep_metrics_until(out / "metrics.jsonl", start)
+    wsum = np.asarray(budgets) / sum(budgets)
+
+    for it in tqdm(range(start, args.iterations), desc="recast", initial=start, total=args.iterations, disable=not acc.is_main_process):
+        gen = iteration_generator(args.seed, it)
+        t0 = time.perf_counter()
+        if it == 0 and args.eval_every and eval_prompts and acc.is_main_process:
+            metrics0, images = evaluate(pipe, eval_prompts, rewards, names, judges, sigmas, shape, emb_fn, args.rollout_batch)
+            save_grid(images, out / "samples_before.png")
+        # 1. rollouts from the old policy, rewards
+        prompts = (world.sample_prompts(args.prompts_per_iter, "train", args.seed * 7919 + it * 97 + acc.process_index) if embedded
+                   else list(np.random.default_rng([args.seed, it, acc.process_index]).choice(train_prompts, args.prompts_per_iter)))
+        emb, pooled = emb_fn(prompts)
+        transformer.set_adapter("old")
+        probe_steps = branch if args.gain_estimator == "denoised" else ()
+        leaves, groups, ancestry, probes = tree_rollout(transformer, emb, pooled, sigmas, args.n_roots, args.n_branch, branch,
+                                                        args.sde_a, gen, shape, args.rollout_batch, probe_steps)
+        transformer.set_adapter("default")
+        t1 = time.perf_counter()
+        leaf_prompts = [prompts[g] for g in groups]
+        R = score(rewards, decode(pipe, leaves), leaf_prompts)
+        probe_R = [(j, score(rewards, decode(pipe, x0h), [prompts[g] for g in gp.numpy()]), gp.numpy()) for j, x0h, gp in probes]
+        t2 = time.perf_counter()
+        # 2. per-reward optimality (global std across processes), Renyi curves, W
+        finite = np.isfinite(R)
+        n_valid = reduce(finite.sum(0))
+        if (n_valid == 0).any():
+            save_checkpoint(out, max(it - 1, 0), transformer, opt, {"D_ema": D_ema}) if acc.is_main_process else None
+            bad = [n for n, c in zip(names, n_valid) if c == 0]
+            raise SystemExit(f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; checkpoint saved in {out}. "
+                             "Fix the reward, then continue with --resume " + str(out))
+        Rz = np.where(finite, R, 0.0)
+        std = np.sqrt(np.maximum(reduce((Rz ** 2).sum(0)) / n_valid - (reduce(Rz.sum(0)) / n_valid) ** 2, 0.0))
+        r = optimality(R, groups, std=std)
+        probe_r = [(j, optimality(Rp, gp, std=std), gp) for j, Rp, gp in probe_R]
+        D_now = renyi_grid(args, r, groups, ancestry, probe_r, sigmas.double().numpy(), branch, reduce)
+        D_ema = D_now if D_ema is None else args.gain_ema * D_ema + (1 - args.gain_ema) * D_now
+        gains = np.maximum(np.diff(D_ema, axis=1), 0.0)
+        if args.credit == "recast":
+            W = solve_W(budgets, profiles(gains), args.tau, args.eps)
+        else:
+            W = uniform_W(budgets, T)
+        if args.credit == "nft":  # one combined reward, normalised once: W is irrelevant (K = 1)
+            Rc = combine_raw(R, budgets)
+            fin_c = np.isfinite(Rc)
+            n_c = reduce(fin_c.sum())
+            Rcz = np.where(fin_c, Rc, 0.0)
+            std_c = np.sqrt(max(reduce((Rcz ** 2).sum()) / n_c - (reduce(Rcz.sum()) / n_c) ** 2, 0.0))
+            r_train, W_train = optimality(Rc, groups, std=std_c)[:, None], uniform_W([1.0], T)
+        else:
+            r_train, W_train = r, W
+        t3 = time.perf_counter()
+        # 3. NFT update of "default", then the soft update of "old"
+        losses = nft_update(transformer, opt, leaves, torch.as_tensor(groups), r_train, W_train, emb, pooled, sigmas, args, gen, all_reduce_grads)
+        copy_adapter(transformer, "default", "old", keep=min(0.001 * it, 0.5))
+        t4 = time.perf_counter()
+        # 4. log, evaluate, checkpoint
+        mean_R = reduce(Rz.sum(0)) / n_valid
+        metrics = {"iteration": it, **{f"reward/{n}": float(mean_R[k]) for k, n in enumerate(names)},
+                   "reward/weighted": float(wsum @ mean_R),
+                   **{f"reward_nonfinite/{n}": int(reduce(len(R) * 0 + (~finite[:, k]).sum())) for k, n in enumerate(names)},
+                   **losses, "recast/W": W.tolist(), "recast/D": D_ema.tolist(), "recast/D_iter": D_now.tolist(),
+                   "recast/gains": gains.tolist(), "recast/sigmas": sigmas.tolist(),
+                   "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/gains_W": t3 - t2, "time/update": t4 - t3}
+        last = it == args.iterations - 1
+        if acc.is_main_process:
+            if it == 0 and args.eval_every and eval_prompts:
+                metrics.update({k.replace("eval/", "eval_before/"): v for k, v in metrics0.items()})
+            if args.eval_every and eval_prompts and ((it + 1) % args.eval_every == 0 or last):
+                metrics_eval, images = evaluate(pipe, eval_prompts, rewards, names, judges, sigmas, shape, emb_fn, args.rollout_batch)
+                metrics.update(metrics_eval)
+                if last:
+                    save_grid(images, out / "samples_after.png")
+            with open(out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            if (it + 1) % args.save_every == 0 or last:
+                save_checkpoint(out, it, transformer, opt, {"D_ema": D_ema})
+        acc.wait_for_everyone()
+    if acc.is_main_process:
+        plot_run(out, names)
+    return out
+
+
+def read_prompts(path):
+    prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise SystemExit(f"{path}: no prompts (one per line)")
+    return prompts
+
+
+def keep_metrics_until(path, start):
+    """On resume, drop metric lines of iterations after the checkpoint (they will be redone)."""
+    if path.exists():
+        rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["iteration"] < start]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(row + "\n" for row in rows))
+        os.replace(tmp, path)
+
+
+def git_sha():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+# =============================================================================
+# Main
+# =============================================================================
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.dry_run:
+        return dry_run(args, "meta")
+    out = train(args)
+    print(f"run folder: {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
