@@ -3,7 +3,9 @@ properties of the W solver, closed-form checks against the Gaussian toy, and
 end-to-end runs. Run: python -m pytest -q
 """
 import itertools
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -337,3 +339,217 @@ def test_sde_step_is_the_reverse_sde_euler_maruyama_step():
                         math.sqrt(g2 * (s - s_next)))
     # at s = 1 the denominator uses s_1
     assert math.isfinite(recast.sde_step(x, v, 1.0, 0.9, a, 0.9, 1.0))
+
+
+# -----------------------------------------------------------------------------
+# recast.py end to end on a tiny random SD3 pipeline built from configs
+# -----------------------------------------------------------------------------
+
+TINY_WORDS = ["a", "red", "blue", "circle", "square", "two"]
+
+
+def make_tiny_pipeline(path, seed=0):
+    """A tiny random SD3 pipeline of the real diffusers classes (diffusers' get_dummy_components
+    pattern), tokenizers built from a vocabulary: nothing is downloaded."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
+
+    torch.manual_seed(seed)
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1, "!": 2}
+    merges = []
+    for ch in sorted(set("".join(TINY_WORDS))):
+        vocab.setdefault(ch, len(vocab))
+        vocab.setdefault(ch + "</w>", len(vocab))
+    for w in TINY_WORDS:  # merge from the word's end so that every word is a single token
+        parts = list(w[:-1]) + [w[-1] + "</w>"]
+        while len(parts) > 1:
+            merges.append((parts[-2], parts[-1]))
+            vocab.setdefault(parts[-2] + parts[-1], len(vocab))
+            parts = parts[:-2] + [parts[-2] + parts[-1]]
+    clip_tok = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=16)
+    clip_cfg = CLIPTextConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                              max_position_embeddings=16, projection_dim=16, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    t5_tok = T5Tokenizer(vocab=[("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [("\u2581" + w, -1.0) for w in TINY_WORDS],
+                         model_max_length=16)
+    pipe = StableDiffusion3Pipeline(
+        transformer=SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+                                          num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
+                                          pooled_projection_dim=32, out_channels=4, pos_embed_max_size=8),
+        vae=AutoencoderKL(block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=8,
+                          down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                          mid_block_add_attention=False, shift_factor=0.0, scaling_factor=1.0),
+        text_encoder=CLIPTextModelWithProjection(clip_cfg), tokenizer=clip_tok,
+        text_encoder_2=CLIPTextModelWithProjection(clip_cfg), tokenizer_2=clip_tok,
+        text_encoder_3=T5EncoderModel(T5Config(vocab_size=len(t5_tok), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)),
+        tokenizer_3=t5_tok, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    pipe.save_pretrained(path)
+    return path
+
+
+def brightness(images, prompts):
+    return np.array([np.asarray(im, dtype=np.float64).mean() / 255 for im in images])
+
+
+def redness(images, prompts):
+    return np.array([(np.asarray(im, dtype=np.float64)[..., 0] - np.asarray(im, dtype=np.float64)[..., 2]).mean() / 255 for im in images])
+
+
+TINY_REWARDS = {"brightness": brightness, "redness": redness}
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    make_tiny_pipeline(root / "pipe")
+    (root / "prompts.txt").write_text("a red circle\ntwo blue square\na blue circle\ntwo red square\n")
+    return root
+
+
+def tiny_argv(tiny, out, *more):
+    return ["--model", str(tiny / "pipe"), "--rewards", "brightness,redness", "--budgets", "0.6,0.4", "--resolution", "16",
+            "--max-sequence-length", "8", "--train-prompts", str(tiny / "prompts.txt"), "--eval-prompts", str(tiny / "prompts.txt"),
+            "--prompts-per-iter", "2", "--out", str(out), "--lora-rank", "4", "--lora-alpha", "8", *more]
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("credit, estimator", [("recast", "pairs"), ("recast", "denoised"), ("nft", "pairs")])
+def test_recast_two_iterations_write_metrics_W_figures_and_a_loadable_lora(tiny, tmp_path, credit, estimator):
+    out = tmp_path / "run"
+    argv = tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "1", "--credit", credit, "--gain-estimator", estimator)
+    if estimator == "denoised":
+        argv += ["--alpha", "1.0"]
+    recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+    rows = read_metrics(out)
+    assert [m["iteration"] for m in rows] == [0, 1]
+    for m in rows:
+        W = np.array(m["recast/W"])
+        assert np.abs(W.sum(1) - [0.6, 0.4]).max() < 1e-9 and np.abs(W.sum(0) - 1.0 / 10).max() < 1e-9
+        D = np.array(m["recast/D"])
+        assert D.shape == (2, 11) and np.allclose(D[:, 0], 0) and (np.diff(D, axis=1) >= -1e-12).all()
+        assert np.isfinite([m["loss/policy"], m["reward/weighted"], m["eval/brightness"]]).all()
+    assert "eval_before/brightness" in rows[0]
+    for fig in ("rewards.png", "credit.png", "samples_before.png", "samples_after.png"):
+        assert (out / fig).stat().st_size > 0
+    assert json.loads((out / "config.json").read_text())["args"]["credit"] == credit
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny / "pipe", local_files_only=True)
+    ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
+    pipe.load_lora_weights(ckpt)  # the diffusers loader takes our checkpoint as it is
+    assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+
+
+KILL_SCRIPT = """
+import sys, numpy as np
+sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
+import recast, test_recast
+recast.train(recast.parse_args({argv!r}), extra_rewards=test_recast.TINY_REWARDS)
+"""
+
+
+def test_resume_after_sigkill_loses_nothing_and_same_seed_repeats(tiny, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time as _time
+
+    ref, killed = tmp_path / "ref", tmp_path / "killed"
+    common = ["--iterations", "5", "--save-every", "1", "--eval-every", "0"]
+    recast.train(recast.parse_args(tiny_argv(tiny, ref, *common)), extra_rewards=TINY_REWARDS)
+    here = str(Path(__file__).parent)
+    code = KILL_SCRIPT.format(repo=here, tests=here, argv=tiny_argv(tiny, killed, *common))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = killed / "checkpoints" / "latest"
+    deadline = _time.time() + 240
+    while _time.time() < deadline and not (latest.exists() and latest.read_text() >= "iter_000001"):
+        _time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert latest.exists(), "the killed run wrote no checkpoint"
+    assert len(read_metrics(killed)) < 5, "the run finished before it could be killed"
+    recast.train(recast.parse_args(["--resume", str(killed)]), extra_rewards=TINY_REWARDS)
+    strip = lambda m: {k: v for k, v in m.items() if not k.startswith("time/")}
+    assert [strip(m) for m in read_metrics(killed)] == [strip(m) for m in read_metrics(ref)]
+
+
+TWO_PROC_SCRIPT = """
+import sys, numpy as np
+sys.path.insert(0, {repo!r})
+import recast, test_recast
+from accelerate import PartialState
+solve = recast.solve_W
+def recorded(*a, **k):
+    W = solve(*a, **k)
+    with open({out!r} + f"/W_rank{{PartialState().process_index}}.txt", "a") as f:
+        f.write(repr(W.tolist()) + "\\n")
+    return W
+recast.solve_W = recorded
+recast.train(recast.parse_args({argv!r}), extra_rewards=test_recast.TINY_REWARDS)
+"""
+
+
+def test_two_processes_hold_the_same_W(tiny, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    out.mkdir()
+    script = tmp_path / "two.py"
+    here = str(Path(__file__).parent)
+    script.write_text(TWO_PROC_SCRIPT.format(repo=here, out=str(out), argv=tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "0", "--device", "cpu")))
+    # accelerate's --cpu flag alone starts one process (several need MPI); --multi_gpu starts
+    # torchrun's processes, and --device cpu makes each one a CPU (gloo) rank
+    res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", str(script)],
+                         capture_output=True, text=True, timeout=600, cwd=here)
+    assert res.returncode == 0, res.stderr[-3000:]
+    W0 = (out / "W_rank0.txt").read_text().splitlines()
+    W1 = (out / "W_rank1.txt").read_text().splitlines()
+    assert len(W0) == 2 and W0 == W1
+    # each rank saw its own prompts, yet the statistics are global
+    assert len(read_metrics(out)) == 2
+
+
+def test_nan_rewards_are_left_out_and_an_all_nan_reward_stops_with_a_checkpoint(tiny, tmp_path):
+    def half_nan(images, prompts):
+        v = brightness(images, prompts)
+        v[::2] = np.nan
+        return v
+
+    out = tmp_path / "half"
+    argv = tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0", "--rewards", "brightness,half")
+    recast.train(recast.parse_args(argv), extra_rewards={**TINY_REWARDS, "half": half_nan})
+    m = read_metrics(out)[0]
+    assert m["reward_nonfinite/half"] == 8 and np.isfinite(m["reward/half"]) and np.isfinite(m["loss/policy"])
+    out = tmp_path / "all"
+    argv = tiny_argv(tiny, out, "--iterations", "3", "--eval-every", "0", "--rewards", "brightness,dead")
+    with pytest.raises(SystemExit, match="NaN/inf for every image"):
+        recast.train(recast.parse_args(argv), extra_rewards={**TINY_REWARDS, "dead": lambda ims, ps: np.full(len(ims), np.nan)})
+    assert (out / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [(["--budgets", "0.4,x"], "not a number"), (["--budgets", "1,2,3"], "3 budgets for 2 rewards"),
+     (["--rewards", "brightness,nope"], "unknown reward"), (["--model", "/no/such/folder"], "no such folder"),
+     (["--model", "stabilityai/stable-diffusion-3.5-medium"], "needs a CUDA GPU"),
+     (["--alpha", "3"], "--alpha 2"), (["--branch-steps", "9"], "strictly between"),
+     (["--out", "/proc/forbidden/run"], "cannot write")],
+)
+def test_bad_input_fails_before_any_work_with_a_clear_message(tiny, tmp_path, change, words):
+    if "CUDA" in words and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    argv = tiny_argv(tiny, tmp_path / "run") + change
+    with pytest.raises(SystemExit, match=words):
+        recast.validate(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+
+
+def test_dry_run_attaches_lora_to_sd35_medium_on_the_meta_device(capsys):
+    info = recast.main(["--dry-run"])
+    assert 2.0e9 < info["total_params"] < 3.0e9  # SD3.5-Medium's transformer is ~2.5B parameters
+    # r = 32 on every targeted (in, out) linear; 24 blocks, the last one has no to_add_out
+    assert info["lora_layers"] == 24 * 7 + 23
+    assert info["trainable_params"] > 1e7
+    assert "GiB" in capsys.readouterr().out
