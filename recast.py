@@ -35,6 +35,7 @@ import urllib.request
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 from tqdm import tqdm
@@ -189,20 +190,18 @@ def pairs_curve(sums, counts):
         return np.log(np.maximum(means, 1e-300) / np.maximum(means[:, :1], 1e-300))
 
 
-def denoised_moments(h, groups, alpha=2.0):
+def denoised_moments(h, alpha=2.0):
     """Sufficient statistics of the `denoised` (plug-in) estimator, any alpha > 0.
 
-    h (L, N, K): plug-in optimality h_{k,t_l} ~ r_k(decode(x0_hat(x_{t_l}))) at probe
-    level l. Z is the group mean at that level. Returns (sums (K, L), counts (L,))
-    of the Renyi integrand; `renyi_from_moment(sums / counts, alpha)` gives D."""
+    h (L, N, K): plug-in optimality h_{k,t_l} ~ r_k(decode(x0_hat(x_{t_l}))) at probe level l.
+    Z is the mean over all N samples of the level, not per prompt group: the leaves of one
+    tree are correlated, and a per-group Z under-states D (toy_gaussian.py check 4 measured
+    -34% at t = 0 against -1% pooled). Returns (sums (K, L), counts (L,)) of the Renyi
+    integrand; `renyi_from_moment(sums / counts, alpha)` gives D. Z must be reduced across
+    processes first when there are several (it is 0.5 by construction for group-centred r)."""
     h = np.asarray(h, dtype=np.float64)
-    groups = np.asarray(groups)
-    sums = np.zeros((h.shape[2], h.shape[0]))
-    for g in np.unique(groups):
-        hg = h[:, groups == g]  # (L, n, K)
-        Z = hg.mean(1, keepdims=True)
-        sums += renyi_moment(hg, np.where(Z > 0, Z, 1.0), alpha).sum(1).T
-    return sums, np.full(h.shape[0], float(h.shape[1]))
+    Z = h.mean(1, keepdims=True)
+    return renyi_moment(h, np.where(Z > 0, Z, 1.0), alpha).sum(1).T, np.full(h.shape[0], float(h.shape[1]))
 
 
 def monotone_curve(t_levels, D_levels, weights=None):
@@ -997,7 +996,7 @@ def renyi_grid(args, r, groups, ancestry, probe_r, sigmas, branch, reduce):
         return gains_on_grid(t_levels, pairs_curve(sums, counts), sigmas, weights=counts)[0]
     t_levels, D = [1.0], [np.zeros(r.shape[1])]
     for step, h, g in probe_r + [(None, r, groups)]:
-        sums, counts = denoised_moments(h[None], g, args.alpha)
+        sums, counts = denoised_moments(h[None], args.alpha)
         D.append(renyi_from_moment(reduce(sums)[:, 0] / reduce(counts)[0], args.alpha))
         t_levels.append(0.0 if step is None else float(sigmas[step]))
     return gains_on_grid(t_levels, np.stack(D, 1), sigmas)[0]
@@ -1097,20 +1096,20 @@ def load_checkpoint(out, transformer, opt):
     return state
 
 
-def evaluate(pipe, prompts, rewards, names, judges, sigmas, shape, emb_fn, chunk):
-    """Held-out evaluation with the trained ("default") adapter: ODE sampling on fixed prompts and
+def evaluate(run, args):
+    """Held-out evaluation of the trained ("default") adapter: ODE sampling on fixed prompts and
     seeds, training rewards and held-out judges. Returns (metrics, images)."""
     import torch
 
-    emb, pooled = emb_fn(prompts)
-    gen = torch.Generator().manual_seed(12345)
-    pipe.transformer.set_adapter("default")
-    latents, groups, _, _ = tree_rollout(pipe.transformer, emb, pooled, sigmas, 1, 1, [], 0.0, gen, shape, chunk)
-    images = decode(pipe, latents)
-    R = score(rewards, images, prompts)
-    metrics = {f"eval/{n}": float(np.nanmean(R[:, k])) for k, n in enumerate(names)}
-    for name, fn in (judges or {}).items():
-        metrics[f"eval/judge/{name}"] = float(np.nanmean(fn(images, prompts)))
+    emb, pooled = run.encode(run.eval_prompts)
+    run.transformer.set_adapter("default")
+    latents, _, _, _ = tree_rollout(run.transformer, emb, pooled, run.sigmas, 1, 1, [], 0.0, torch.Generator().manual_seed(12345),
+                                    run.shape, args.rollout_batch)
+    images = decode(run.pipe, latents)
+    R = score(run.rewards, images, run.eval_prompts)
+    metrics = {f"eval/{n}": float(np.nanmean(R[:, k])) for k, n in enumerate(run.names)}
+    for name, fn in (run.judges or {}).items():
+        metrics[f"eval/judge/{name}"] = float(np.nanmean(fn(images, run.eval_prompts)))
     return metrics, images
 
 
@@ -1164,44 +1163,30 @@ def plot_run(out, names):
 # =============================================================================
 
 
-def train(args: Args, extra_rewards=None, judges=None):
-    """The whole run: validate, load, then per iteration rollout -> rewards -> credit (D, W) ->
-    NFT update -> soft update of "old" -> log / evaluate / checkpoint. Returns the run folder."""
+def setup_run(args: Args, extra_rewards=None, judges=None):
+    """Validate, then load everything one run needs; returns a namespace shared by the loop's steps."""
     import torch
     from accelerate import Accelerator
 
     names, budgets, branch = validate(args, extra_rewards)
     device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     acc = Accelerator(cpu=device_name == "cpu")
-    device = acc.device
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    out = Path(args.out or f"runs/{args.name or default_name(args)}")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if acc.device.type == "cuda" else "float32"))
     seed_everything(args.seed)
-    embedded = is_embedded(args.model)
-    world = __import__("shapes_world") if embedded else None
-    gen_kwargs = world.GEN_KWARGS if embedded else {}
+    world = __import__("shapes_world") if is_embedded(args.model) else None
+    gen_kwargs = world.GEN_KWARGS if world else {}
     res = args.resolution or gen_kwargs.get("height", 512)
     max_len = args.max_sequence_length or gen_kwargs.get("max_sequence_length", 256)
-    T, K = args.steps, len(names)
-
-    pipe = load_pipeline(args, device, dtype)
-    transformer = pipe.transformer
-    rewards = build_rewards(names, replace(args, device=str(device)), reward_extras(args.model, extra_rewards))
-    if judges is None and embedded:
-        judges = world.JUDGES
-    pipe.scheduler.set_timesteps(T)
-    sigmas = pipe.scheduler.sigmas.float().cpu()  # (T+1,), 1 -> 0: the W columns and training timesteps
-    shape = (transformer.config.in_channels, res // pipe.vae_scale_factor, res // pipe.vae_scale_factor)
-    opt = torch.optim.AdamW(lora_params(transformer, "default"), lr=args.lr, weight_decay=args.weight_decay)
+    pipe = load_pipeline(args, acc.device, dtype)
+    pipe.scheduler.set_timesteps(args.steps)
     train_prompts = read_prompts(args.train_prompts) if args.train_prompts else None
-    eval_prompts = read_prompts(args.eval_prompts) if args.eval_prompts else (world.sample_prompts(16, "heldout", 0) if embedded else [])
-    if not embedded and train_prompts is None:
+    if world is None and train_prompts is None:
         raise SystemExit("--train-prompts FILE is required for this model (one prompt per line)")
 
     def reduce(a):  # sum numpy statistics over processes
         if acc.num_processes == 1:
             return np.asarray(a)
-        return acc.reduce(torch.as_tensor(np.asarray(a), dtype=torch.float64, device=device), "sum").cpu().numpy()
+        return acc.reduce(torch.as_tensor(np.asarray(a), dtype=torch.float64, device=acc.device), "sum").cpu().numpy()
 
     def all_reduce_grads(params):
         if acc.num_processes > 1:
@@ -1209,95 +1194,129 @@ def train(args: Args, extra_rewards=None, judges=None):
                 if p.grad is not None:
                     p.grad = acc.reduce(p.grad, "mean")
 
-    def emb_fn(prompts):
-        return encode(pipe, prompts, max_len, device)
+    def prompts_for(it):  # each process its own prompt groups
+        if world:
+            return world.sample_prompts(args.prompts_per_iter, "train", args.seed * 7919 + it * 97 + acc.process_index)
+        return list(np.random.default_rng([args.seed, it, acc.process_index]).choice(train_prompts, args.prompts_per_iter))
 
-    state = load_checkpoint(out, transformer, opt) if args.resume else None
-    start = state["iteration"] + 1 if state else 0
-    D_ema = state["D_ema"] if state else None
-    if acc.is_main_process:
-        (out / "config.json").write_text(json.dumps({"args": asdict(args), "rewards": names, "git_sha": git_sha()}, indent=2))
-        keep_metrics_until(out / "metrics.jsonl", start)
-    wsum = np.asarray(budgets) / sum(budgets)
+    return SimpleNamespace(
+        acc=acc, pipe=pipe, transformer=pipe.transformer, names=names, budgets=budgets, branch=branch,
+        rewards=build_rewards(names, replace(args, device=str(acc.device)), reward_extras(args.model, extra_rewards)),
+        judges=judges if judges is not None or world is None else world.JUDGES,
+        sigmas=pipe.scheduler.sigmas.float().cpu(),  # (T+1,), 1 -> 0: the W columns and training timesteps
+        shape=(pipe.transformer.config.in_channels, res // pipe.vae_scale_factor, res // pipe.vae_scale_factor),
+        opt=torch.optim.AdamW(lora_params(pipe.transformer, "default"), lr=args.lr, weight_decay=args.weight_decay),
+        eval_prompts=read_prompts(args.eval_prompts) if args.eval_prompts else (world.sample_prompts(16, "heldout", 0) if world else []),
+        out=Path(args.out or f"runs/{args.name or default_name(args)}"), reduce=reduce, all_reduce_grads=all_reduce_grads,
+        prompts_for=prompts_for, encode=lambda prompts: encode(pipe, prompts, max_len, acc.device))
 
-    for it in tqdm(range(start, args.iterations), desc="recast", initial=start, total=args.iterations, disable=not acc.is_main_process):
-        gen = iteration_generator(args.seed, it)
-        t0 = time.perf_counter()
-        if it == 0 and args.eval_every and eval_prompts and acc.is_main_process:
-            metrics0, images = evaluate(pipe, eval_prompts, rewards, names, judges, sigmas, shape, emb_fn, args.rollout_batch)
-            save_grid(images, out / "samples_before.png")
+
+def rollout_and_score(run, args, it, gen, probe_steps=()):
+    """Step 1 of an iteration: prompts, tree rollouts from the "old" adapter, decoded leaves scored.
+    Returns a namespace with prompts, emb, pooled, leaves, groups, ancestry, probes, R (N, K)."""
+    prompts = run.prompts_for(it)
+    emb, pooled = run.encode(prompts)
+    run.transformer.set_adapter("old")
+    leaves, groups, ancestry, probes = tree_rollout(run.transformer, emb, pooled, run.sigmas, args.n_roots, args.n_branch, run.branch,
+                                                    args.sde_a, gen, run.shape, args.rollout_batch, probe_steps)
+    run.transformer.set_adapter("default")
+    t_rollout = time.perf_counter()
+    R = score(run.rewards, decode(run.pipe, leaves), [prompts[g] for g in groups])
+    probe_R = [(j, score(run.rewards, decode(run.pipe, x0h), [prompts[g] for g in gp.numpy()]), gp.numpy()) for j, x0h, gp in probes]
+    return SimpleNamespace(prompts=prompts, emb=emb, pooled=pooled, leaves=leaves, groups=groups, ancestry=ancestry,
+                           R=R, probe_R=probe_R, t_rollout=t_rollout)
+
+
+def global_stats(R, reduce):
+    """Per-column (count, mean, std) of the finite rewards of all processes; R (N, K)."""
+    finite = np.isfinite(R)
+    Rz = np.where(finite, R, 0.0)
+    n = reduce(finite.sum(0))
+    mean = reduce(Rz.sum(0)) / np.maximum(n, 1)
+    return n, mean, np.sqrt(np.maximum(reduce((Rz ** 2).sum(0)) / np.maximum(n, 1) - mean ** 2, 0.0))
+
+
+def finish_iteration(run, args, it, metrics, state, before=None):
+    """Step 4: evaluate (every eval_every iterations and at the end), append the metrics line,
+    checkpoint (every save_every iterations and at the end). Main process only."""
+    last = it == args.iterations - 1
+    if run.acc.is_main_process:
+        if before:
+            metrics.update({k.replace("eval/", "eval_before/"): v for k, v in before.items()})
+        if args.eval_every and run.eval_prompts and ((it + 1) % args.eval_every == 0 or last):
+            metrics_eval, images = evaluate(run, args)
+            metrics.update(metrics_eval)
+            if last:
+                save_grid(images, run.out / "samples_after.png")
+        with open(run.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if (it + 1) % args.save_every == 0 or last:
+            save_checkpoint(run.out, it, run.transformer, run.opt, state)
+    run.acc.wait_for_everyone()
+
+
+def start_or_resume(run, args):
+    """Restore the last checkpoint when resuming; write config.json; returns (first iteration, state)."""
+    state = load_checkpoint(run.out, run.transformer, run.opt) if args.resume else None
+    start = state.pop("iteration") + 1 if state else 0
+    if run.acc.is_main_process:
+        (run.out / "config.json").write_text(json.dumps({"args": asdict(args), "rewards": run.names, "git_sha": git_sha()}, indent=2))
+        keep_metrics_until(run.out / "metrics.jsonl", start)
+    return start, state or {}
+
+
+def train(args: Args, extra_rewards=None, judges=None):
+    """The whole run: per iteration rollout -> rewards -> credit (D, W) -> NFT update -> soft update
+    of "old" -> log / evaluate / checkpoint. Returns the run folder."""
+    import torch
+
+    run = setup_run(args, extra_rewards, judges)
+    start, state = start_or_resume(run, args)
+    D_ema, T, budgets = state.get("D_ema"), args.steps, run.budgets
+    for it in tqdm(range(start, args.iterations), desc="recast", initial=start, total=args.iterations, disable=not run.acc.is_main_process):
+        gen, t0 = iteration_generator(args.seed, it), time.perf_counter()
+        before = None
+        if it == 0 and args.eval_every and run.eval_prompts and run.acc.is_main_process:
+            before, images = evaluate(run, args)
+            save_grid(images, run.out / "samples_before.png")
         # 1. rollouts from the old policy, rewards
-        prompts = (world.sample_prompts(args.prompts_per_iter, "train", args.seed * 7919 + it * 97 + acc.process_index) if embedded
-                   else list(np.random.default_rng([args.seed, it, acc.process_index]).choice(train_prompts, args.prompts_per_iter)))
-        emb, pooled = emb_fn(prompts)
-        transformer.set_adapter("old")
-        probe_steps = branch if args.gain_estimator == "denoised" else ()
-        leaves, groups, ancestry, probes = tree_rollout(transformer, emb, pooled, sigmas, args.n_roots, args.n_branch, branch,
-                                                        args.sde_a, gen, shape, args.rollout_batch, probe_steps)
-        transformer.set_adapter("default")
-        t1 = time.perf_counter()
-        leaf_prompts = [prompts[g] for g in groups]
-        R = score(rewards, decode(pipe, leaves), leaf_prompts)
-        probe_R = [(j, score(rewards, decode(pipe, x0h), [prompts[g] for g in gp.numpy()]), gp.numpy()) for j, x0h, gp in probes]
+        b = rollout_and_score(run, args, it, gen, run.branch if args.gain_estimator == "denoised" else ())
         t2 = time.perf_counter()
         # 2. per-reward optimality (global std across processes), Renyi curves, W
-        finite = np.isfinite(R)
-        n_valid = reduce(finite.sum(0))
+        n_valid, mean_R, std = global_stats(b.R, run.reduce)
         if (n_valid == 0).any():
-            save_checkpoint(out, max(it - 1, 0), transformer, opt, {"D_ema": D_ema}) if acc.is_main_process else None
-            bad = [n for n, c in zip(names, n_valid) if c == 0]
-            raise SystemExit(f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; checkpoint saved in {out}. "
-                             "Fix the reward, then continue with --resume " + str(out))
-        Rz = np.where(finite, R, 0.0)
-        std = np.sqrt(np.maximum(reduce((Rz ** 2).sum(0)) / n_valid - (reduce(Rz.sum(0)) / n_valid) ** 2, 0.0))
-        r = optimality(R, groups, std=std)
-        probe_r = [(j, optimality(Rp, gp, std=std), gp) for j, Rp, gp in probe_R]
-        D_now = renyi_grid(args, r, groups, ancestry, probe_r, sigmas.double().numpy(), branch, reduce)
+            if run.acc.is_main_process:
+                save_checkpoint(run.out, max(it - 1, 0), run.transformer, run.opt, {"D_ema": D_ema})
+            bad = [n for n, c in zip(run.names, n_valid) if c == 0]
+            raise SystemExit(f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; checkpoint saved in {run.out}. "
+                             f"Fix the reward, then continue with --resume {run.out}")
+        r = optimality(b.R, b.groups, std=std)
+        probe_r = [(j, optimality(Rp, gp, std=std), gp) for j, Rp, gp in b.probe_R]
+        D_now = renyi_grid(args, r, b.groups, b.ancestry, probe_r, run.sigmas.double().numpy(), run.branch, run.reduce)
         D_ema = D_now if D_ema is None else args.gain_ema * D_ema + (1 - args.gain_ema) * D_now
         gains = np.maximum(np.diff(D_ema, axis=1), 0.0)
-        if args.credit == "recast":
-            W = solve_W(budgets, profiles(gains), args.tau, args.eps)
-        else:
-            W = uniform_W(budgets, T)
-        if args.credit == "nft":  # one combined reward, normalised once: W is irrelevant (K = 1)
-            Rc = combine_raw(R, budgets)
-            fin_c = np.isfinite(Rc)
-            n_c = reduce(fin_c.sum())
-            Rcz = np.where(fin_c, Rc, 0.0)
-            std_c = np.sqrt(max(reduce((Rcz ** 2).sum()) / n_c - (reduce(Rcz.sum()) / n_c) ** 2, 0.0))
-            r_train, W_train = optimality(Rc, groups, std=std_c)[:, None], uniform_W([1.0], T)
-        else:
-            r_train, W_train = r, W
+        W = solve_W(budgets, profiles(gains), args.tau, args.eps) if args.credit == "recast" else uniform_W(budgets, T)
+        r_train, W_train = r, W
+        if args.credit == "nft":  # DiffusionNFT: one combined raw reward, normalised once (K = 1, W irrelevant)
+            Rc = combine_raw(b.R, budgets)[:, None]
+            r_train, W_train = optimality(Rc, b.groups, std=global_stats(Rc, run.reduce)[2]), uniform_W([1.0], T)
         t3 = time.perf_counter()
         # 3. NFT update of "default", then the soft update of "old"
-        losses = nft_update(transformer, opt, leaves, torch.as_tensor(groups), r_train, W_train, emb, pooled, sigmas, args, gen, all_reduce_grads)
-        copy_adapter(transformer, "default", "old", keep=min(0.001 * it, 0.5))
+        losses = nft_update(run.transformer, run.opt, b.leaves, torch.as_tensor(b.groups), r_train, W_train, b.emb, b.pooled,
+                            run.sigmas, args, gen, run.all_reduce_grads)
+        copy_adapter(run.transformer, "default", "old", keep=min(0.001 * it, 0.5))
         t4 = time.perf_counter()
         # 4. log, evaluate, checkpoint
-        mean_R = reduce(Rz.sum(0)) / n_valid
-        metrics = {"iteration": it, **{f"reward/{n}": float(mean_R[k]) for k, n in enumerate(names)},
-                   "reward/weighted": float(wsum @ mean_R),
-                   **{f"reward_nonfinite/{n}": int(reduce(len(R) * 0 + (~finite[:, k]).sum())) for k, n in enumerate(names)},
+        metrics = {"iteration": it, **{f"reward/{n}": float(mean_R[k]) for k, n in enumerate(run.names)},
+                   "reward/weighted": float(np.asarray(budgets) @ mean_R / sum(budgets)),
+                   **{f"reward_nonfinite/{n}": int(run.reduce(len(b.R)) - n_valid[k]) for k, n in enumerate(run.names)},
                    **losses, "recast/W": W.tolist(), "recast/D": D_ema.tolist(), "recast/D_iter": D_now.tolist(),
-                   "recast/gains": gains.tolist(), "recast/sigmas": sigmas.tolist(),
-                   "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/gains_W": t3 - t2, "time/update": t4 - t3}
-        last = it == args.iterations - 1
-        if acc.is_main_process:
-            if it == 0 and args.eval_every and eval_prompts:
-                metrics.update({k.replace("eval/", "eval_before/"): v for k, v in metrics0.items()})
-            if args.eval_every and eval_prompts and ((it + 1) % args.eval_every == 0 or last):
-                metrics_eval, images = evaluate(pipe, eval_prompts, rewards, names, judges, sigmas, shape, emb_fn, args.rollout_batch)
-                metrics.update(metrics_eval)
-                if last:
-                    save_grid(images, out / "samples_after.png")
-            with open(out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            if (it + 1) % args.save_every == 0 or last:
-                save_checkpoint(out, it, transformer, opt, {"D_ema": D_ema})
-        acc.wait_for_everyone()
-    if acc.is_main_process:
-        plot_run(out, names)
-    return out
+                   "recast/gains": gains.tolist(), "recast/sigmas": run.sigmas.tolist(),
+                   "time/rollout": b.t_rollout - t0, "time/reward": t2 - b.t_rollout, "time/gains_W": t3 - t2, "time/update": t4 - t3}
+        finish_iteration(run, args, it, metrics, {"D_ema": D_ema}, before)
+    if run.acc.is_main_process:
+        plot_run(run.out, run.names)
+    return run.out
 
 
 def read_prompts(path):

@@ -46,7 +46,7 @@ def value_direction(x0, rewards, beta=None, eta=1.0):
         z = R / beta
         weights = np.exp(z - z.max()) if isinstance(z, np.ndarray) else (z - z.max()).exp()
         weights = weights / weights.sum()
-    if (R == 0).all():  # ties: no contrast, no direction (and no rounding noise)
+    if (rewards == rewards[0]).all():  # ties: no contrast, no direction (and no rounding noise in the mean)
         return centred[0] * 0
     return (weights.reshape(-1, *[1] * (x0.ndim - 1)) * centred).sum(0)
 

@@ -136,9 +136,8 @@ def test_pairs_estimator_sees_a_coarse_reward_early():
 def test_denoised_moments_reduce_to_renyi_from_h():
     rng = np.random.default_rng(4)
     h = rng.uniform(0.1, 0.9, size=(3, 16, 2))
-    groups = np.zeros(16)
     for alpha in (0.5, 1.0, 2.0):
-        sums, counts = recast.denoised_moments(h, groups, alpha)
+        sums, counts = recast.denoised_moments(h, alpha)
         D = recast.renyi_from_moment(sums / counts, alpha)
         assert np.allclose(D, recast.renyi_from_h(np.moveaxis(h, 1, -1), alpha).T)
 
@@ -780,3 +779,17 @@ def test_geneval_needs_metadata_a_valid_key_and_a_server():
         recast.build_rewards(["geneval"], dict(geneval_key="score"))
     with pytest.raises(RuntimeError, match="no GenEval server"):
         recast.geneval_request("http://127.0.0.1:9", [Image.new("RGB", (8, 8))], [{}], retries=1, timeout=2)
+
+
+# -----------------------------------------------------------------------------
+# The Gaussian-mixture toy: every check of toy_gaussian.py, quick sizes
+# -----------------------------------------------------------------------------
+
+
+def test_toy_gaussian_quick_passes_every_check(tmp_path, capsys):
+    import toy_gaussian
+
+    assert toy_gaussian.main(["--quick", "--out", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "FAIL" not in table and "48/48 passed" in table
+    assert len(list(tmp_path.glob("*.png"))) >= 5

@@ -430,9 +430,10 @@ def check_pairs(quick, out=None):
         x_t2.append(states[1][::2, 0])  # each x_{t_2} state appears once per branch below it
         probes = np.stack([np.full_like(r, 0.5)] + [np.stack([rew(MIX1.posterior_mean(s, t)) for rew in rewards], 1)
                                                     for s, t in zip(states, t_b)] + [r])  # (4, N, K)
-        for key, g in (("tree", groups), ("global", np.zeros_like(groups))):  # Z per tree / over all leaves
-            s_, c_ = recast.denoised_moments(probes, g, 2.0)
-            den[key] = den[key] + s_ / c_ / n_batch
+        s_, c_ = recast.denoised_moments(probes, 2.0)  # Z over all leaves (as shipped)
+        den["global"] = den["global"] + s_ / c_ / n_batch
+        per_tree = [recast.denoised_moments(probes[:, groups == g], 2.0) for g in np.unique(groups)]  # Z per tree
+        den["tree"] = den["tree"] + sum(p[0] for p in per_tree) / sum(p[1] for p in per_tree) / n_batch
     ks = kstest(np.concatenate(x_t2), lambda v: MIX1.cdf(v, t_b[1]))
     means = np.stack(means)  # (B, K, 4)
     est, se = means.mean(0), means.std(0, ddof=1) / np.sqrt(n_batch)
