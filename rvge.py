@@ -1,24 +1,291 @@
 """DiffusionRVGE: regression-based value-gradient estimation, on top of DiffusionNFT.
 
-One self-contained file: the math (centred reward/clean-image cross-covariance
-directions, the Gaussian posterior-variance transfer, target velocities) and the
-SD3 training loop. Derivations: derivations.ipynb; design: DESIGN.md.
+One self-contained file: the math (centred reward / clean-image cross-covariance
+directions, the Gaussian posterior-variance transfer, target velocities; ReCAST's
+gains and W solver for --credit recast) and the SD3 training loop. Derivations:
+derivations.ipynb; design: DESIGN.md. `diff recast.py rvge.py` shows the method.
 
 Notation map (code name -> symbol)
-    x0       (G, ...)   clean latents of one group B (posterior samples of x0 | x_{t_b})
-    R        (G,)       rewards of the group (normalised per reward, DESIGN §2)
-    d_B      (...)      direction at the branch time: E*[x0 | x_{t_b}] - E[x0 | x_{t_b}]
-    beta               trajectory-KL weight (None: first order, step size eta = 1 / beta)
+    lam      (K,)      reward budgets lambda_k, not normalised; Lam = sum_k lambda_k
+    sigmas   (T+1,)    sampler grid s_0 = 1 > s_1 > ... > s_T = 0 (t = 1 is pure noise)
+    A        (N, K)    normalised rewards: clipped advantages (R - group mean) / global std
+    x0       (G, ...)  clean latents of one regression group B (posterior samples of x0 | x_{t_b})
+    d_B      (...)     direction at the branch time: E*[x0 | x_{t_b}] - E[x0 | x_{t_b}]
+    beta               trajectory-KL weight (None: first order with step size eta, = 1 / beta)
     s2                 per-dimension variance of the clean latents (population model)
     kappa(t)           Cov(x0 | x_t) / I = s2 t^2 / (t^2 + (1 - t)^2 s2)
-    t_b                branch time of the group (1 for broad groups)
-    v_target           v_old(x_t) - d(t) / t
+    t_b                branch time of a group (1 for broad groups)
+    v_target (N, ...)  v_old(x_t) - sum_k w_kj d_k(t) / t, d_k(t) = kappa(t) / kappa(t_b) d_B,k
+    W        (K, T)    reward-by-step weights (budgets: lambda / T; --credit recast: ReCAST's W)
 
-Conventions: x_t = (1 - t) x0 + t eps, t = 1 is noise; dv = -dx0_hat / t.
+Conventions: x_t = (1 - t) x0 + t eps; dv = -dx0_hat / t; all losses are means over latent
+dimensions, then over the batch; numpy math is float64.
 """
 from __future__ import annotations
 
+import functools
+import io
+import json
+import math
+import os
+import pickle
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from types import SimpleNamespace
+
 import numpy as np
+from tqdm import tqdm
+
+# =============================================================================
+# Math: budgets and optimality probabilities (DESIGN §2)
+# =============================================================================
+
+
+def parse_budgets(text: str) -> list[float]:
+    """Parse a budget vector such as "0.4,0.3,0.2,0.1" -> [0.4, 0.3, 0.2, 0.1].
+
+    Budgets are NOT normalised: W's row sums equal them exactly as given. The
+    loss divides by their sum (the mixture weights T W_kj / Lam sum to one per
+    step), so scaling all budgets by a constant changes nothing in training.
+    Raises ValueError naming the problem: empty, not a number, NaN/inf,
+    negative, or all zero.
+    """
+    fix = 'give comma-separated non-negative numbers, one per reward, e.g. --budgets 0.4,0.3,0.2,0.1'
+    if text is None or not str(text).strip():
+        raise ValueError(f"budgets are empty: {fix}")
+    out = []
+    for i, part in enumerate(str(text).split(",")):
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"budget {i + 1} ({part.strip()!r}) is not a number: {fix}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"budget {i + 1} is {value}: budgets must be finite; {fix}")
+        if value < 0:
+            raise ValueError(f"budget {i + 1} is negative ({value}): {fix}")
+        out.append(value)
+    if sum(out) <= 0:
+        raise ValueError(f"all budgets are zero: at least one reward needs a positive budget; {fix}")
+    return out
+
+
+def optimality(rewards, groups, std=None, clip=5.0, eps=1e-4):
+    """DiffusionNFT's reward -> optimality probability, per reward column.
+
+    A = (R - mean_group R) / (std_global R + eps), A = clip(A, -clip, clip),
+    r = 0.5 + 0.5 A / clip, so r in [0, 1].
+    rewards (N,) or (N, K); groups (N,) prompt-group ids; std: the global std
+    per reward if already reduced across processes (else computed here).
+    Non-finite rewards are left out of the group means and the std and get
+    r = 0.5 (no preference). A group whose rewards all tie gets r = 0.5.
+    Returns r with the shape of rewards.
+    """
+    R = np.asarray(rewards, dtype=np.float64)
+    squeeze = R.ndim == 1
+    R = R[:, None] if squeeze else R
+    groups = np.asarray(groups)
+    valid = np.isfinite(R)
+    if std is None:
+        std = np.array([R[valid[:, k], k].std() if valid[:, k].any() else 0.0 for k in range(R.shape[1])])
+    A = np.zeros_like(R)
+    for g in np.unique(groups):
+        rows = groups == g
+        Rg, vg = R[rows], valid[rows]
+        n = vg.sum(0)
+        mean = np.where(vg, Rg, 0.0).sum(0) / np.maximum(n, 1)
+        A[rows] = np.where(vg, (np.where(vg, Rg, 0.0) - mean) / (np.asarray(std) + eps), 0.0)
+    r = 0.5 + 0.5 * np.clip(A, -clip, clip) / clip
+    return r[:, 0] if squeeze else r
+
+
+# =============================================================================
+# Math: ReCAST's Renyi gains, for --credit recast (DESIGN §3.2-3.3, pairs estimator only)
+# =============================================================================
+
+
+def split_levels(ancestry):
+    """Level at which two leaves' trajectories split, from their ancestry codes.
+
+    ancestry (N, L+1) ints: column 0 the root id, column l the branch index taken
+    at branch time l (l = 1..L). Returns S (N, N): the number of leading columns
+    two leaves share. S = 0: different roots (independent, t = 1); S = l: split at
+    branch time l; S = L+1: the same leaf (t = 0)."""
+    A = np.asarray(ancestry)
+    same = A[:, None, :] == A[None, :, :]  # (N, N, L+1)
+    return np.cumprod(same, axis=-1).sum(-1)
+
+
+def pair_moments(r, groups, ancestry):
+    """Sufficient statistics of the `pairs` estimator (alpha = 2), summable across processes.
+
+    For leaves a, b of one prompt group whose trajectories split at level l,
+    E[r_a r_b] = E[h_{t_l}^2] (they are independent given x_{t_l}); different
+    roots give Z^2 (level 0), a leaf with itself gives E[r^2] (t = 0).
+    r (N, K); groups (N,); ancestry (N, L+1).
+    Returns (sums (K, L+2), counts (L+2,)): sum of r_a r_b and number of ordered
+    pairs a != b (a == b for the last level) per level, within groups only."""
+    r = np.asarray(r, dtype=np.float64)
+    r = r[:, None] if r.ndim == 1 else r
+    S = split_levels(ancestry)
+    n_levels = np.asarray(ancestry).shape[1] + 1
+    same_group = np.asarray(groups)[:, None] == np.asarray(groups)[None, :]
+    prods = np.einsum("ak,bk->kab", r, r)  # (K, N, N)
+    sums = np.zeros((r.shape[1], n_levels))
+    counts = np.zeros(n_levels)
+    for level in range(n_levels):
+        mask = same_group & (S == level)
+        sums[:, level] = (prods * mask).sum((1, 2))
+        counts[level] = mask.sum()
+    return sums, counts
+
+
+def pairs_curve(sums, counts):
+    """D_2 at every level from pair statistics: D(t_l) = log(mean_l r_a r_b / mean_0 r_a r_b).
+    Level 0 (different roots) is t = 1, so D = 0 there by construction. Levels with
+    no pairs are NaN (dropped by `gains_on_grid`). Returns (K, L+2)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = sums / counts
+        return np.log(np.maximum(means, 1e-300) / np.maximum(means[:, :1], 1e-300))
+
+
+def monotone_curve(t_levels, D_levels, weights=None):
+    """Project level estimates onto curves that are 0 at t = 1 and non-increasing in t.
+
+    Isotonic (least-squares, weighted) regression of D on decreasing t, then
+    clipped at 0 (D >= 0 for alpha > 0). NaN levels are dropped; t = 1 and t = 0
+    must be among the levels. Returns (t ascending (M,), D (M,))."""
+    t = np.asarray(t_levels, dtype=np.float64)
+    D = np.asarray(D_levels, dtype=np.float64)
+    w = np.ones_like(t) if weights is None else np.asarray(weights, dtype=np.float64)
+    keep = np.isfinite(D) & (w > 0)
+    t, D, w = t[keep], D[keep], w[keep]
+    if not (np.isclose(t, 0).any() and np.isclose(t, 1).any()):
+        raise ValueError("Renyi levels must include t = 0 (final rewards) and t = 1 (independent roots)")
+    order = np.argsort(-t, kind="stable")  # from t = 1 down to t = 0: D non-decreasing along this
+    from scipy.optimize import isotonic_regression
+
+    fit = np.maximum(isotonic_regression(D[order], weights=w[order], increasing=True).x, 0.0)
+    t_sorted = t[order]
+    fit[t_sorted == 1.0] = 0.0
+    t_u, first = np.unique(t_sorted[::-1], return_index=True)  # ascending t, duplicates merged
+    return t_u, fit[::-1][first]
+
+
+def gains_on_grid(t_levels, D_levels, sigmas, weights=None):
+    """Renyi curves on the sampler grid and their per-step gains (DESIGN §3.3).
+
+    t_levels (L,); D_levels (K, L) raw estimates; sigmas (T+1,) from 1 down to 0.
+    Monotone projection, then monotone (PCHIP) interpolation to the grid, then
+    g_kj = D_k(s_j) - D_k(s_{j-1}). PCHIP reproduces the end points, so each row
+    of gains sums to D_k(0) (telescoping, derivations.ipynb §6).
+    Returns (D_grid (K, T+1), gains (K, T))."""
+    from scipy.interpolate import PchipInterpolator
+
+    D_levels = np.atleast_2d(np.asarray(D_levels, dtype=np.float64))
+    sigmas = np.asarray(sigmas, dtype=np.float64)
+    D_grid = np.zeros((D_levels.shape[0], len(sigmas)))
+    for k, row in enumerate(D_levels):
+        t_u, D_u = monotone_curve(t_levels, row, weights)
+        D_grid[k] = PchipInterpolator(t_u, D_u)(np.clip(sigmas, 0.0, 1.0))
+    D_grid = np.maximum(D_grid, 0.0)  # PCHIP is monotone on monotone data: this only removes rounding
+    return D_grid, np.maximum(np.diff(D_grid, axis=1), 0.0)
+
+
+def profiles(gains):
+    """P_kj = g_kj / sum_j g_kj, uniform 1/T for a reward whose total gain is 0. (K, T) -> (K, T)."""
+    gains = np.asarray(gains, dtype=np.float64)
+    total = gains.sum(1, keepdims=True)
+    return np.where(total > 0, gains / np.where(total > 0, total, 1.0), 1.0 / gains.shape[1])
+
+
+# =============================================================================
+# Math: the W solver (DESIGN §3.4)
+# =============================================================================
+
+
+def solve_W(budgets, profile, tau=1.0, eps=1e-3, tol=1e-12, max_iter=20000):
+    """Credit matrix W (K, T): the KL (I-)projection of K_kj = lambda_k P~_kj^tau onto
+    {row sums = lambda, column sums = Lam / T}, with P~ = (1 - eps) P + eps / T.
+
+    The solution has the form W = diag(a) K diag(b) and is found by Sinkhorn
+    iterations in the log domain (derivations.ipynb §8). Rewards with budget 0
+    get a zero row. eps > 0 keeps K positive so a unique solution exists; eps = 0
+    is allowed when the profile is strictly positive. tau = 0 gives the uniform
+    W_kj = lambda_k / T; identical profiles give it too.
+    """
+    lam = np.asarray(budgets, dtype=np.float64)
+    P = np.asarray(profile, dtype=np.float64)
+    if P.ndim != 2 or P.shape[0] != lam.shape[0]:
+        raise ValueError(f"profile must have shape (K, T) with K = {lam.shape[0]} budgets, got {P.shape}")
+    if (lam < 0).any() or not np.isfinite(lam).all() or lam.sum() <= 0:
+        raise ValueError(f"budgets must be finite, non-negative and not all zero, got {lam}")
+    if (P < 0).any() or not np.isfinite(P).all():
+        raise ValueError("profile must be finite and non-negative")
+    if not 0 <= eps <= 1 or tau < 0:
+        raise ValueError(f"need 0 <= eps <= 1 and tau >= 0, got eps={eps}, tau={tau}")
+    T = P.shape[1]
+    P_tilde = (1 - eps) * P + eps / T
+    active = lam > 0
+    if (P_tilde[active] <= 0).any() and tau > 0:
+        raise ValueError("profile has zeros: use eps > 0 so that a solution with these marginals exists")
+    logK = np.log(lam[active])[:, None] + tau * np.log(np.where(P_tilde[active] > 0, P_tilde[active], 1.0))
+    log_row, log_col = np.log(lam[active]), np.full(T, np.log(lam.sum() / T))
+    f, g = np.zeros(active.sum()), np.zeros(T)
+    from scipy.special import logsumexp
+
+    for _ in range(max_iter):
+        f = log_row - logsumexp(logK + g[None, :], axis=1)
+        g = log_col - logsumexp(logK + f[:, None], axis=0)
+        Wa = np.exp(logK + f[:, None] + g[None, :])
+        if np.abs(Wa.sum(1) - lam[active]).max() < tol * lam.sum():
+            break
+    W = np.zeros((lam.shape[0], T))
+    W[active] = Wa
+    return W
+
+
+def uniform_W(budgets, T):
+    """W_kj = lambda_k / T: DiffusionNFT with per-reward normalisation (--credit uniform)."""
+    return np.repeat(np.asarray(budgets, dtype=np.float64)[:, None] / T, T, axis=1)
+
+
+# =============================================================================
+# Math: the sampler steps (DESIGN §1)
+# =============================================================================
+
+
+def sde_step(x, v, s, s_next, a, s_first, noise):
+    """One FlowGRPO-form SDE step from sigma s to s_next < s (DESIGN §1).
+
+    g = a sqrt(s / (1 - s)) (at s = 1 the denominator uses s_first = s_1),
+    mean = x (1 + g^2 dt / (2 s)) + v (1 + g^2 (1 - s) / (2 s)) dt,  dt = s_next - s < 0,
+    x' = mean + g sqrt(-dt) noise.
+    Euler-Maruyama for the reverse SDE with drift v - (g^2 / 2) score, so it keeps
+    the model's marginals as steps shrink (derivations.ipynb §2; toy_gaussian.py).
+    Works on floats, numpy arrays or tensors."""
+    dt = s_next - s
+    g = a * math.sqrt(s / (1 - (s_first if s >= 1 else s)))
+    mean = x * (1 + g * g * dt / (2 * s)) + v * (1 + g * g * (1 - s) / (2 * s)) * dt
+    return mean + g * math.sqrt(-dt) * noise
+
+
+def ode_step(x, v, s, s_next):
+    """Euler step of dx/dt = v from sigma s to s_next."""
+    return x + (s_next - s) * v
+
+
+def shifted_sigmas(T, shift=3.0):
+    """Grid 1 = s_0 > ... > s_T = 0 with SD3's time shift s -> shift s / (1 + (shift - 1) s) on a
+    uniform grid. The training loop uses the scheduler's own sigmas; this is for the toy and tests."""
+    u = np.linspace(1.0, 0.0, T + 1)
+    return shift * u / (1 + (shift - 1) * u)
+
 
 # =============================================================================
 # Math: value directions and their transfer across t (DESIGN §4)
@@ -78,3 +345,1066 @@ def target_velocity(v_old, d_B, t, t_b, s2, cap=4.0):
     v_old (N, ...); d_B (N, ...) (each query's group direction); t (N,) tensor or array."""
     shape = (-1, *[1] * (v_old.ndim - 1))
     return v_old - transfer_ratio(t, t_b, s2, cap).reshape(shape) * d_B / t.reshape(shape)
+
+
+def regression_groups(groups, ancestry, local):
+    """Ids (N,) of the groups the directions regress over (DESIGN §4.4). Broad: the prompt group
+    (independent roots, t_b = 1). Local: the leaves that share their state at the last branch step
+    (near-copies, t_b = sigma at that step). ancestry (N, L+1) as in `split_levels`."""
+    if not local:
+        return np.asarray(groups)
+    return np.unique(np.asarray(ancestry)[:, :-1], axis=0, return_inverse=True)[1].reshape(-1)
+
+
+def tie_counts(A, ids):
+    """(groups whose rewards all tie, groups) per reward column; A (N, K). The tie share decides
+    --bandwidth auto: discrete rewards tie among near-copies and give no contrast there."""
+    tied = np.array([[np.ptp(A[ids == g, k]) == 0 for k in range(A.shape[1])] for g in np.unique(ids)])
+    return tied.sum(0), np.full(A.shape[1], float(len(tied)))
+
+
+def group_directions(x0, A, ids, beta=None, eta=1.0):
+    """Every leaf's direction: `value_direction` of its regression group. x0 (N, ...) tensor,
+    A (N,) tensor, ids (N,) numpy. Returns (N, ...)."""
+    d = x0.new_zeros(x0.shape)
+    for g in np.unique(ids):
+        rows = np.flatnonzero(ids == g)
+        d[rows] = value_direction(x0[rows], A[rows], beta, eta)
+    return d
+
+
+def split_half_cosine(x0, A, ids, beta=None):
+    """Noise gauge: mean over groups of the cosine between the directions of the two halves of
+    each group (alternate members); groups under 4 members or with a zero half are skipped (NaN if all)."""
+    cosines = []
+    for g in np.unique(ids):
+        rows = np.flatnonzero(ids == g)
+        if len(rows) < 4:
+            continue
+        d1, d2 = (value_direction(x0[rows[h::2]], A[rows[h::2]], beta) for h in (0, 1))
+        norm = float((d1 * d1).sum() * (d2 * d2).sum()) ** 0.5
+        if norm > 0:
+            cosines.append(float((d1 * d2).sum()) / norm)
+    return float(np.mean(cosines)) if cosines else float("nan")
+
+
+def rvge_loss(v_theta, v_target, v_old, x_t, x0, t, weight):
+    """Per-sample regression loss in x0 coordinates with NFT's adaptive weight at the old policy:
+    q(t) mean((t (v_theta - sg(v_target)))^2) / sg(mean|x_t - t v_old - x0|), mean over latent dims.
+    t (v_theta - v_target) is the x0_hat difference (x0_hat = x_t - t v). Returns (N,)."""
+    t = t.reshape(-1, *([1] * (x_t.dim() - 1)))
+    dims = tuple(range(1, x_t.dim()))
+    scale = (x_t - t * v_old - x0).abs().mean(dims).clamp_min(1e-5).detach()
+    return weight * ((t * (v_theta - v_target.detach())) ** 2).mean(dims) / scale
+
+
+# =============================================================================
+# Args
+# =============================================================================
+
+EMBEDDED_MODEL = "assets/shapes-sd3"
+LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
+
+
+@dataclass
+class Args:
+    model: str = field(default=EMBEDDED_MODEL, metadata={"help": "diffusers folder or hub id (e.g. stabilityai/stable-diffusion-3.5-medium); default: the embedded tiny shapes model"})
+    rewards: str = field(default="", metadata={"help": "comma-separated reward names, in budget order (default for the embedded model: its four default rewards)"})
+    budgets: str = field(default="0.4,0.3,0.2,0.1", metadata={"help": "reward budgets lambda_k, one per reward (W's row sums)"})
+    credit: str = field(default="budgets", metadata={"help": "budgets: reward k's direction weighted lambda_k / Lam at every step; recast: T W_kj / Lam with ReCAST's W (Renyi gains from the pairs estimator)", "choices": ["budgets", "recast"]})
+    bandwidth: str = field(default="auto", metadata={"help": "local (regress among leaves that split at the last branch step), broad (the whole prompt group, t_b = 1) or auto (broad when most local groups tie); one value or one per reward"})
+    tie_threshold: float = field(default=0.5, metadata={"help": "auto picks broad for a reward when the share of tied local groups exceeds this"})
+    eta: float = field(default=0.2, metadata={"help": "first-order step size: d = eta Cov(x0, A) (0.2 matches DiffusionNFT's implied step at b = 1)"})
+    kl_beta: float = field(default=None, metadata={"help": "trajectory-KL weight beta > 0: softmax(A / beta) tilt instead of the first-order direction"})
+    transfer_cap: float = field(default=4.0, metadata={"help": "cap on kappa(t) / kappa(t_b) in the direction transfer"})
+    tau: float = field(default=1.0, metadata={"help": "temperature of the profile in W's kernel lambda_k P~^tau (0: uniform W)"})
+    eps: float = field(default=1e-3, metadata={"help": "profile smoothing P~ = (1 - eps) P + eps / T (> 0 keeps W unique)"})
+    gain_ema: float = field(default=0.9, metadata={"help": "EMA decay of the D curves across iterations"})
+    iterations: int = field(default=40, metadata={"help": "training iterations (rollout + update)"})
+    prompts_per_iter: int = field(default=8, metadata={"help": "prompt groups per iteration and process"})
+    n_roots: int = field(default=4, metadata={"help": "independent noises per prompt (tree roots)"})
+    n_branch: int = field(default=2, metadata={"help": "copies made of every state at each branch step"})
+    branch_steps: str = field(default="7", metadata={"help": "sampler steps j (0 < j < T - 1) at which states branch; group size = n_roots * n_branch^len"})
+    steps: int = field(default=10, metadata={"help": "sampler steps T (= columns of W = training timesteps)"})
+    sde_a: float = field(default=0.7, metadata={"help": "SDE noise level a after the first branch (g = a sqrt(s / (1 - s)))"})
+    resolution: int = field(default=0, metadata={"help": "image size in pixels (0: the model's default, 512 for SD3.5-M)"})
+    max_sequence_length: int = field(default=0, metadata={"help": "T5 tokens (0: the model's default)"})
+    base_reg: float = field(default=1e-4, metadata={"help": "weight of the velocity MSE to the frozen base model"})
+    train_steps_per_leaf: int = field(default=4, metadata={"help": "training timesteps drawn (without replacement) from the T grid steps per leaf and iteration"})
+    train_batch: int = field(default=32, metadata={"help": "micro-batch of (leaf, timestep) samples per optimizer step"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    rollout_batch: int = field(default=64, metadata={"help": "chunk size for transformer calls during rollouts"})
+    lr: float = field(default=3e-4, metadata={"help": "AdamW learning rate"})
+    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay"})
+    grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clip"})
+    lora_rank: int = field(default=32, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha"})
+    eval_every: int = field(default=20, metadata={"help": "evaluate every N iterations (and at start and end); 0: never"})
+    eval_prompts: str = field(default="", metadata={"help": "file with evaluation prompts, one per line (embedded model: its held-out prompts)"})
+    train_prompts: str = field(default="", metadata={"help": "file with training prompts, one per line (embedded model: its train split)"})
+    save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
+    out: str = field(default="", metadata={"help": "run folder (default runs/<name>)"})
+    name: str = field(default="", metadata={"help": "run name (default rvge-<credit>-<seed>)"})
+    seed: int = field(default=0, metadata={"help": "seed for prompts, noise and LoRA init"})
+    resume: str = field(default="", metadata={"help": "run folder to resume from its last checkpoint (uses its config.json)"})
+    device: str = field(default="", metadata={"help": "cpu or cuda (default: cuda if available)"})
+    dtype: str = field(default="", metadata={"help": "frozen weights' dtype: float32, bfloat16, float16 (default: bfloat16 on cuda, float32 on cpu)"})
+    dry_run: bool = field(default=False, metadata={"help": "build SD3.5-Medium's transformer on the meta device, attach the LoRA, print trainable parameters and a memory plan, exit"})
+    pickscore_model: str = field(default="yuvalkirstain/PickScore_v1", metadata={"help": "PickScore weights"})
+    pickscore_processor: str = field(default="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", metadata={"help": "PickScore processor"})
+    clip_model: str = field(default="openai/clip-vit-large-patch14", metadata={"help": "CLIP for clipscore and the aesthetic predictor"})
+    aesthetic_mlp: str = field(default="", metadata={"help": "aesthetic MLP weights file (LAION improved aesthetic predictor)"})
+    geneval_url: str = field(default="http://127.0.0.1:18085", metadata={"help": "GenEval reward server address (FlowGRPO's reward-server protocol)"})
+    geneval_metadata: str = field(default="", metadata={"help": "JSONL of GenEval metadata per prompt (FlowGRPO's dataset/geneval format)"})
+    geneval_key: str = field(default="scores", metadata={"help": "GenEval reply field used as the reward: scores (partial credit), strict_rewards (0/1)"})
+
+
+def make_parser(suppress=False):
+    """argparse from Args; every field's help string is its --help line. With suppress=True
+    only the flags actually given appear in the result (used by --resume)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS if suppress else None)
+    for f in fields(Args):
+        flag = "--" + f.name.replace("_", "-")
+        extra = {} if suppress else {"default": f.default}
+        if f.type in (bool, "bool"):
+            parser.add_argument(flag, action="store_true", help=f.metadata["help"], **extra)
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            parser.add_argument(flag, type=kind, help=f.metadata["help"], choices=f.metadata.get("choices"), **extra)
+    return parser
+
+
+def parse_args(argv=None) -> Args:
+    args = Args(**vars(make_parser().parse_args(argv)))
+    if args.resume:
+        config = Path(args.resume) / "config.json"
+        if not config.exists():
+            raise SystemExit(f"--resume {args.resume}: no config.json there; give the run folder of an earlier run")
+        saved = json.loads(config.read_text())["args"]
+        saved.update(vars(make_parser(suppress=True).parse_args(argv)))  # flags given now win (e.g. --iterations)
+        args = Args(**saved)
+        args.out = args.out or args.resume
+    return args
+
+
+def seed_everything(seed):
+    """Seeds Python's `random`, numpy's global RNG and torch's CPU and CUDA default generators.
+    The loop itself draws every random number from per-iteration generators seeded by
+    (seed, iteration), so a resumed run repeats the iterations an uninterrupted one would."""
+    import random
+
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def iteration_generator(seed, iteration, device="cpu"):
+    import torch
+
+    return torch.Generator(device).manual_seed(seed * 1_000_003 + iteration)
+
+
+def validate(args: Args, extra_rewards=None):
+    """Every check on the user's input that can fail before any model is loaded.
+    Returns (reward names, budgets, branch steps). Raises SystemExit with the problem and the fix."""
+    import torch
+
+    try:
+        budgets = parse_budgets(args.budgets)
+    except ValueError as err:
+        raise SystemExit(f"--budgets: {err}") from None
+    names = [n.strip() for n in args.rewards.split(",") if n.strip()]
+    if not names:
+        if not is_embedded(args.model):
+            raise SystemExit("--rewards is required for this model, e.g. --rewards pickscore,clipscore,aesthetic,ocr")
+        import shapes_world
+
+        names = list(shapes_world.DEFAULT_REWARDS)
+    known = set(REWARD_MODELS) | set(reward_extras(args.model, extra_rewards))
+    unknown = [n for n in names if n not in known]
+    if unknown or len(set(names)) != len(names):
+        raise SystemExit(f"unknown or repeated reward(s) in {names}; known rewards: {sorted(known)}. Fix --rewards.")
+    if len(budgets) != len(names):
+        raise SystemExit(f"{len(budgets)} budgets for {len(names)} rewards ({','.join(names)}): give one budget per reward with --budgets")
+    try:
+        branch = sorted({int(b) for b in args.branch_steps.split(",") if b.strip()})
+    except ValueError:
+        raise SystemExit(f"--branch-steps {args.branch_steps!r}: give step indices such as 3,6") from None
+    if any(not 0 < b < args.steps - 1 for b in branch):
+        raise SystemExit(f"--branch-steps must lie strictly between 0 and T - 1 = {args.steps - 1}, got {branch}")
+    bandwidths = parse_bandwidths(args.bandwidth, len(names))
+    if len(bandwidths) != len(names) or any(b not in ("local", "broad", "auto") for b in bandwidths):
+        raise SystemExit(f"--bandwidth {args.bandwidth!r}: give local, broad or auto, once or once per reward ({len(names)})")
+    if args.kl_beta is not None and not args.kl_beta > 0:
+        raise SystemExit(f"--kl-beta must be > 0, got {args.kl_beta}; leave it unset for the first-order direction")
+    if not branch and any(b != "broad" for b in bandwidths):
+        raise SystemExit("local (and auto) bandwidths need at least one --branch-steps entry; or use --bandwidth broad")
+    if args.credit == "recast" and (args.n_roots < 2 or not branch):
+        raise SystemExit("--credit recast estimates gains from branched pairs: it needs --n-roots >= 2 and a --branch-steps entry")
+    model_path = Path(args.model)
+    if not args.dry_run:
+        if not model_path.exists():
+            if args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:
+                raise SystemExit(f"--model {args.model}: no such folder. Give a diffusers folder or a hub id such as stabilityai/stable-diffusion-3.5-medium")
+            if not torch.cuda.is_available() and args.device != "cpu":
+                raise SystemExit(f"--model {args.model} (SD3.5-Medium scale) needs a CUDA GPU and none is visible. On a CPU, train the embedded model: omit --model")
+        elif not (model_path / "model_index.json").exists():
+            raise SystemExit(f"--model {args.model}: not a diffusers pipeline folder (no model_index.json)")
+    out = Path(args.out or f"runs/{args.name or default_name(args)}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise SystemExit(f"cannot write to the run folder {out} ({err.strerror}): choose another with --out") from None
+    return names, budgets, branch
+
+
+def parse_bandwidths(text, K):
+    """--bandwidth: one of local / broad / auto for every reward, or one per reward."""
+    values = [b.strip() for b in text.split(",")]
+    return values * K if len(values) == 1 else values
+
+
+def default_name(args):
+    return f"rvge-{args.credit}-{args.seed}"
+
+
+def is_embedded(model):
+    return Path(model).resolve() == (Path(__file__).parent / EMBEDDED_MODEL).resolve()
+
+
+# =============================================================================
+# Model loading
+# =============================================================================
+
+
+def load_pipeline(args, device, dtype):
+    """StableDiffusion3Pipeline (the real SD3.5-M or the embedded tiny one, same classes) with
+    frozen VAE and text encoders, and two LoRA adapters on the transformer: "default" (trained)
+    and "old" (sampling policy, a copy). Disabling adapters gives the frozen base."""
+    import torch
+    from diffusers import StableDiffusion3Pipeline
+    from peft import LoraConfig
+
+    local = Path(args.model).exists()
+    pipe = StableDiffusion3Pipeline.from_pretrained(args.model, torch_dtype=dtype, local_files_only=local)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.to(device)
+    for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.transformer):
+        if module is not None:
+            module.requires_grad_(False)
+            module.eval()
+    transformer = pipe.transformer
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian", target_modules=LORA_TARGETS)
+    torch.manual_seed(args.seed)
+    transformer.add_adapter(config, adapter_name="default")
+    transformer.add_adapter(config, adapter_name="old")
+    copy_adapter(transformer, "default", "old")
+    for p in lora_params(transformer, "default") + lora_params(transformer, "old"):
+        p.data = p.data.float()  # LoRA weights and their optimizer state in float32
+    transformer.set_adapter("default")
+    return pipe
+
+
+def lora_params(transformer, adapter):
+    return [p for n, p in transformer.named_parameters() if f".{adapter}." in n]
+
+
+def copy_adapter(transformer, src, dst, keep=0.0):
+    """dst <- keep * dst + (1 - keep) * src, parameter by parameter (DiffusionNFT's soft update)."""
+    import torch
+
+    with torch.no_grad():
+        for p_src, p_dst in zip(lora_params(transformer, src), lora_params(transformer, dst)):
+            p_dst.mul_(keep).add_(p_src.to(p_dst.dtype), alpha=1 - keep)
+
+
+def dry_run(args, device):
+    """SD3.5-Medium readiness without weights: its transformer (shipped config) on the meta device,
+    the LoRA attached, trainable parameters and a memory plan for one micro-batch."""
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers import SD3Transformer2DModel
+    from peft import LoraConfig
+
+    config = json.loads((Path(__file__).parent / "assets/sd3.5-medium-transformer.json").read_text())
+    with init_empty_weights():
+        transformer = SD3Transformer2DModel.from_config(config)
+        lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=LORA_TARGETS)
+        transformer.add_adapter(lora, adapter_name="default")
+        transformer.add_adapter(lora, adapter_name="old")
+    total = sum(p.numel() for p in transformer.parameters())
+    trainable = sum(p.numel() for p in lora_params(transformer, "default"))
+    targets = sum(1 for n, _ in transformer.named_modules() if n.endswith(".lora_A.default"))
+    res = args.resolution or 512
+    tokens = (res // 8 // config["patch_size"]) ** 2 + 77 + (args.max_sequence_length or 256)
+    gib = 2**30
+    plan = {
+        "frozen weights (bf16)": 2 * (total - 2 * trainable) / gib,
+        "two LoRA adapters (fp32)": 4 * 2 * trainable / gib,
+        "AdamW state + grads (fp32)": 3 * 4 * trainable / gib,
+        # rough activation size kept for backward: per block ~ 12 tensors of (tokens, hidden) in bf16
+        f"activations, micro-batch {args.train_batch} (estimate)": args.train_batch * config["num_layers"] * 12 * tokens
+        * config["num_attention_heads"] * config["attention_head_dim"] * 2 / gib,
+    }
+    print(f"SD3.5-Medium transformer: {total / 1e6:.1f}M parameters, LoRA on {targets} linear layers "
+          f"(r={args.lora_rank}, alpha={args.lora_alpha}): {trainable / 1e6:.2f}M trainable")
+    for key, value in plan.items():
+        print(f"  {key:<45} {value:8.2f} GiB")
+    print(f"  {'total (transformer training, excl. VAE/text encoders)':<45} {sum(plan.values()):8.2f} GiB")
+    return {"total_params": total, "trainable_params": trainable, "lora_layers": targets, "memory_gib": plan}
+
+
+# =============================================================================
+# Rewards
+# =============================================================================
+# Every reward is a callable (images: list[PIL.Image], prompts: list[str]) -> np.ndarray
+# float64 of shape (N,). NaN means "this reward does not apply to this image" (optimality()
+# then gives r = 0.5). The embedded model's rewards are programs in shapes_world.REWARDS; the
+# real reward models below load lazily, once per process per (path, device, dtype).
+# opts (Args, a namespace or a dict; a missing, None or "" field takes DEFAULTS): device, dtype,
+# local_files_only, pickscore_model, pickscore_processor, clip_model, aesthetic_clip,
+# aesthetic_mlp, geneval_url, geneval_metadata, geneval_key.
+
+REWARD_BATCH = 32  # images per forward pass of a reward model
+DEFAULTS = dict(
+    device="cpu", dtype="float32", local_files_only=False,
+    pickscore_model="yuvalkirstain/PickScore_v1",
+    pickscore_processor="laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+    clip_model="openai/clip-vit-large-patch14",
+    aesthetic_clip=None, aesthetic_mlp=None,
+    geneval_url="http://127.0.0.1:18085", geneval_metadata=None, geneval_key="scores",
+)
+
+
+def _opt(opts, name):
+    """opts.name (or opts[name]), falling back to DEFAULTS[name] when missing, None or ""."""
+    value = opts.get(name) if isinstance(opts, dict) else getattr(opts, name, None)
+    return DEFAULTS[name] if value is None or value == "" else value
+
+
+@functools.lru_cache(maxsize=None)
+def load_clip(model_path, processor_path, device, dtype, local_files_only):
+    """A CLIP-family model (eval, frozen, on device in dtype) and its processor, cached per process."""
+    import torch
+    from transformers import AutoModel, AutoProcessor
+
+    model = AutoModel.from_pretrained(model_path, local_files_only=local_files_only)
+    model = model.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
+    processor = AutoProcessor.from_pretrained(processor_path, local_files_only=local_files_only)
+    return model, processor
+
+
+def _clip_from_opts(opts, model, processor):
+    dtype = str(_opt(opts, "dtype")).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
+    return load_clip(model, processor, str(_opt(opts, "device")), dtype, bool(_opt(opts, "local_files_only")))
+
+
+def _features(out):
+    """transformers 5 get_*_features returns a ModelOutput whose pooler_output is the projected
+    embedding; transformers 4 returned the tensor itself."""
+    return getattr(out, "pooler_output", out)
+
+
+def clip_embeddings(model, processor, images, prompts=None):
+    """L2-normalised CLIP embeddings in float32: image (N, D) and, given prompts, text (N, D).
+    Texts are truncated to CLIP's 77 tokens."""
+    import torch
+
+    param = next(model.parameters())
+    with torch.no_grad():
+        pix = processor(images=[im.convert("RGB") for im in images], return_tensors="pt")["pixel_values"]
+        img = _features(model.get_image_features(pixel_values=pix.to(param.device, param.dtype))).float()
+        img = img / img.norm(dim=-1, keepdim=True)
+        if prompts is None:
+            return img, None
+        tok = processor(text=list(prompts), padding=True, truncation=True, max_length=77, return_tensors="pt")
+        txt = _features(model.get_text_features(**{k: v.to(param.device) for k, v in tok.items()})).float()
+        return img, txt / txt.norm(dim=-1, keepdim=True)
+
+
+def _batched(score_chunk, images, prompts, batch=REWARD_BATCH):
+    """Apply score_chunk(images, prompts) -> (n,) to chunks of `batch` images; float64 (N,)."""
+    if len(images) != len(prompts):
+        raise ValueError(f"{len(images)} images but {len(prompts)} prompts: one prompt per image")
+    out = [np.asarray(score_chunk(images[i:i + batch], prompts[i:i + batch]), dtype=np.float64)
+           for i in range(0, len(images), batch)]
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def pickscore_reward(opts):
+    """PickScore (Kirstain et al. 2023), scaled as FlowGRPO and DiffusionNFT do (pickscore_scorer.py):
+    R = exp(logit_scale) * cos(e_img, e_txt) / 26, CLIP-H embeddings. exp(logit_scale) is ~100, so the
+    usual raw PickScore of ~20-23 for SD3.5-M samples becomes R ~ 0.77-0.88; |R| <= exp(logit_scale) / 26."""
+    model, processor = _clip_from_opts(opts, _opt(opts, "pickscore_model"), _opt(opts, "pickscore_processor"))
+
+    def score(images, prompts):
+        img, txt = clip_embeddings(model, processor, images, prompts)
+        return (model.logit_scale.exp().float() * (img * txt).sum(-1) / 26.0).cpu().numpy()
+    return lambda images, prompts: _batched(score, images, prompts)
+
+
+def clipscore_reward(opts):
+    """CLIPScore as DiffusionNFT uses it: R = cos(e_img, e_txt) in [-1, 1] (~0.15-0.40 for CLIP-L on
+    matching pairs). DiffusionNFT writes logits_per_image / 100, the same number for CLIP-L, whose
+    exp(logit_scale) is 100. (Later FlowGRPO copies divide by 30; Hessel et al.'s is 2.5 * max(cos, 0).)"""
+    model, processor = _clip_from_opts(opts, _opt(opts, "clip_model"), _opt(opts, "clip_model"))
+
+    def score(images, prompts):
+        img, txt = clip_embeddings(model, processor, images, prompts)
+        return (img * txt).sum(-1).cpu().numpy()
+    return lambda images, prompts: _batched(score, images, prompts)
+
+
+def aesthetic_mlp(dim=768):
+    """LAION improved-aesthetic-predictor head: Linear(dim,1024) Drop(.2) Linear(1024,128) Drop(.2)
+    Linear(128,64) Drop(.1) Linear(64,16) Linear(16,1), in .layers, so its state-dict keys are
+    layers.{0,2,4,6,7}.{weight,bias} as in sac+logos+ava1-l14-linearMSE.pth. dim = 768 for CLIP ViT-L/14."""
+    import torch.nn as nn
+
+    layers = nn.Sequential(nn.Linear(dim, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
+                           nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
+    return nn.Sequential(OrderedDict(layers=layers))  # the outer name gives the "layers." key prefix
+
+
+@functools.lru_cache(maxsize=None)
+def load_aesthetic_mlp(path, device):
+    """aesthetic_mlp weights from a .pth state dict or a .safetensors file; eval, float32, on device.
+    Cached per process. The input size is read from layers.0.weight."""
+    import torch
+
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import load_file
+        state = load_file(str(path))
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    mlp = aesthetic_mlp(state["layers.0.weight"].shape[1])
+    mlp.load_state_dict(state)
+    return mlp.to(device).eval().requires_grad_(False)
+
+
+def aesthetic_reward(opts):
+    """LAION aesthetic score: R = MLP(e_img / |e_img|), e_img the CLIP ViT-L/14 image embedding
+    (aesthetic_clip, default clip_model). Trained to regress 1-10 ratings; real images score ~4-7,
+    unbounded in principle. The prompt is ignored."""
+    path, clip = _opt(opts, "aesthetic_mlp"), _opt(opts, "aesthetic_clip") or _opt(opts, "clip_model")
+    if path is None or not os.path.isfile(path):
+        raise ValueError(f"aesthetic needs the MLP weights file, got {path!r}: pass --aesthetic-mlp PATH to "
+                         "sac+logos+ava1-l14-linearMSE.pth (christophschuhmann/improved-aesthetic-predictor)")
+    model, processor = _clip_from_opts(opts, clip, clip)
+    mlp = load_aesthetic_mlp(str(path), str(_opt(opts, "device")))
+
+    def score(images, prompts):
+        import torch
+        with torch.no_grad():
+            return mlp(clip_embeddings(model, processor, images)[0])[:, 0].cpu().numpy()
+    return lambda images, prompts: _batched(score, images, prompts)
+
+
+def ocr_target(prompt):
+    """The text to render: what lies between the first two double quotes (FlowGRPO's
+    prompt.split('"')[1]); None when the prompt quotes nothing."""
+    parts = prompt.split('"')
+    return parts[1] if len(parts) >= 3 else None
+
+
+def ocr_score(recognized, target):
+    """FlowGRPO's OCR reward, spaces removed and lowercased on both sides:
+    d = 0 if target is a substring of recognized, else min(Levenshtein(recognized, target), |target|);
+    R = 1 - d / |target| in [0, 1]. NaN for an empty target."""
+    from rapidfuzz.distance import Levenshtein
+
+    rec, tgt = recognized.replace(" ", "").lower(), target.replace(" ", "").lower()
+    if not tgt:
+        return float("nan")
+    dist = 0 if tgt in rec else min(Levenshtein.distance(rec, tgt), len(tgt))
+    return 1.0 - dist / len(tgt)
+
+
+@functools.lru_cache(maxsize=None)
+def load_ocr():
+    """RapidOCR with the PP-OCRv4 det/rec ONNX models bundled in rapidocr-onnxruntime (no download)."""
+    from rapidocr_onnxruntime import RapidOCR
+    return RapidOCR()
+
+
+def ocr_reward(opts):
+    """OCR reward: all lines RapidOCR reads (confidence >= 0.5, like PaddleOCR's drop_score),
+    concatenated in reading order, scored by ocr_score against ocr_target(prompt). NaN when the
+    prompt quotes nothing. Runs on CPU (onnxruntime), one image at a time, no angle classifier."""
+    engine = load_ocr()
+
+    def one(image, prompt):
+        target = ocr_target(prompt)
+        if target is None:
+            return float("nan")
+        lines, _ = engine(image.convert("RGB"), use_cls=False)  # a PIL image: RapidOCR makes it BGR
+        return ocr_score("".join(text for _box, text, _conf in (lines or [])), target)
+    return lambda images, prompts: _batched(lambda ims, ps: [one(i, p) for i, p in zip(ims, ps)], images, prompts)
+
+
+@functools.lru_cache(maxsize=None)
+def load_geneval_metadata(path):
+    """prompt -> GenEval metadata dict, from a JSONL file of FlowGRPO's dataset/geneval format
+    (one object per line: tag, include[, exclude], prompt)."""
+    with open(path) as f:
+        return {m["prompt"]: m for m in map(json.loads, filter(str.strip, f))}
+
+
+def geneval_request(url, images, metadatas, only_strict=True, timeout=120.0, retries=3):
+    """One POST of the reward-server GenEval protocol (yifan123/reward-server, app_geneval.py).
+    Body: pickle of {"images": [JPEG bytes], "meta_datas": [dict], "only_strict": bool}.
+    Reply: pickle of {"scores", "rewards", "strict_rewards": lists (N,), "group_rewards",
+    "group_strict_rewards": {tag: list (N,)}}; HTTP 500 carries the server's traceback as text.
+    Unpickling runs code the server sends: point this only at a server you trust."""
+    jpegs = []
+    for im in images:
+        buf = io.BytesIO()
+        im.convert("RGB").save(buf, format="JPEG")  # PIL's default quality 75, as FlowGRPO
+        jpegs.append(buf.getvalue())
+    body = pickle.dumps({"images": jpegs, "meta_datas": list(metadatas), "only_strict": only_strict})
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/octet-stream"})
+    for attempt in range(retries):
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as reply:
+                return pickle.loads(reply.read())
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"GenEval server {url} answered {e.code}:\n{e.read().decode(errors='replace')}") from e
+        except urllib.error.URLError as e:
+            if attempt == retries - 1:
+                raise RuntimeError(f"no GenEval server at {url} ({e.reason}); start one "
+                                   "(yifan123/reward-server) or fix --geneval-url") from e
+            time.sleep(2.0 ** attempt)
+
+
+def geneval_reward(opts):
+    """GenEval through a reward server. R = reply[geneval_key]; the default "scores" is FlowGRPO's
+    training reward: the mean over the prompt's clauses of partial credit (count 1 - |n - n*| / n*,
+    colour, position), in [0, 1]; "strict_rewards" is 0/1 all-clauses-correct. Batches of 64."""
+    url, key, path = _opt(opts, "geneval_url"), _opt(opts, "geneval_key"), _opt(opts, "geneval_metadata")
+    if key not in ("scores", "strict_rewards", "rewards"):
+        raise ValueError(f"--geneval-key must be scores, strict_rewards or rewards, got {key!r}")
+    if path is None:
+        raise ValueError("geneval needs each prompt's metadata: pass --geneval-metadata FILE.jsonl "
+                         "(FlowGRPO's dataset/geneval/train_metadata.jsonl format)")
+    table = load_geneval_metadata(str(path))
+
+    def score(images, prompts):
+        missing = [p for p in prompts if p not in table]
+        if missing:
+            raise ValueError(f"no GenEval metadata for prompt {missing[0]!r} in {path}")
+        reply = geneval_request(url, images, [table[p] for p in prompts], only_strict=(key != "rewards"))
+        return reply[key]
+    return lambda images, prompts: _batched(score, images, prompts, batch=64)
+
+
+REWARD_MODELS = {
+    "pickscore": pickscore_reward,
+    "clipscore": clipscore_reward,
+    "aesthetic": aesthetic_reward,
+    "ocr": ocr_reward,
+    "geneval": geneval_reward,
+}
+
+
+def build_rewards(names, opts, extra=None):
+    """Reward callables in the order of names (a list or "a,b,c"). extra: {name: reward callable},
+    e.g. the shapes world's REWARDS; its names shadow REWARD_MODELS. Raises ValueError on an
+    unknown or repeated name, listing the known ones."""
+    names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+    extra = dict(extra or {})
+    known = sorted(set(REWARD_MODELS) | set(extra))
+    fix = f"fix the flag, e.g. --rewards {','.join(known[:3])}; known rewards: {', '.join(known)}"
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"rewards must be distinct and at least one, got {names}; {fix}")
+    for name in names:
+        if name not in extra and name not in REWARD_MODELS:
+            raise ValueError(f"unknown reward {name!r}; {fix}")
+    return [extra[n] if n in extra else REWARD_MODELS[n](opts) for n in names]
+
+
+def reward_extras(model, extra=None):
+    """Rewards that are plain callables: the embedded world's programs (for the embedded model;
+    their names shadow the reward models', e.g. `geneval` is the shapes checker there) and `extra`."""
+    world = __import__("shapes_world").REWARDS if is_embedded(model) else {}
+    return {**world, **(extra or {})}
+
+
+def score(rewards, images, prompts):
+    """Rewards (N, K) float64; non-finite values are kept (NaN) and handled by `optimality`."""
+    return np.stack([np.asarray(fn(images, prompts), dtype=np.float64).reshape(len(images)) for fn in rewards], 1)
+
+
+# =============================================================================
+# Rollout (DESIGN §5)
+# =============================================================================
+
+
+def encode(pipe, prompts, max_len, device):
+    """CFG-free text conditioning: (prompt_embeds (P, L, D), pooled (P, D'))."""
+    import torch
+
+    with torch.no_grad():
+        emb, _, pooled, _ = pipe.encode_prompt(prompts, prompts, prompts, device=device,
+                                               do_classifier_free_guidance=False, max_sequence_length=max_len)
+    return emb, pooled
+
+
+def velocity(transformer, x, s, emb, pooled, chunk=64):
+    """v(x_t, t, c) of the active adapter; x (N, C, h, w) float32, s (N,) sigmas in [0, 1],
+    emb/pooled already indexed per sample. The transformer takes timestep = 1000 s. Returns float32."""
+    import torch
+
+    dtype = emb.dtype
+    outs = []
+    for i in range(0, len(x), chunk):
+        sl = slice(i, i + chunk)
+        outs.append(transformer(hidden_states=x[sl].to(dtype), timestep=(s[sl] * 1000).to(dtype), encoder_hidden_states=emb[sl],
+                                pooled_projections=pooled[sl], return_dict=False)[0].float())
+    return torch.cat(outs)
+
+
+def tree_rollout(transformer, emb, pooled, sigmas, n_roots, n_branch, branch, sde_a, gen, shape, chunk=64, probe_steps=()):
+    """One tree per prompt: n_roots noises, ODE to the first branch step, then at each branch step
+    every state is copied n_branch times and continued with the SDE (the last step is an Euler
+    step, so leaves are clean). sigmas (T+1,) float tensor from 1 to 0.
+
+    Returns leaves (N, C, h, w) with N = P n_roots n_branch^len(branch), groups (N,) prompt index,
+    ancestry (N, 1 + len(branch)) codes for `split_levels`, and probes: a list of
+    (step, x0_hat = x - s v, groups) at `probe_steps` for the denoised estimator."""
+    import torch
+
+    device = emb.device
+    P, T = len(emb), len(sigmas) - 1
+    x = torch.randn((P * n_roots, *shape), generator=gen).to(device)
+    groups = torch.arange(P).repeat_interleave(n_roots)
+    ancestry = [np.arange(P * n_roots)]
+    probes = []
+    with torch.no_grad():
+        for j in range(T):
+            if j in branch:
+                x, groups = x.repeat_interleave(n_branch, 0), groups.repeat_interleave(n_branch)
+                ancestry = [a.repeat(n_branch) for a in ancestry] + [np.tile(np.arange(n_branch), len(x) // n_branch)]
+            s, s_next = float(sigmas[j]), float(sigmas[j + 1])
+            v = velocity(transformer, x, torch.full((len(x),), s, device=device), emb[groups], pooled[groups], chunk)
+            if j in probe_steps:
+                probes.append((j, x - s * v, groups.clone()))
+            if branch and j >= min(branch) and j < T - 1:
+                noise = torch.randn(x.shape, generator=gen).to(device)
+                x = sde_step(x, v, s, s_next, sde_a, float(sigmas[1]), noise)
+            else:
+                x = ode_step(x, v, s, s_next)
+    return x, groups.numpy(), np.stack(ancestry, 1), probes
+
+
+def decode(pipe, latents, chunk=32):
+    """Latents (scaled as the transformer sees them) -> list of PIL images."""
+    import torch
+
+    cfg = pipe.vae.config
+    images = []
+    with torch.no_grad():
+        for z in latents.split(chunk):
+            x = pipe.vae.decode((z / cfg.scaling_factor + cfg.shift_factor).to(pipe.vae.dtype), return_dict=False)[0]
+            images += pipe.image_processor.postprocess(x.float(), output_type="pil")
+    return images
+
+
+# =============================================================================
+# Credit: Renyi curves -> gains -> W, for --credit recast (DESIGN §3.3-3.4)
+# =============================================================================
+
+
+def renyi_grid(r, groups, ancestry, sigmas, branch, reduce):
+    """D_2 on the sampler grid (K, T+1) from branched pair products summed over processes:
+    levels t = 1, sigma at each branch step, 0 (the pairs estimator; recast.py also has `denoised`)."""
+    sums, counts = pair_moments(r, groups, ancestry)
+    sums, counts = reduce(sums), reduce(counts)
+    t_levels = [1.0] + [float(sigmas[b]) for b in branch] + [0.0]
+    return gains_on_grid(t_levels, pairs_curve(sums, counts), sigmas, weights=counts)[0]
+
+
+# =============================================================================
+# Update: regression to the transferred target over the sampler's timesteps (DESIGN §4.3)
+# =============================================================================
+
+
+def rvge_update(transformer, opt, leaves, groups, directions, t_b, mix, s2, emb, pooled, sigmas, args, gen, all_reduce_grads):
+    """One pass over (leaf, timestep) samples: fresh noise, x_t = (1 - s) x0 + s eps, target
+    v_target = sum_k w_kj target_velocity(v_old, d_k, s, t_b_k) (w_kj = mix[k, j], sum_k w_kj = 1),
+    query weight sum_k w_kj query_weight(s, t_b_k), loss rvge_loss + base_reg |v_theta - v_base|^2.
+    directions (K, N, ...) each leaf's group direction per reward; t_b (K,); mix (K, T). Returns mean losses."""
+    import torch
+
+    device = leaves.device
+    N, T = len(leaves), len(sigmas) - 1
+    n_steps = min(args.train_steps_per_leaf, T)
+    steps = torch.stack([torch.randperm(T, generator=gen)[:n_steps] for _ in range(N)])  # (N, n_steps)
+    pairs = torch.stack([torch.arange(N).repeat_interleave(n_steps), steps.reshape(-1)], 1)
+    pairs = pairs[torch.randperm(len(pairs), generator=gen)]
+    mix_t = torch.as_tensor(mix, dtype=torch.float32)
+    params = lora_params(transformer, "default")
+    totals = {"loss/policy": 0.0, "loss/base_reg": 0.0}
+    batches = pairs.split(args.train_batch)
+    for b_idx, batch in enumerate(tqdm(batches, desc="update", leave=False)):
+        i, j = batch[:, 0], batch[:, 1]
+        x0, s = leaves[i], sigmas[j].to(device)
+        eps = torch.randn(x0.shape, generator=gen).to(device)
+        x_t = (1 - s.view(-1, 1, 1, 1)) * x0 + s.view(-1, 1, 1, 1) * eps
+        cond = (emb[groups[i]], pooled[groups[i]])
+        with torch.no_grad():
+            transformer.set_adapter("old")
+            v_old = velocity(transformer, x_t, s, *cond)
+            transformer.disable_adapters()
+            v_base = velocity(transformer, x_t, s, *cond) if args.base_reg > 0 else v_old
+            transformer.enable_adapters()
+            w = mix_t[:, j].to(device)  # (K, B)
+            v_target = sum(w[k].view(-1, 1, 1, 1) * target_velocity(v_old, directions[k][i], s, t_b[k], s2, args.transfer_cap)
+                           for k in range(len(t_b)))
+            q = sum(w[k] * query_weight(s, t_b[k], s2) for k in range(len(t_b)))
+        transformer.set_adapter("default")
+        v_theta = velocity(transformer, x_t, s, *cond)
+        policy = rvge_loss(v_theta, v_target, v_old, x_t, x0, s, q).mean()
+        base = ((v_theta - v_base) ** 2).mean()
+        ((policy + args.base_reg * base) / args.grad_accum).backward()
+        totals["loss/policy"] += policy.item() / len(batches)
+        totals["loss/base_reg"] += base.item() / len(batches)
+        if (b_idx + 1) % args.grad_accum == 0 or b_idx == len(batches) - 1:
+            all_reduce_grads(params)
+            totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return totals
+
+
+# =============================================================================
+# Checkpoints (atomic) and evaluation
+# =============================================================================
+
+
+def save_checkpoint(out, iteration, transformer, opt, state):
+    """checkpoints/iter_N/: the "default" LoRA in diffusers' format (pipe.load_lora_weights(dir)
+    loads it) and state.pt (both adapters, optimizer, D EMA, iteration). Written to a .tmp folder,
+    renamed, then `latest` is replaced atomically: a kill at any moment leaves the last good one."""
+    import torch
+    from diffusers import StableDiffusion3Pipeline
+    from peft.utils import get_peft_model_state_dict
+
+    root = out / "checkpoints"
+    final, tmp = root / f"iter_{iteration:06d}", root / f"iter_{iteration:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    lora = {a: get_peft_model_state_dict(transformer, adapter_name=a) for a in ("default", "old")}
+    StableDiffusion3Pipeline.save_lora_weights(tmp, transformer_lora_layers=lora["default"])
+    torch.save({"iteration": iteration, "lora": lora, "optimizer": opt.state_dict(), **state}, tmp / "state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    (root / "latest.tmp").write_text(final.name)
+    os.replace(root / "latest.tmp", root / "latest")
+    for old in sorted(root.glob("iter_??????"))[:-2]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(out, transformer, opt):
+    """Restore the latest checkpoint of a run folder; returns its state dict (None if there is none)."""
+    import torch
+    from peft.utils import set_peft_model_state_dict
+
+    latest = out / "checkpoints" / "latest"
+    if not latest.exists():
+        return None
+    state = torch.load(out / "checkpoints" / latest.read_text().strip() / "state.pt", weights_only=False)
+    for adapter, sd in state.pop("lora").items():
+        set_peft_model_state_dict(transformer, sd, adapter_name=adapter)
+    opt.load_state_dict(state.pop("optimizer"))
+    transformer.set_adapter("default")
+    return state
+
+
+def evaluate(run, args):
+    """Held-out evaluation of the trained ("default") adapter: ODE sampling on fixed prompts and
+    seeds, training rewards and held-out judges. Returns (metrics, images)."""
+    import torch
+
+    emb, pooled = run.encode(run.eval_prompts)
+    run.transformer.set_adapter("default")
+    latents, _, _, _ = tree_rollout(run.transformer, emb, pooled, run.sigmas, 1, 1, [], 0.0, torch.Generator().manual_seed(12345),
+                                    run.shape, args.rollout_batch)
+    images = decode(run.pipe, latents)
+    R = score(run.rewards, images, run.eval_prompts)
+    metrics = {f"eval/{n}": float(np.nanmean(R[:, k])) for k, n in enumerate(run.names)}
+    for name, fn in (run.judges or {}).items():
+        metrics[f"eval/judge/{name}"] = float(np.nanmean(fn(images, run.eval_prompts)))
+    return metrics, images
+
+
+def save_grid(images, path, cols=8):
+    from PIL import Image
+
+    w, h = images[0].size
+    rows = (len(images) + cols - 1) // cols
+    grid = Image.new("RGB", (cols * w, rows * h), "white")
+    for i, im in enumerate(images):
+        grid.paste(im, ((i % cols) * w, (i // cols) * h))
+    grid.save(path)
+
+
+def plot_run(out, names):
+    """Figures from metrics.jsonl: reward curves, the last W heatmap, D_k(t) curves and gains."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    if not rows:
+        return
+    its = [m["iteration"] for m in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n in names + ["weighted"]:
+        ax.plot(its, [m[f"reward/{n}"] for m in rows], label=n)
+    ax.set(xlabel="iteration", ylabel="mean training reward", title="rewards")
+    ax.legend(fontsize=7)
+    fig.savefig(out / "rewards.png", dpi=120, bbox_inches="tight")
+    last, sig = rows[-1], np.array(rows[-1]["recast/sigmas"])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))
+    im = axes[0].imshow(np.array(last["recast/W"]), aspect="auto", cmap="viridis")
+    axes[0].set(yticks=range(len(names)), yticklabels=names, xlabel="step j (t = sigma_j)", title="W (last iteration)")
+    fig.colorbar(im, ax=axes[0])
+    for k, n in enumerate(names):
+        axes[1].plot(sig, np.array(last["recast/D"])[k], marker=".", label=n)
+        axes[2].plot(sig[:-1], np.array(last["recast/gains"])[k], marker=".", label=n)
+    axes[1].set(xlabel="t", ylabel="D_k(t)", title="Renyi discriminability (EMA)")
+    axes[2].set(xlabel="t at step start", ylabel="gain", title="gains per step")
+    for a in axes[1:]:
+        a.invert_xaxis()
+        a.legend(fontsize=7)
+    fig.savefig(out / "credit.png", dpi=120, bbox_inches="tight")
+    plt.close("all")
+
+
+# =============================================================================
+# Train loop
+# =============================================================================
+
+
+def setup_run(args: Args, extra_rewards=None, judges=None):
+    """Validate, then load everything one run needs; returns a namespace shared by the loop's steps."""
+    import torch
+    from accelerate import Accelerator
+
+    names, budgets, branch = validate(args, extra_rewards)
+    device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    acc = Accelerator(cpu=device_name == "cpu")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if acc.device.type == "cuda" else "float32"))
+    seed_everything(args.seed)
+    world = __import__("shapes_world") if is_embedded(args.model) else None
+    gen_kwargs = world.GEN_KWARGS if world else {}
+    res = args.resolution or gen_kwargs.get("height", 512)
+    max_len = args.max_sequence_length or gen_kwargs.get("max_sequence_length", 256)
+    pipe = load_pipeline(args, acc.device, dtype)
+    pipe.scheduler.set_timesteps(args.steps)
+    train_prompts = read_prompts(args.train_prompts) if args.train_prompts else None
+    if world is None and train_prompts is None:
+        raise SystemExit("--train-prompts FILE is required for this model (one prompt per line)")
+
+    def reduce(a):  # sum numpy statistics over processes
+        if acc.num_processes == 1:
+            return np.asarray(a)
+        return acc.reduce(torch.as_tensor(np.asarray(a), dtype=torch.float64, device=acc.device), "sum").cpu().numpy()
+
+    def all_reduce_grads(params):
+        if acc.num_processes > 1:
+            for p in params:
+                if p.grad is not None:
+                    p.grad = acc.reduce(p.grad, "mean")
+
+    def prompts_for(it):  # each process its own prompt groups
+        if world:
+            return world.sample_prompts(args.prompts_per_iter, "train", args.seed * 7919 + it * 97 + acc.process_index)
+        return list(np.random.default_rng([args.seed, it, acc.process_index]).choice(train_prompts, args.prompts_per_iter))
+
+    return SimpleNamespace(
+        acc=acc, pipe=pipe, transformer=pipe.transformer, names=names, budgets=budgets, branch=branch,
+        rewards=build_rewards(names, replace(args, device=str(acc.device)), reward_extras(args.model, extra_rewards)),
+        judges=judges if judges is not None or world is None else world.JUDGES,
+        sigmas=pipe.scheduler.sigmas.float().cpu(),  # (T+1,), 1 -> 0: the W columns and training timesteps
+        shape=(pipe.transformer.config.in_channels, res // pipe.vae_scale_factor, res // pipe.vae_scale_factor),
+        opt=torch.optim.AdamW(lora_params(pipe.transformer, "default"), lr=args.lr, weight_decay=args.weight_decay),
+        eval_prompts=read_prompts(args.eval_prompts) if args.eval_prompts else (world.sample_prompts(16, "heldout", 0) if world else []),
+        out=Path(args.out or f"runs/{args.name or default_name(args)}"), reduce=reduce, all_reduce_grads=all_reduce_grads,
+        prompts_for=prompts_for, encode=lambda prompts: encode(pipe, prompts, max_len, acc.device))
+
+
+def rollout_and_score(run, args, it, gen, probe_steps=()):
+    """Step 1 of an iteration: prompts, tree rollouts from the "old" adapter, decoded leaves scored.
+    Returns a namespace with prompts, emb, pooled, leaves, groups, ancestry, probes, R (N, K)."""
+    prompts = run.prompts_for(it)
+    emb, pooled = run.encode(prompts)
+    run.transformer.set_adapter("old")
+    leaves, groups, ancestry, probes = tree_rollout(run.transformer, emb, pooled, run.sigmas, args.n_roots, args.n_branch, run.branch,
+                                                    args.sde_a, gen, run.shape, args.rollout_batch, probe_steps)
+    run.transformer.set_adapter("default")
+    t_rollout = time.perf_counter()
+    R = score(run.rewards, decode(run.pipe, leaves), [prompts[g] for g in groups])
+    probe_R = [(j, score(run.rewards, decode(run.pipe, x0h), [prompts[g] for g in gp.numpy()]), gp.numpy()) for j, x0h, gp in probes]
+    return SimpleNamespace(prompts=prompts, emb=emb, pooled=pooled, leaves=leaves, groups=groups, ancestry=ancestry,
+                           R=R, probe_R=probe_R, t_rollout=t_rollout)
+
+
+def global_stats(R, reduce):
+    """Per-column (count, mean, std) of the finite rewards of all processes; R (N, K)."""
+    finite = np.isfinite(R)
+    Rz = np.where(finite, R, 0.0)
+    n = reduce(finite.sum(0))
+    mean = reduce(Rz.sum(0)) / np.maximum(n, 1)
+    return n, mean, np.sqrt(np.maximum(reduce((Rz ** 2).sum(0)) / np.maximum(n, 1) - mean ** 2, 0.0))
+
+
+def finish_iteration(run, args, it, metrics, state, before=None):
+    """Step 4: evaluate (every eval_every iterations and at the end), append the metrics line,
+    checkpoint (every save_every iterations and at the end). Main process only."""
+    last = it == args.iterations - 1
+    if run.acc.is_main_process:
+        if before:
+            metrics.update({k.replace("eval/", "eval_before/"): v for k, v in before.items()})
+        if args.eval_every and run.eval_prompts and ((it + 1) % args.eval_every == 0 or last):
+            metrics_eval, images = evaluate(run, args)
+            metrics.update(metrics_eval)
+            if last:
+                save_grid(images, run.out / "samples_after.png")
+        with open(run.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if (it + 1) % args.save_every == 0 or last:
+            save_checkpoint(run.out, it, run.transformer, run.opt, state)
+    run.acc.wait_for_everyone()
+
+
+def start_or_resume(run, args):
+    """Restore the last checkpoint when resuming; write config.json; returns (first iteration, state)."""
+    state = load_checkpoint(run.out, run.transformer, run.opt) if args.resume else None
+    start = state.pop("iteration") + 1 if state else 0
+    if run.acc.is_main_process:
+        (run.out / "config.json").write_text(json.dumps({"args": asdict(args), "rewards": run.names, "git_sha": git_sha()}, indent=2))
+        keep_metrics_until(run.out / "metrics.jsonl", start)
+    return start, state or {}
+
+
+def train(args: Args, extra_rewards=None, judges=None):
+    """The whole run: per iteration rollout -> rewards -> per-reward group directions (bandwidth
+    per reward) -> regression update to the transferred targets -> soft update of "old" ->
+    log / evaluate / checkpoint. Returns the run folder."""
+    import torch
+
+    run = setup_run(args, extra_rewards, judges)
+    start, state = start_or_resume(run, args)
+    D_ema, T, budgets, K = state.get("D_ema"), args.steps, run.budgets, len(run.names)
+    bandwidths = parse_bandwidths(args.bandwidth, K)
+    for it in tqdm(range(start, args.iterations), desc="rvge", initial=start, total=args.iterations, disable=not run.acc.is_main_process):
+        gen, t0 = iteration_generator(args.seed, it), time.perf_counter()
+        before = None
+        if it == 0 and args.eval_every and run.eval_prompts and run.acc.is_main_process:
+            before, images = evaluate(run, args)
+            save_grid(images, run.out / "samples_before.png")
+        # 1. rollouts from the old policy, rewards
+        b = rollout_and_score(run, args, it, gen)
+        t2 = time.perf_counter()
+        # 2. normalised rewards (global std across processes); bandwidth, t_b and directions per reward
+        n_valid, mean_R, std = global_stats(b.R, run.reduce)
+        if (n_valid == 0).any():
+            if run.acc.is_main_process:
+                save_checkpoint(run.out, max(it - 1, 0), run.transformer, run.opt, {"D_ema": D_ema})
+            bad = [n for n, c in zip(run.names, n_valid) if c == 0]
+            raise SystemExit(f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; checkpoint saved in {run.out}. "
+                             f"Fix the reward, then continue with --resume {run.out}")
+        r = optimality(b.R, b.groups, std=std)
+        A = 10.0 * (r - 0.5)  # back to clipped advantages, in global-std units (NaN rewards: 0)
+        D_now = (renyi_grid(r, b.groups, b.ancestry, run.sigmas.double().numpy(), run.branch, run.reduce)
+                 if run.branch and args.n_roots > 1 else np.zeros((K, T + 1)))
+        D_ema = D_now if D_ema is None else args.gain_ema * D_ema + (1 - args.gain_ema) * D_now
+        gains = np.maximum(np.diff(D_ema, axis=1), 0.0)
+        W = solve_W(budgets, profiles(gains), args.tau, args.eps) if args.credit == "recast" else uniform_W(budgets, T)
+        local_ids = regression_groups(b.groups, b.ancestry, True) if run.branch else None
+        ties, n_groups = run.reduce(tie_counts(A, local_ids)) if run.branch else (np.zeros(K), np.ones(K))
+        tie_share = ties / np.maximum(n_groups, 1)
+        use_local = [bw == "local" or (bw == "auto" and tie_share[k] <= args.tie_threshold) for k, bw in enumerate(bandwidths)]
+        t_b = [float(run.sigmas[run.branch[-1]]) if loc else 1.0 for loc in use_local]
+        x0 = b.leaves.float()
+        within = np.concatenate([(x0[b.groups == g] - x0[b.groups == g].mean(0)).pow(2).flatten().numpy() for g in np.unique(b.groups)])
+        s2 = float(run.reduce(within.sum()) / run.reduce(within.size))  # within-prompt variance per dimension
+        A_t = torch.as_tensor(A, dtype=torch.float32)
+        directions, rvge_metrics = [], {"rvge/s2": s2}
+        for k, name in enumerate(run.names):
+            ids = local_ids if use_local[k] else b.groups
+            d = group_directions(x0, A_t[:, k], ids, args.kl_beta, args.eta)
+            directions.append(d)
+            rvge_metrics.update({f"rvge/bandwidth/{name}": "local" if use_local[k] else "broad", f"rvge/t_b/{name}": t_b[k],
+                                 f"rvge/tie_share/{name}": float(tie_share[k]),
+                                 f"rvge/direction_rms/{name}": float(d.pow(2).mean().sqrt()),
+                                 f"rvge/split_cos/{name}": split_half_cosine(x0, A_t[:, k], b.groups, args.kl_beta)})
+        mix = W * T / sum(budgets)  # (K, T): each column sums to one
+        t3 = time.perf_counter()
+        # 3. regression update of "default", then the soft update of "old"
+        losses = rvge_update(run.transformer, run.opt, b.leaves, torch.as_tensor(b.groups), directions, t_b, mix, s2, b.emb, b.pooled,
+                             run.sigmas, args, gen, run.all_reduce_grads)
+        copy_adapter(run.transformer, "default", "old", keep=min(0.001 * it, 0.5))
+        t4 = time.perf_counter()
+        # 4. log, evaluate, checkpoint
+        metrics = {"iteration": it, **{f"reward/{n}": float(mean_R[k]) for k, n in enumerate(run.names)},
+                   "reward/weighted": float(np.asarray(budgets) @ mean_R / sum(budgets)),
+                   **{f"reward_nonfinite/{n}": int(run.reduce(len(b.R)) - n_valid[k]) for k, n in enumerate(run.names)},
+                   **losses, **rvge_metrics, "recast/W": W.tolist(), "recast/D": D_ema.tolist(), "recast/D_iter": D_now.tolist(),
+                   "recast/gains": gains.tolist(), "recast/sigmas": run.sigmas.tolist(),
+                   "time/rollout": b.t_rollout - t0, "time/reward": t2 - b.t_rollout, "time/regression": t3 - t2, "time/update": t4 - t3}
+        finish_iteration(run, args, it, metrics, {"D_ema": D_ema}, before)
+    if run.acc.is_main_process:
+        plot_run(run.out, run.names)
+    return run.out
+
+
+def read_prompts(path):
+    prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise SystemExit(f"{path}: no prompts (one per line)")
+    return prompts
+
+
+def keep_metrics_until(path, start):
+    """On resume, drop metric lines of iterations after the checkpoint (they will be redone)."""
+    if path.exists():
+        rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["iteration"] < start]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(row + "\n" for row in rows))
+        os.replace(tmp, path)
+
+
+def git_sha():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+# =============================================================================
+# Main
+# =============================================================================
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.dry_run:
+        return dry_run(args, "meta")
+    out = train(args)
+    print(f"run folder: {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -450,15 +451,37 @@ def test_recast_two_iterations_write_metrics_W_figures_and_a_loadable_lora(tiny,
     assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
 
 
+@pytest.mark.parametrize("credit, beta", [("budgets", None), ("recast", "0.5")])
+def test_rvge_two_iterations_log_bandwidths_directions_and_W(tiny, tmp_path, credit, beta):
+    out = tmp_path / "run"
+    argv = tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "1", "--credit", credit, "--rewards", "brightness,dark")
+    argv += ["--kl-beta", beta] if beta else []
+    dark = lambda ims, ps: (brightness(ims, ps) < 0.45).astype(float)  # 0/1: ties among near-copies
+    rvge.train(rvge.parse_args(argv), extra_rewards={**TINY_REWARDS, "dark": dark})
+    rows = read_metrics(out)
+    assert [m["iteration"] for m in rows] == [0, 1]
+    for m in rows:
+        W = np.array(m["recast/W"])
+        assert np.abs(W.sum(1) - [0.6, 0.4]).max() < 1e-9 and np.abs(W.sum(0) - 0.1).max() < 1e-9
+        assert m["rvge/bandwidth/dark"] == "broad" and m["rvge/tie_share/dark"] > 0.5  # auto: a 0/1 reward goes broad
+        assert m["rvge/t_b/dark"] == 1.0 and 0 < m["rvge/t_b/brightness"] <= 1.0
+        assert m["rvge/direction_rms/brightness"] > 0 and np.isfinite(m["loss/policy"]) and m["rvge/s2"] > 0
+    if credit == "budgets":
+        assert np.allclose(np.array(rows[0]["recast/W"]), recast.uniform_W([0.6, 0.4], 10))
+    assert (out / "samples_after.png").exists() and (out / "credit.png").exists()
+
+
 KILL_SCRIPT = """
 import sys, numpy as np
-sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
-import recast, test_recast
-recast.train(recast.parse_args({argv!r}), extra_rewards=test_recast.TINY_REWARDS)
+sys.path.insert(0, {repo!r})
+import {module} as script, test_recast
+script.train(script.parse_args({argv!r}), extra_rewards=test_recast.TINY_REWARDS)
 """
 
 
-def test_resume_after_sigkill_loses_nothing_and_same_seed_repeats(tiny, tmp_path):
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_resume_after_sigkill_loses_nothing_and_same_seed_repeats(tiny, tmp_path, module):
+    script = __import__(module)
     import signal
     import subprocess
     import sys
@@ -466,9 +489,8 @@ def test_resume_after_sigkill_loses_nothing_and_same_seed_repeats(tiny, tmp_path
 
     ref, killed = tmp_path / "ref", tmp_path / "killed"
     common = ["--iterations", "5", "--save-every", "1", "--eval-every", "0"]
-    recast.train(recast.parse_args(tiny_argv(tiny, ref, *common)), extra_rewards=TINY_REWARDS)
-    here = str(Path(__file__).parent)
-    code = KILL_SCRIPT.format(repo=here, tests=here, argv=tiny_argv(tiny, killed, *common))
+    script.train(script.parse_args(tiny_argv(tiny, ref, *common)), extra_rewards=TINY_REWARDS)
+    code = KILL_SCRIPT.format(repo=str(Path(__file__).parent), module=module, argv=tiny_argv(tiny, killed, *common))
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     latest = killed / "checkpoints" / "latest"
     deadline = _time.time() + 240
@@ -478,7 +500,7 @@ def test_resume_after_sigkill_loses_nothing_and_same_seed_repeats(tiny, tmp_path
     proc.wait()
     assert latest.exists(), "the killed run wrote no checkpoint"
     assert len(read_metrics(killed)) < 5, "the run finished before it could be killed"
-    recast.train(recast.parse_args(["--resume", str(killed)]), extra_rewards=TINY_REWARDS)
+    script.train(script.parse_args(["--resume", str(killed)]), extra_rewards=TINY_REWARDS)
     strip = lambda m: {k: v for k, v in m.items() if not k.startswith("time/")}
     assert [strip(m) for m in read_metrics(killed)] == [strip(m) for m in read_metrics(ref)]
 
@@ -486,20 +508,21 @@ def test_resume_after_sigkill_loses_nothing_and_same_seed_repeats(tiny, tmp_path
 TWO_PROC_SCRIPT = """
 import sys, numpy as np
 sys.path.insert(0, {repo!r})
-import recast, test_recast
+import {module} as script, test_recast
 from accelerate import PartialState
-solve = recast.solve_W
+solve = script.solve_W
 def recorded(*a, **k):
     W = solve(*a, **k)
     with open({out!r} + f"/W_rank{{PartialState().process_index}}.txt", "a") as f:
         f.write(repr(W.tolist()) + "\\n")
     return W
-recast.solve_W = recorded
-recast.train(recast.parse_args({argv!r}), extra_rewards=test_recast.TINY_REWARDS)
+script.solve_W = recorded
+script.train(script.parse_args({argv!r}), extra_rewards=test_recast.TINY_REWARDS)
 """
 
 
-def test_two_processes_hold_the_same_W(tiny, tmp_path):
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_two_processes_hold_the_same_W(tiny, tmp_path, module):
     import subprocess
     import sys
 
@@ -507,7 +530,8 @@ def test_two_processes_hold_the_same_W(tiny, tmp_path):
     out.mkdir()
     script = tmp_path / "two.py"
     here = str(Path(__file__).parent)
-    script.write_text(TWO_PROC_SCRIPT.format(repo=here, out=str(out), argv=tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "0", "--device", "cpu")))
+    argv = tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "0", "--device", "cpu", "--credit", "recast")
+    script.write_text(TWO_PROC_SCRIPT.format(repo=here, module=module, out=str(out), argv=argv))
     # accelerate's --cpu flag alone starts one process (several need MPI); --multi_gpu starts
     # torchrun's processes, and --device cpu makes each one a CPU (gloo) rank
     res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", str(script)],
@@ -520,7 +544,10 @@ def test_two_processes_hold_the_same_W(tiny, tmp_path):
     assert len(read_metrics(out)) == 2
 
 
-def test_nan_rewards_are_left_out_and_an_all_nan_reward_stops_with_a_checkpoint(tiny, tmp_path):
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_nan_rewards_are_left_out_and_an_all_nan_reward_stops_with_a_checkpoint(tiny, tmp_path, module):
+    script = __import__(module)
+
     def half_nan(images, prompts):
         v = brightness(images, prompts)
         v[::2] = np.nan
@@ -528,13 +555,13 @@ def test_nan_rewards_are_left_out_and_an_all_nan_reward_stops_with_a_checkpoint(
 
     out = tmp_path / "half"
     argv = tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0", "--rewards", "brightness,half")
-    recast.train(recast.parse_args(argv), extra_rewards={**TINY_REWARDS, "half": half_nan})
+    script.train(script.parse_args(argv), extra_rewards={**TINY_REWARDS, "half": half_nan})
     m = read_metrics(out)[0]
     assert m["reward_nonfinite/half"] == 8 and np.isfinite(m["reward/half"]) and np.isfinite(m["loss/policy"])
     out = tmp_path / "all"
     argv = tiny_argv(tiny, out, "--iterations", "3", "--eval-every", "0", "--rewards", "brightness,dead")
     with pytest.raises(SystemExit, match="NaN/inf for every image"):
-        recast.train(recast.parse_args(argv), extra_rewards={**TINY_REWARDS, "dead": lambda ims, ps: np.full(len(ims), np.nan)})
+        script.train(script.parse_args(argv), extra_rewards={**TINY_REWARDS, "dead": lambda ims, ps: np.full(len(ims), np.nan)})
     assert (out / "checkpoints" / "latest").exists()
 
 
@@ -546,16 +573,29 @@ def test_nan_rewards_are_left_out_and_an_all_nan_reward_stops_with_a_checkpoint(
      (["--alpha", "3"], "--alpha 2"), (["--branch-steps", "9"], "strictly between"),
      (["--out", "/proc/forbidden/run"], "cannot write")],
 )
-def test_bad_input_fails_before_any_work_with_a_clear_message(tiny, tmp_path, change, words):
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_bad_input_fails_before_any_work_with_a_clear_message(tiny, tmp_path, change, words, module):
     if "CUDA" in words and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
+    if module == "rvge" and "--alpha" in change:
+        change, words = ["--kl-beta", "0"], "kl-beta must be > 0"
+    script = __import__(module)
     argv = tiny_argv(tiny, tmp_path / "run") + change
     with pytest.raises(SystemExit, match=words):
-        recast.validate(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+        script.validate(script.parse_args(argv), extra_rewards=TINY_REWARDS)
 
 
-def test_dry_run_attaches_lora_to_sd35_medium_on_the_meta_device(capsys):
-    info = recast.main(["--dry-run"])
+@pytest.mark.parametrize("change, words", [(["--bandwidth", "wide"], "local, broad or auto"),
+                                           (["--bandwidth", "local,broad,auto"], "once per reward"),
+                                           (["--branch-steps", "", "--bandwidth", "local"], "need at least one --branch-steps")])
+def test_rvge_bad_bandwidth_input(tiny, tmp_path, change, words):
+    with pytest.raises(SystemExit, match=words):
+        rvge.validate(rvge.parse_args(tiny_argv(tiny, tmp_path / "run") + change), extra_rewards=TINY_REWARDS)
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_dry_run_attaches_lora_to_sd35_medium_on_the_meta_device(capsys, module):
+    info = __import__(module).main(["--dry-run"])
     assert 2.0e9 < info["total_params"] < 3.0e9  # SD3.5-Medium's transformer is ~2.5B parameters
     # r = 32 on every targeted (in, out) linear; 24 blocks, the last one has no to_add_out
     assert info["lora_layers"] == 24 * 7 + 23
@@ -791,5 +831,6 @@ def test_toy_gaussian_quick_passes_every_check(tmp_path, capsys):
 
     assert toy_gaussian.main(["--quick", "--out", str(tmp_path)]) == 0
     table = capsys.readouterr().out
-    assert "FAIL" not in table and "48/48 passed" in table
+    passed = re.search(r"(\d+)/(\d+) passed", table)
+    assert "FAIL" not in table and passed and passed.group(1) == passed.group(2) and int(passed.group(2)) >= 40
     assert len(list(tmp_path.glob("*.png"))) >= 5
