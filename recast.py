@@ -21,24 +21,20 @@ dimensions, then over the batch; numpy math is float64.
 """
 from __future__ import annotations
 
-import functools
-import io
 import json
 import math
 import os
-import pickle
 import shutil
 import subprocess
 import time
-import urllib.error
-import urllib.request
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 from tqdm import tqdm
+
+from reward_models import REWARD_MODELS, build_rewards
 
 # =============================================================================
 # Math: budgets and optimality probabilities (DESIGN §2, §3.1)
@@ -629,269 +625,9 @@ def dry_run(args, device):
 # =============================================================================
 # Rewards
 # =============================================================================
-# Every reward is a callable (images: list[PIL.Image], prompts: list[str]) -> np.ndarray
-# float64 of shape (N,). NaN means "this reward does not apply to this image" (optimality()
-# then gives r = 0.5). The embedded model's rewards are programs in shapes_world.REWARDS; the
-# real reward models below load lazily, once per process per (path, device, dtype).
-# opts (Args, a namespace or a dict; a missing, None or "" field takes DEFAULTS): device, dtype,
-# local_files_only, pickscore_model, pickscore_processor, clip_model, aesthetic_clip,
-# aesthetic_mlp, geneval_url, geneval_metadata, geneval_key.
-
-REWARD_BATCH = 32  # images per forward pass of a reward model
-DEFAULTS = dict(
-    device="cpu", dtype="float32", local_files_only=False,
-    pickscore_model="yuvalkirstain/PickScore_v1",
-    pickscore_processor="laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
-    clip_model="openai/clip-vit-large-patch14",
-    aesthetic_clip=None, aesthetic_mlp=None,
-    geneval_url="http://127.0.0.1:18085", geneval_metadata=None, geneval_key="scores",
-)
-
-
-def _opt(opts, name):
-    """opts.name (or opts[name]), falling back to DEFAULTS[name] when missing, None or ""."""
-    value = opts.get(name) if isinstance(opts, dict) else getattr(opts, name, None)
-    return DEFAULTS[name] if value is None or value == "" else value
-
-
-@functools.lru_cache(maxsize=None)
-def load_clip(model_path, processor_path, device, dtype, local_files_only):
-    """A CLIP-family model (eval, frozen, on device in dtype) and its processor, cached per process."""
-    import torch
-    from transformers import AutoModel, AutoProcessor
-
-    model = AutoModel.from_pretrained(model_path, local_files_only=local_files_only)
-    model = model.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
-    processor = AutoProcessor.from_pretrained(processor_path, local_files_only=local_files_only)
-    return model, processor
-
-
-def _clip_from_opts(opts, model, processor):
-    dtype = str(_opt(opts, "dtype")).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
-    return load_clip(model, processor, str(_opt(opts, "device")), dtype, bool(_opt(opts, "local_files_only")))
-
-
-def _features(out):
-    """transformers 5 get_*_features returns a ModelOutput whose pooler_output is the projected
-    embedding; transformers 4 returned the tensor itself."""
-    return getattr(out, "pooler_output", out)
-
-
-def clip_embeddings(model, processor, images, prompts=None):
-    """L2-normalised CLIP embeddings in float32: image (N, D) and, given prompts, text (N, D).
-    Texts are truncated to CLIP's 77 tokens."""
-    import torch
-
-    param = next(model.parameters())
-    with torch.no_grad():
-        pix = processor(images=[im.convert("RGB") for im in images], return_tensors="pt")["pixel_values"]
-        img = _features(model.get_image_features(pixel_values=pix.to(param.device, param.dtype))).float()
-        img = img / img.norm(dim=-1, keepdim=True)
-        if prompts is None:
-            return img, None
-        tok = processor(text=list(prompts), padding=True, truncation=True, max_length=77, return_tensors="pt")
-        txt = _features(model.get_text_features(**{k: v.to(param.device) for k, v in tok.items()})).float()
-        return img, txt / txt.norm(dim=-1, keepdim=True)
-
-
-def _batched(score_chunk, images, prompts, batch=REWARD_BATCH):
-    """Apply score_chunk(images, prompts) -> (n,) to chunks of `batch` images; float64 (N,)."""
-    if len(images) != len(prompts):
-        raise ValueError(f"{len(images)} images but {len(prompts)} prompts: one prompt per image")
-    out = [np.asarray(score_chunk(images[i:i + batch], prompts[i:i + batch]), dtype=np.float64)
-           for i in range(0, len(images), batch)]
-    return np.concatenate(out) if out else np.zeros(0)
-
-
-def pickscore_reward(opts):
-    """PickScore (Kirstain et al. 2023), scaled as FlowGRPO and DiffusionNFT do (pickscore_scorer.py):
-    R = exp(logit_scale) * cos(e_img, e_txt) / 26, CLIP-H embeddings. exp(logit_scale) is ~100, so the
-    usual raw PickScore of ~20-23 for SD3.5-M samples becomes R ~ 0.77-0.88; |R| <= exp(logit_scale) / 26."""
-    model, processor = _clip_from_opts(opts, _opt(opts, "pickscore_model"), _opt(opts, "pickscore_processor"))
-
-    def score(images, prompts):
-        img, txt = clip_embeddings(model, processor, images, prompts)
-        return (model.logit_scale.exp().float() * (img * txt).sum(-1) / 26.0).cpu().numpy()
-    return lambda images, prompts: _batched(score, images, prompts)
-
-
-def clipscore_reward(opts):
-    """CLIPScore as DiffusionNFT uses it: R = cos(e_img, e_txt) in [-1, 1] (~0.15-0.40 for CLIP-L on
-    matching pairs). DiffusionNFT writes logits_per_image / 100, the same number for CLIP-L, whose
-    exp(logit_scale) is 100. (Later FlowGRPO copies divide by 30; Hessel et al.'s is 2.5 * max(cos, 0).)"""
-    model, processor = _clip_from_opts(opts, _opt(opts, "clip_model"), _opt(opts, "clip_model"))
-
-    def score(images, prompts):
-        img, txt = clip_embeddings(model, processor, images, prompts)
-        return (img * txt).sum(-1).cpu().numpy()
-    return lambda images, prompts: _batched(score, images, prompts)
-
-
-def aesthetic_mlp(dim=768):
-    """LAION improved-aesthetic-predictor head: Linear(dim,1024) Drop(.2) Linear(1024,128) Drop(.2)
-    Linear(128,64) Drop(.1) Linear(64,16) Linear(16,1), in .layers, so its state-dict keys are
-    layers.{0,2,4,6,7}.{weight,bias} as in sac+logos+ava1-l14-linearMSE.pth. dim = 768 for CLIP ViT-L/14."""
-    import torch.nn as nn
-
-    layers = nn.Sequential(nn.Linear(dim, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
-                           nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
-    return nn.Sequential(OrderedDict(layers=layers))  # the outer name gives the "layers." key prefix
-
-
-@functools.lru_cache(maxsize=None)
-def load_aesthetic_mlp(path, device):
-    """aesthetic_mlp weights from a .pth state dict or a .safetensors file; eval, float32, on device.
-    Cached per process. The input size is read from layers.0.weight."""
-    import torch
-
-    if str(path).endswith(".safetensors"):
-        from safetensors.torch import load_file
-        state = load_file(str(path))
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    mlp = aesthetic_mlp(state["layers.0.weight"].shape[1])
-    mlp.load_state_dict(state)
-    return mlp.to(device).eval().requires_grad_(False)
-
-
-def aesthetic_reward(opts):
-    """LAION aesthetic score: R = MLP(e_img / |e_img|), e_img the CLIP ViT-L/14 image embedding
-    (aesthetic_clip, default clip_model). Trained to regress 1-10 ratings; real images score ~4-7,
-    unbounded in principle. The prompt is ignored."""
-    path, clip = _opt(opts, "aesthetic_mlp"), _opt(opts, "aesthetic_clip") or _opt(opts, "clip_model")
-    if path is None or not os.path.isfile(path):
-        raise ValueError(f"aesthetic needs the MLP weights file, got {path!r}: pass --aesthetic-mlp PATH to "
-                         "sac+logos+ava1-l14-linearMSE.pth (christophschuhmann/improved-aesthetic-predictor)")
-    model, processor = _clip_from_opts(opts, clip, clip)
-    mlp = load_aesthetic_mlp(str(path), str(_opt(opts, "device")))
-
-    def score(images, prompts):
-        import torch
-        with torch.no_grad():
-            return mlp(clip_embeddings(model, processor, images)[0])[:, 0].cpu().numpy()
-    return lambda images, prompts: _batched(score, images, prompts)
-
-
-def ocr_target(prompt):
-    """The text to render: what lies between the first two double quotes (FlowGRPO's
-    prompt.split('"')[1]); None when the prompt quotes nothing."""
-    parts = prompt.split('"')
-    return parts[1] if len(parts) >= 3 else None
-
-
-def ocr_score(recognized, target):
-    """FlowGRPO's OCR reward, spaces removed and lowercased on both sides:
-    d = 0 if target is a substring of recognized, else min(Levenshtein(recognized, target), |target|);
-    R = 1 - d / |target| in [0, 1]. NaN for an empty target."""
-    from rapidfuzz.distance import Levenshtein
-
-    rec, tgt = recognized.replace(" ", "").lower(), target.replace(" ", "").lower()
-    if not tgt:
-        return float("nan")
-    dist = 0 if tgt in rec else min(Levenshtein.distance(rec, tgt), len(tgt))
-    return 1.0 - dist / len(tgt)
-
-
-@functools.lru_cache(maxsize=None)
-def load_ocr():
-    """RapidOCR with the PP-OCRv4 det/rec ONNX models bundled in rapidocr-onnxruntime (no download)."""
-    from rapidocr_onnxruntime import RapidOCR
-    return RapidOCR()
-
-
-def ocr_reward(opts):
-    """OCR reward: all lines RapidOCR reads (confidence >= 0.5, like PaddleOCR's drop_score),
-    concatenated in reading order, scored by ocr_score against ocr_target(prompt). NaN when the
-    prompt quotes nothing. Runs on CPU (onnxruntime), one image at a time, no angle classifier."""
-    engine = load_ocr()
-
-    def one(image, prompt):
-        target = ocr_target(prompt)
-        if target is None:
-            return float("nan")
-        lines, _ = engine(image.convert("RGB"), use_cls=False)  # a PIL image: RapidOCR makes it BGR
-        return ocr_score("".join(text for _box, text, _conf in (lines or [])), target)
-    return lambda images, prompts: _batched(lambda ims, ps: [one(i, p) for i, p in zip(ims, ps)], images, prompts)
-
-
-@functools.lru_cache(maxsize=None)
-def load_geneval_metadata(path):
-    """prompt -> GenEval metadata dict, from a JSONL file of FlowGRPO's dataset/geneval format
-    (one object per line: tag, include[, exclude], prompt)."""
-    with open(path) as f:
-        return {m["prompt"]: m for m in map(json.loads, filter(str.strip, f))}
-
-
-def geneval_request(url, images, metadatas, only_strict=True, timeout=120.0, retries=3):
-    """One POST of the reward-server GenEval protocol (yifan123/reward-server, app_geneval.py).
-    Body: pickle of {"images": [JPEG bytes], "meta_datas": [dict], "only_strict": bool}.
-    Reply: pickle of {"scores", "rewards", "strict_rewards": lists (N,), "group_rewards",
-    "group_strict_rewards": {tag: list (N,)}}; HTTP 500 carries the server's traceback as text.
-    Unpickling runs code the server sends: point this only at a server you trust."""
-    jpegs = []
-    for im in images:
-        buf = io.BytesIO()
-        im.convert("RGB").save(buf, format="JPEG")  # PIL's default quality 75, as FlowGRPO
-        jpegs.append(buf.getvalue())
-    body = pickle.dumps({"images": jpegs, "meta_datas": list(metadatas), "only_strict": only_strict})
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/octet-stream"})
-    for attempt in range(retries):
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as reply:
-                return pickle.loads(reply.read())
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"GenEval server {url} answered {e.code}:\n{e.read().decode(errors='replace')}") from e
-        except urllib.error.URLError as e:
-            if attempt == retries - 1:
-                raise RuntimeError(f"no GenEval server at {url} ({e.reason}); start one "
-                                   "(yifan123/reward-server) or fix --geneval-url") from e
-            time.sleep(2.0 ** attempt)
-
-
-def geneval_reward(opts):
-    """GenEval through a reward server. R = reply[geneval_key]; the default "scores" is FlowGRPO's
-    training reward: the mean over the prompt's clauses of partial credit (count 1 - |n - n*| / n*,
-    colour, position), in [0, 1]; "strict_rewards" is 0/1 all-clauses-correct. Batches of 64."""
-    url, key, path = _opt(opts, "geneval_url"), _opt(opts, "geneval_key"), _opt(opts, "geneval_metadata")
-    if key not in ("scores", "strict_rewards", "rewards"):
-        raise ValueError(f"--geneval-key must be scores, strict_rewards or rewards, got {key!r}")
-    if path is None:
-        raise ValueError("geneval needs each prompt's metadata: pass --geneval-metadata FILE.jsonl "
-                         "(FlowGRPO's dataset/geneval/train_metadata.jsonl format)")
-    table = load_geneval_metadata(str(path))
-
-    def score(images, prompts):
-        missing = [p for p in prompts if p not in table]
-        if missing:
-            raise ValueError(f"no GenEval metadata for prompt {missing[0]!r} in {path}")
-        reply = geneval_request(url, images, [table[p] for p in prompts], only_strict=(key != "rewards"))
-        return reply[key]
-    return lambda images, prompts: _batched(score, images, prompts, batch=64)
-
-
-REWARD_MODELS = {
-    "pickscore": pickscore_reward,
-    "clipscore": clipscore_reward,
-    "aesthetic": aesthetic_reward,
-    "ocr": ocr_reward,
-    "geneval": geneval_reward,
-}
-
-
-def build_rewards(names, opts, extra=None):
-    """Reward callables in the order of names (a list or "a,b,c"). extra: {name: reward callable},
-    e.g. the shapes world's REWARDS; its names shadow REWARD_MODELS. Raises ValueError on an
-    unknown or repeated name, listing the known ones."""
-    names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
-    extra = dict(extra or {})
-    known = sorted(set(REWARD_MODELS) | set(extra))
-    fix = f"fix the flag, e.g. --rewards {','.join(known[:3])}; known rewards: {', '.join(known)}"
-    if not names or len(set(names)) != len(names):
-        raise ValueError(f"rewards must be distinct and at least one, got {names}; {fix}")
-    for name in names:
-        if name not in extra and name not in REWARD_MODELS:
-            raise ValueError(f"unknown reward {name!r}; {fix}")
-    return [extra[n] if n in extra else REWARD_MODELS[n](opts) for n in names]
+# A reward is a callable (images: list of PIL, prompts: list of str) -> np.ndarray (N,). The
+# embedded model's are programs (shapes_world.REWARDS); the real reward models (PickScore,
+# CLIPScore, aesthetic, OCR, GenEval) live in reward_models.py, shared by both scripts.
 
 
 def reward_extras(model, extra=None):
@@ -923,14 +659,15 @@ def encode(pipe, prompts, max_len, device):
 
 def velocity(transformer, x, s, emb, pooled, chunk=64):
     """v(x_t, t, c) of the active adapter; x (N, C, h, w) float32, s (N,) sigmas in [0, 1],
-    emb/pooled already indexed per sample. The transformer takes timestep = 1000 s. Returns float32."""
+    emb/pooled already indexed per sample. The transformer takes timestep = 1000 s (float32, as the
+    SD3 pipeline passes it, whatever the weights' dtype). Returns float32."""
     import torch
 
     dtype = emb.dtype
     outs = []
     for i in range(0, len(x), chunk):
         sl = slice(i, i + chunk)
-        outs.append(transformer(hidden_states=x[sl].to(dtype), timestep=(s[sl] * 1000).to(dtype), encoder_hidden_states=emb[sl],
+        outs.append(transformer(hidden_states=x[sl].to(dtype), timestep=s[sl] * 1000, encoder_hidden_states=emb[sl],
                                 pooled_projections=pooled[sl], return_dict=False)[0].float())
     return torch.cat(outs)
 
@@ -968,7 +705,7 @@ def tree_rollout(transformer, emb, pooled, sigmas, n_roots, n_branch, branch, sd
     return x, groups.numpy(), np.stack(ancestry, 1), probes
 
 
-def decode(pipe, latents, chunk=32):
+def decode(pipe, latents, chunk=8):
     """Latents (scaled as the transformer sees them) -> list of PIL images."""
     import torch
 

@@ -22,6 +22,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 import recast
+import reward_models
 import rvge
 
 # -----------------------------------------------------------------------------
@@ -661,25 +662,25 @@ def _forward(path, images, prompts):
 
 
 def test_import_loads_no_model():
-    code = "import recast, sys; assert not {'torch', 'transformers', 'rapidocr_onnxruntime'} & set(sys.modules)"
+    code = "import recast, rvge, reward_models, sys; assert not {'torch', 'transformers', 'rapidocr_onnxruntime'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(recast.__file__))
 
 
 def test_unknown_or_repeated_name_lists_known_rewards():
     with pytest.raises(ValueError, match=r"unknown reward 'pickscor'.*--rewards.*aesthetic, clipscore, count"):
-        recast.build_rewards("pickscor,ocr", None, extra={"count": lambda i, p: np.zeros(len(i))})
+        reward_models.build_rewards("pickscor,ocr", None, extra={"count": lambda i, p: np.zeros(len(i))})
     with pytest.raises(ValueError, match="distinct"):
-        recast.build_rewards(["ocr", "ocr"], None)
+        reward_models.build_rewards(["ocr", "ocr"], None)
 
 
 def test_extra_rewards_keep_order_and_load_nothing():
     a, b = (lambda i, p: np.ones(len(i))), (lambda i, p: np.zeros(len(i)))
-    assert recast.build_rewards(["b", "a"], None, extra={"a": a, "b": b}) == [b, a]
+    assert reward_models.build_rewards(["b", "a"], None, extra={"a": a, "b": b}) == [b, a]
 
 
 def test_clipscore_is_the_cosine_of_the_model(tiny_clip):
     images = _images(4)
-    (reward,) = recast.build_rewards(["clipscore"], _opts(tiny_clip))
+    (reward,) = reward_models.build_rewards(["clipscore"], _opts(tiny_clip))
     got = reward(images, PROMPTS)
     cos, _ = _forward(tiny_clip, images, PROMPTS)
     assert got.dtype == np.float64 and got.shape == (4,)
@@ -689,22 +690,22 @@ def test_clipscore_is_the_cosine_of_the_model(tiny_clip):
 def test_pickscore_scale_batching_and_cache(tiny_clip):
     images = _images(2, seed=1)
     images, prompts = images * 18, PROMPTS[:2] * 18  # 36 images: two chunks of REWARD_BATCH = 32
-    (reward,) = recast.build_rewards(["pickscore"], _opts(tiny_clip))
+    (reward,) = reward_models.build_rewards(["pickscore"], _opts(tiny_clip))
     got = reward(images, prompts)
     assert got.shape == (36,) and np.isfinite(got).all()
     np.testing.assert_allclose(got, np.tile(got[:2], 18), atol=1e-6)  # same pair, same score, any chunk
     cos, scale = _forward(tiny_clip, images[:2], prompts[:2])
     np.testing.assert_allclose(got[:2], scale * cos / 26, atol=1e-5)
-    info = recast.load_clip.cache_info()
-    recast.build_rewards(["pickscore"], _opts(tiny_clip))
-    assert recast.load_clip.cache_info().hits == info.hits + 1 and recast.load_clip.cache_info().misses == info.misses
+    info = reward_models.load_clip.cache_info()
+    reward_models.build_rewards(["pickscore"], _opts(tiny_clip))
+    assert reward_models.load_clip.cache_info().hits == info.hits + 1 and reward_models.load_clip.cache_info().misses == info.misses
 
 
 @pytest.mark.parametrize("fmt", ["pth", "safetensors"])
 def test_aesthetic_is_mlp_of_normalised_image_embedding(tiny_clip, tmp_path, fmt):
     import torch
     torch.manual_seed(1)
-    mlp = recast.aesthetic_mlp(16).eval()  # the tiny CLIP's projection size
+    mlp = reward_models.aesthetic_mlp(16).eval()  # the tiny CLIP's projection size
     for p in mlp.parameters():
         torch.nn.init.normal_(p, std=0.2)
     path = tmp_path / f"mlp.{fmt}"
@@ -715,10 +716,10 @@ def test_aesthetic_is_mlp_of_normalised_image_embedding(tiny_clip, tmp_path, fmt
         save_file({k: v.contiguous() for k, v in mlp.state_dict().items()}, str(path))
     images = _images(3, seed=2)
     with pytest.raises(ValueError, match="--aesthetic-mlp"):
-        recast.build_rewards(["aesthetic"], _opts(tiny_clip, aesthetic_mlp=""))  # recast.py's Args default
-    (reward,) = recast.build_rewards(["aesthetic"], _opts(tiny_clip, aesthetic_mlp=str(path), dtype=""))
+        reward_models.build_rewards(["aesthetic"], _opts(tiny_clip, aesthetic_mlp=""))  # recast.py's Args default
+    (reward,) = reward_models.build_rewards(["aesthetic"], _opts(tiny_clip, aesthetic_mlp=str(path), dtype=""))
     got = reward(images, PROMPTS[:3])
-    model, proc = recast.load_clip(tiny_clip, tiny_clip, "cpu", "float32", True)
+    model, proc = reward_models.load_clip(tiny_clip, tiny_clip, "cpu", "float32", True)
     with torch.no_grad():
         emb = model.get_image_features(**proc(images=images, return_tensors="pt")).pooler_output
         want = mlp(emb / emb.norm(dim=-1, keepdim=True))[:, 0].double().numpy()
@@ -728,14 +729,14 @@ def test_aesthetic_is_mlp_of_normalised_image_embedding(tiny_clip, tmp_path, fmt
 
 
 def test_ocr_formula_by_hand():
-    assert recast.ocr_target('a sign that says "Hello World" in neon') == "Hello World"
-    assert recast.ocr_target("no quotes here") is None
-    assert recast.ocr_score("HELLOWORLD", "hello world") == 1.0  # spaces and case ignored
-    assert recast.ocr_score("xx hello world yy", "Hello World") == 1.0  # substring: d = 0
-    assert recast.ocr_score("HELL0", "hello") == pytest.approx(0.8)  # one substitution: 1 - 1/5
-    assert recast.ocr_score("", "hello") == 0.0  # d = 5 = |target|
-    assert recast.ocr_score("abcdefghijklmnop", "hello") == 0.0  # d clipped at |target|
-    assert np.isnan(recast.ocr_score("hello", " "))
+    assert reward_models.ocr_target('a sign that says "Hello World" in neon') == "Hello World"
+    assert reward_models.ocr_target("no quotes here") is None
+    assert reward_models.ocr_score("HELLOWORLD", "hello world") == 1.0  # spaces and case ignored
+    assert reward_models.ocr_score("xx hello world yy", "Hello World") == 1.0  # substring: d = 0
+    assert reward_models.ocr_score("HELL0", "hello") == pytest.approx(0.8)  # one substitution: 1 - 1/5
+    assert reward_models.ocr_score("", "hello") == 0.0  # d = 5 = |target|
+    assert reward_models.ocr_score("abcdefghijklmnop", "hello") == 0.0  # d clipped at |target|
+    assert np.isnan(reward_models.ocr_score("hello", " "))
 
 
 def _render(text):
@@ -745,7 +746,7 @@ def _render(text):
 
 
 def test_ocr_reads_rendered_text():
-    (reward,) = recast.build_rewards(["ocr"], None)
+    (reward,) = reward_models.build_rewards(["ocr"], None)
     got = reward([_render("HELLO"), _render(""), _render("WORLD"), _render("HELLO")],
                  ['A sign that says "HELLO"'] * 3 + ["a sign with no quoted text"])
     assert got[0] > 0.99  # read back exactly
@@ -800,11 +801,11 @@ def test_geneval_client_decodes_server_scores(geneval_server, tmp_path):
     url = f"http://127.0.0.1:{geneval_server.server_address[1]}"
     red, black = Image.new("RGB", (16, 16), (255, 0, 0)), Image.new("RGB", (16, 16), (0, 0, 0))
     images, prompts = [red if i % 2 else black for i in range(70)], [f"p{i}" for i in range(70)]
-    (reward,) = recast.build_rewards(["geneval"], SimpleNamespace(geneval_url=url, geneval_metadata=str(meta)))
+    (reward,) = reward_models.build_rewards(["geneval"], SimpleNamespace(geneval_url=url, geneval_metadata=str(meta)))
     got = reward(images, prompts)
     np.testing.assert_allclose(got, [(i % 2) * i / 70 for i in range(70)])
     assert geneval_server.batches == [(64, True), (6, True)]
-    (strict,) = recast.build_rewards(["geneval"], dict(geneval_url=url, geneval_metadata=str(meta), geneval_key="strict_rewards"))
+    (strict,) = reward_models.build_rewards(["geneval"], dict(geneval_url=url, geneval_metadata=str(meta), geneval_key="strict_rewards"))
     assert strict([red, black, red], ["full", "full", "p1"]).tolist() == [1.0, 0.0, 0.0]
     with pytest.raises(RuntimeError, match="(?s)answered 500.*KeyError"):
         reward([red], ["bad"])
@@ -814,11 +815,11 @@ def test_geneval_client_decodes_server_scores(geneval_server, tmp_path):
 
 def test_geneval_needs_metadata_a_valid_key_and_a_server():
     with pytest.raises(ValueError, match="--geneval-metadata"):
-        recast.build_rewards(["geneval"], None)
+        reward_models.build_rewards(["geneval"], None)
     with pytest.raises(ValueError, match="--geneval-key"):
-        recast.build_rewards(["geneval"], dict(geneval_key="score"))
+        reward_models.build_rewards(["geneval"], dict(geneval_key="score"))
     with pytest.raises(RuntimeError, match="no GenEval server"):
-        recast.geneval_request("http://127.0.0.1:9", [Image.new("RGB", (8, 8))], [{}], retries=1, timeout=2)
+        reward_models.geneval_request("http://127.0.0.1:9", [Image.new("RGB", (8, 8))], [{}], retries=1, timeout=2)
 
 
 # -----------------------------------------------------------------------------
