@@ -835,3 +835,58 @@ def test_toy_gaussian_quick_passes_every_check(tmp_path, capsys):
     passed = re.search(r"(\d+)/(\d+) passed", table)
     assert "FAIL" not in table and passed and passed.group(1) == passed.group(2) and int(passed.group(2)) >= 40
     assert len(list(tmp_path.glob("*.png"))) >= 5
+
+
+# -----------------------------------------------------------------------------
+# The embedded model (assets/shapes-sd3) with both scripts
+# -----------------------------------------------------------------------------
+
+
+def linear_latent_cosines(pipe_path, prompts, max_len, seed=0):
+    """Directions of rvge from one batch of tree rollouts, for a reward linear in the clean latents
+    R = w . x0: the cosine of each group's direction with the reward's gradient w, per bandwidth."""
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(pipe_path, local_files_only=True)
+    pipe.scheduler.set_timesteps(10)
+    emb, pooled = rvge.encode(pipe, prompts, max_len, "cpu")
+    tr = pipe.transformer
+    shape = (tr.config.in_channels, tr.config.sample_size, tr.config.sample_size)
+    gen = torch.Generator().manual_seed(seed)
+    leaves, groups, ancestry, _ = rvge.tree_rollout(tr, emb, pooled, pipe.scheduler.sigmas.float(), 4, 4, [7], 0.7, gen, shape)
+    w = torch.randn(leaves[0].numel(), generator=gen)
+    R = leaves.flatten(1) @ w
+    out = {}
+    for bandwidth, local in (("broad", False), ("local", True)):
+        ids = rvge.regression_groups(groups, ancestry, local)
+        d = rvge.group_directions(leaves, R, ids).flatten(1)
+        first = [np.flatnonzero(ids == g)[0] for g in np.unique(ids)]
+        out[bandwidth] = torch.nn.functional.cosine_similarity(d[first], w[None], dim=1).numpy()
+    return out
+
+
+def test_rvge_direction_follows_a_linear_latent_reward_on_the_embedded_model():
+    import shapes_world
+
+    cos = linear_latent_cosines(recast.EMBEDDED_MODEL, shapes_world.sample_prompts(6, "train", 0), shapes_world.GEN_KWARGS["max_sequence_length"])
+    for bandwidth, c in cos.items():
+        print(f"{bandwidth}: mean cosine {c.mean():.3f} ± {c.std() / np.sqrt(len(c)):.3f} over {len(c)} groups")
+        assert c.mean() > 3 * c.std() / np.sqrt(len(c)) and c.mean() > 0.02
+
+
+def test_bench_quick_runs_every_method_on_the_embedded_model(tmp_path):
+    """bench.py --quick: both scripts' main loops on the embedded model with its default rewards."""
+    import bench
+
+    results = bench.main(["--quick", "--out", str(tmp_path)])
+    by_method = results["0.4,0.3,0.2,0.1"]
+    assert set(by_method) == set(bench.METHODS)
+    for method, runs in by_method.items():
+        rows = runs[0]
+        assert [m["iteration"] for m in rows] == [0, 1]
+        W = np.array(rows[-1]["recast/W"])
+        assert np.abs(W.sum(1) - [0.4, 0.3, 0.2, 0.1]).max() < 1e-9 and np.abs(W.sum(0) - 0.1).max() < 1e-9
+        assert any(k.startswith("eval/judge/") for k in rows[-1]), "held-out judges were not evaluated"
+    table = (tmp_path / "table.md").read_text()
+    assert "speed-up vs nft" in table and all(f"| {m} |" in table for m in bench.METHODS)
+    assert (tmp_path / "reward_vs_time_0.4_0.3_0.2_0.1.png").exists()
