@@ -157,7 +157,8 @@ def pair_moments(r, groups, ancestry):
     """Sufficient statistics of the `pairs` estimator (alpha = 2), summable across processes.
 
     For leaves a, b of one prompt group whose trajectories split at level l,
-    E[r_a r_b] = E[h_{t_l}^2] (they are independent given x_{t_l}); different
+    E[r_a r_b] = E[h_{t_l}^2] (they are independent given x_{t_l}, and sample x0 | x_{t_l}
+    when the continuation is the exact reverse SDE, a = sqrt(2): derivations.ipynb §7); different
     roots give Z^2 (level 0), a leaf with itself gives E[r^2] (t = 0).
     r (N, K); groups (N,); ancestry (N, L+1).
     Returns (sums (K, L+2), counts (L+2,)): sum of r_a r_b and number of ordered
@@ -383,7 +384,7 @@ class Args:
     rewards: str = field(default="", metadata={"help": "comma-separated reward names, in budget order (default for the embedded model: its four default rewards)"})
     budgets: str = field(default="0.4,0.3,0.2,0.1", metadata={"help": "reward budgets lambda_k, one per reward (W's row sums)"})
     credit: str = field(default="recast", metadata={"help": "recast: W from Renyi gains; uniform: W = lambda / T (per-reward normalisation); nft: DiffusionNFT's raw weighted sum", "choices": ["recast", "uniform", "nft"]})
-    gain_estimator: str = field(default="pairs", metadata={"help": "pairs: branched-rollout pair products (alpha = 2, unbiased); denoised: rewards of decoded x0_hat at the branch steps (any alpha, biased)", "choices": ["pairs", "denoised"]})
+    gain_estimator: str = field(default="pairs", metadata={"help": "pairs: branched-rollout pair products (alpha = 2, unbiased with --sde-a sqrt(2)); denoised: rewards of decoded x0_hat at the branch steps (any alpha, biased)", "choices": ["pairs", "denoised"]})
     alpha: float = field(default=2.0, metadata={"help": "Renyi order (pairs needs 2; 1 is the KL limit)"})
     tau: float = field(default=1.0, metadata={"help": "temperature of the profile in W's kernel lambda_k P~^tau (0: uniform W)"})
     eps: float = field(default=1e-3, metadata={"help": "profile smoothing P~ = (1 - eps) P + eps / T (> 0 keeps W unique)"})
@@ -394,7 +395,7 @@ class Args:
     n_branch: int = field(default=2, metadata={"help": "copies made of every state at each branch step"})
     branch_steps: str = field(default="3,6", metadata={"help": "sampler steps j (0 < j < T - 1) at which states branch; group size = n_roots * n_branch^len"})
     steps: int = field(default=10, metadata={"help": "sampler steps T (= columns of W = training timesteps)"})
-    sde_a: float = field(default=0.7, metadata={"help": "SDE noise level a after the first branch (g = a sqrt(s / (1 - s)))"})
+    sde_a: float = field(default=math.sqrt(2), metadata={"help": "SDE noise level a after the first branch, g = a sqrt(s / (1 - s)); sqrt(2) (default) is the exact reversal of the noising, so branches sample x0 | x_t (the pairs estimator and kappa transfer need it; FlowGRPO uses 0.7)"})
     resolution: int = field(default=0, metadata={"help": "image size in pixels (0: the model's default, 512 for SD3.5-M)"})
     max_sequence_length: int = field(default=0, metadata={"help": "T5 tokens (0: the model's default)"})
     nft_b: float = field(default=1.0, metadata={"help": "DiffusionNFT guidance strength b in v+- = v_old +- b (v_theta - v_old)"})

@@ -121,7 +121,8 @@ def pair_moments(r, groups, ancestry):
     """Sufficient statistics of the `pairs` estimator (alpha = 2), summable across processes.
 
     For leaves a, b of one prompt group whose trajectories split at level l,
-    E[r_a r_b] = E[h_{t_l}^2] (they are independent given x_{t_l}); different
+    E[r_a r_b] = E[h_{t_l}^2] (they are independent given x_{t_l}, and sample x0 | x_{t_l}
+    when the continuation is the exact reverse SDE, a = sqrt(2): derivations.ipynb §7); different
     roots give Z^2 (level 0), a leaf with itself gives E[r^2] (t = 0).
     r (N, K); groups (N,); ancestry (N, L+1).
     Returns (sums (K, L+2), counts (L+2,)): sum of r_a r_b and number of ordered
@@ -291,9 +292,10 @@ def shifted_sigmas(T, shift=3.0):
 def value_direction(x0, rewards, beta=None, eta=1.0):
     """Tilted posterior-mean shift d_B from one group of posterior samples (DESIGN §4.2).
 
-    First order (beta None): d_B = eta (1/G) sum_i (R_i - R_bar)(x0_i - x0_bar),
-    the centred cross-covariance Cov(x0, R | x_t), i.e. the first variation of
-    E[x0 | x_t] under the tilt exp(eta R).
+    First order (beta None): d_B = eta 1/(G-1) sum_i (R_i - R_bar)(x0_i - x0_bar), the unbiased
+    centred cross-covariance Cov(x0, R | x_t) (1/G would shrink it by (G-1)/G: by half for the
+    2-leaf local groups; derivations.ipynb §10), i.e. the first variation of E[x0 | x_t] under
+    the tilt exp(eta R). A single sample (G = 1) gives zero.
     With a trajectory-KL penalty beta > 0: d_B = sum_i softmax(R / beta)_i x0_i - x0_bar,
     the self-normalised estimate of E*[x0 | x_t] - E[x0 | x_t] under p* ∝ p exp(R / beta)
     (derivations.ipynb §9). A group whose rewards all tie gives exactly zero.
@@ -304,7 +306,7 @@ def value_direction(x0, rewards, beta=None, eta=1.0):
     R = rewards - rewards.mean()
     centred = x0 - x0.mean(0)
     if beta is None:
-        weights = eta * R / len(R)
+        weights = eta * R / max(len(R) - 1, 1)
     else:
         z = R / beta
         weights = np.exp(z - z.max()) if isinstance(z, np.ndarray) else (z - z.max()).exp()
@@ -423,7 +425,7 @@ class Args:
     n_branch: int = field(default=2, metadata={"help": "copies made of every state at each branch step"})
     branch_steps: str = field(default="7", metadata={"help": "sampler steps j (0 < j < T - 1) at which states branch; group size = n_roots * n_branch^len"})
     steps: int = field(default=10, metadata={"help": "sampler steps T (= columns of W = training timesteps)"})
-    sde_a: float = field(default=0.7, metadata={"help": "SDE noise level a after the first branch (g = a sqrt(s / (1 - s)))"})
+    sde_a: float = field(default=math.sqrt(2), metadata={"help": "SDE noise level a after the first branch, g = a sqrt(s / (1 - s)); sqrt(2) (default) is the exact reversal of the noising, so branches sample x0 | x_t (the pairs estimator and kappa transfer need it; FlowGRPO uses 0.7)"})
     resolution: int = field(default=0, metadata={"help": "image size in pixels (0: the model's default, 512 for SD3.5-M)"})
     max_sequence_length: int = field(default=0, metadata={"help": "T5 tokens (0: the model's default)"})
     base_reg: float = field(default=1e-4, metadata={"help": "weight of the velocity MSE to the frozen base model"})

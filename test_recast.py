@@ -289,8 +289,9 @@ def test_mixture_with_one_reward_is_diffusionnft_and_uniform_is_per_reward_norma
 def test_value_direction_by_hand_and_ties():
     x0 = np.array([[0.0, 1.0], [2.0, 1.0], [4.0, 4.0]])
     R = np.array([0.0, 1.0, 2.0])
-    # centred: R - 1 = (-1, 0, 1); x0 - mean = ((-2,-1), (0,-1), (2,2)); (1/3) sum = (4/3, 1)
-    assert np.allclose(rvge.value_direction(x0, R), [4 / 3, 1.0])
+    # centred: R - 1 = (-1, 0, 1); x0 - mean = ((-2,-1), (0,-1), (2,2)); 1/(G-1) sum = (4, 3) / 2
+    assert np.allclose(rvge.value_direction(x0, R), [2.0, 1.5])
+    assert np.array_equal(rvge.value_direction(x0[:1], R[:1]), np.zeros(2))  # one sample: no contrast
     assert np.array_equal(rvge.value_direction(x0, np.ones(3)), np.zeros(2))
     assert np.array_equal(rvge.value_direction(x0, np.ones(3), beta=0.1), np.zeros(2))
     w = np.exp(R / 0.5) / np.exp(R / 0.5).sum()
