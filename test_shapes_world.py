@@ -1,0 +1,208 @@
+"""Tests for the shapes world, its rewards, judges and the shipped pipeline (CPU, < 1 min).
+
+Fast to slow: grammar and rendering; checker on ground truth and on hand-made wrong
+images; reward values computed by hand; judges; the shipped assets load offline,
+generate with GEN_KWARGS and reproduce exactly.
+"""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import shapes_world as sw
+
+
+# ------------------------------------------------------------ world ----
+def test_import_is_cheap():
+    code = "import sys, shapes_world; assert 'torch' not in sys.modules and 'diffusers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=sw.ROOT)
+
+
+def test_grammar_and_splits():
+    caps = sw.all_captions()
+    assert len(caps) == len(set(caps)) == 132
+    train, held = set(sw.SPLITS["train"]), set(sw.SPLITS["heldout"])
+    assert train.isdisjoint(held) and train | held == set(caps)
+    assert {sw._template(c) for c in held} == set(sw.TEMPLATES)  # every template has held-out captions
+    train_words = {w for c in train for w in c.split()}
+    assert {w for c in held for w in c.split()} <= train_words  # held out = new combinations only
+    for cap in caps:  # every caption fits in 10 tokens (CLIP adds 2, T5 adds 1)
+        assert len(cap.split()) <= sw.TEXT_LEN - 2
+
+
+def test_sample_prompts_deterministic():
+    a = sw.sample_prompts(50, "heldout", seed=3)
+    assert a == sw.sample_prompts(50, "heldout", seed=3)
+    assert a != sw.sample_prompts(50, "heldout", seed=4)
+    assert set(a) <= set(sw.SPLITS["heldout"])
+    assert set(sw.sample_prompts(50, "train", 0)) <= set(sw.SPLITS["train"])
+
+
+def test_parse_prompt():
+    assert sw.parse_prompt("two red circles") == {"objects": [("red", "circle")] * 2, "side": None}
+    assert sw.parse_prompt("a blue square on the left") == {"objects": [("blue", "square")], "side": "left"}
+    assert sw.parse_prompt("a green triangle and a yellow circle")["objects"] == [("green", "triangle"),
+                                                                                ("yellow", "circle")]
+    with pytest.raises(ValueError):
+        sw.parse_prompt("a photo of a cat")
+
+
+def test_render_deterministic():
+    p = "three blue triangles"
+    a, b = np.asarray(sw.render(p, 5)), np.asarray(sw.render(p, 5))
+    assert a.shape == (32, 32, 3) and np.array_equal(a, b)
+    assert not np.array_equal(a, np.asarray(sw.render(p, 6)))
+
+
+# ---------------------------------------------------------- checker ----
+@pytest.mark.parametrize("split", ["train", "heldout"])
+def test_checker_on_ground_truth(split):
+    prompts = sw.sample_prompts(300, split, seed=11)
+    imgs = [sw.render(p, 500 + i) for i, p in enumerate(prompts)]
+    assert sw.REWARDS["geneval_strict"](imgs, prompts).mean() >= 0.99
+    assert sw.REWARDS["geneval"](imgs, prompts).mean() >= 0.995
+
+
+@pytest.mark.parametrize("prompt,wrong,attr", [
+    ("two red circles", "two blue circles", "colour"),       # wrong colour
+    ("two red circles", "three red circles", "count"),       # wrong count
+    ("two red circles", "two red squares", "shape"),         # wrong shape
+    ("a green triangle and a yellow circle", "a green triangle and a yellow square", "shape"),
+    ("a blue square on the left", "a blue square on the right", "position"),  # wrong position
+])
+def test_checker_catches_wrong_images(prompt, wrong, attr):
+    for seed in range(5):
+        img = sw.render(wrong, seed)  # image drawn for a different prompt
+        assert sw.check(img, wrong)["strict"] == 1.0
+        c = sw.check(img, prompt)
+        assert c["strict"] == 0.0 and c[attr] < 1.0 and c["partial"] < 1.0
+
+
+def test_checker_blank_image():
+    blank = Image.new("RGB", (32, 32), (240, 240, 240))
+    c = sw.check(blank, "a red circle")
+    assert c["strict"] == 0.0 and c["count"] == 0.0 and c["partial"] == 0.0
+
+
+# ---------------------------------------------------------- rewards ----
+def _step_edge():
+    a = np.zeros((32, 32, 3), np.uint8)
+    a[:, 16:] = 255
+    return Image.fromarray(a)
+
+
+def test_reward_interface_and_ranges():
+    prompts = sw.sample_prompts(20, "train", 2)
+    imgs = [sw.render(p, i) for i, p in enumerate(prompts)]
+    for name, fn in sw.REWARDS.items():
+        r = fn(imgs, prompts)
+        assert r.shape == (20,) and r.dtype == np.float64 and np.isfinite(r).all(), name
+    assert (0 <= sw.REWARDS["geneval"](imgs, prompts)).all()
+    assert set(np.unique(sw.REWARDS["geneval_strict"](imgs, prompts))) <= {0.0, 1.0}
+    s = sw.REWARDS["saturation"](imgs, prompts)
+    assert ((0 <= s) & (s <= 1)).all()
+    assert (sw.REWARDS["jpeg"](imgs, prompts) <= 1).all()
+    assert 0.5 < sw.REWARDS["sharpness"](imgs, prompts).mean() < 3  # O(1) on ground truth
+    assert sw.DEFAULT_REWARDS and set(sw.DEFAULT_REWARDS) <= set(sw.REWARDS)
+    assert len(sw.DEFAULT_REWARDS) == len(sw.DEFAULT_BUDGETS) == 4
+
+
+def test_reward_known_values():
+    flat = Image.new("RGB", (32, 32), (128, 128, 128))
+    p = ["a red circle"]
+    assert sw.REWARDS["sharpness"]([flat], p)[0] == 0.0
+    assert sw.REWARDS["jpeg"]([flat], p)[0] == 1.0
+    assert sw.REWARDS["saturation"]([flat], p)[0] == 0.0
+    # step edge 0 -> 1: |lap| = 1 on 2 of the 30 interior columns -> mean 1/15, / SHARP_SCALE
+    assert sw.REWARDS["sharpness"]([_step_edge()], p)[0] == pytest.approx((1 / 15) / sw.SHARP_SCALE)
+    half = np.full((32, 32, 3), 255, np.uint8)
+    half[:, :16] = (255, 0, 0)  # pure red (saturation 1) next to white (saturation 0)
+    assert sw.REWARDS["saturation"]([Image.fromarray(half)], p)[0] == pytest.approx(0.5)
+    # sharpness and compressibility conflict: the edge is sharper and costs more bytes
+    assert sw.REWARDS["jpeg"]([_step_edge()], p)[0] < 1.0
+
+
+def test_rewards_any_size():
+    prompts = ["two yellow squares", "a red triangle on the right"]
+    small = [sw.render(p, i) for i, p in enumerate(prompts)]
+    big = [im.resize((512, 512), Image.NEAREST) for im in small]  # box-resizing back is exact
+    for name, fn in sw.REWARDS.items():
+        np.testing.assert_allclose(fn(big, prompts), fn(small, prompts), err_msg=name)
+
+
+# ----------------------------------------------------------- judges ----
+def test_judges_load_and_run():
+    prompts = sw.sample_prompts(64, "heldout", 5)
+    imgs = [sw.render(p, 900 + i) for i, p in enumerate(prompts)]
+    for name, fn in sw.JUDGES.items():
+        r = fn(imgs, prompts)
+        assert r.shape == (64,) and r.dtype == np.float64 and ((0 <= r) & (r <= 1)).all()
+        assert r.mean() > 0.8, name  # the judge agrees with ground truth
+        # and disagrees with mismatched prompts
+        assert fn(imgs, prompts[1:] + prompts[:1]).mean() < r.mean() - 0.1, name
+
+
+def test_frechet_distance():
+    rng = np.random.default_rng(0)
+    noise = [Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)) for _ in range(200)]
+    held = sw.sample_prompts(200, "heldout", 5)
+    held_imgs = [sw.render(p, 900 + i) for i, p in enumerate(held)]
+    fd_held, fd_noise = sw.frechet_distance(held_imgs, held), sw.frechet_distance(noise, held)
+    assert 0 <= fd_held < fd_noise / 20
+    train = sw.sample_prompts(200, "train", 6)
+    train_imgs = [sw.render(p, 900 + i) for i, p in enumerate(train)]
+    assert 0 <= sw.frechet_distance(train_imgs) < sw.frechet_distance(noise) / 20  # shipped statistics
+
+
+# --------------------------------------------------- shipped pipeline ----
+@pytest.fixture(scope="module")
+def pipe():
+    return sw.load_pipeline()  # StableDiffusion3Pipeline.from_pretrained(..., local_files_only=True)
+
+
+def test_assets_layout():
+    import json
+    index = json.loads((sw.PIPELINE_DIR / "model_index.json").read_text())
+    assert index["_class_name"] == "StableDiffusion3Pipeline"
+    for comp in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3",
+                 "tokenizer", "tokenizer_2", "tokenizer_3", "scheduler"):
+        assert comp in index, comp
+    size = sum(f.stat().st_size for f in sw.ASSETS.rglob("*") if f.is_file())
+    assert size < 20e6
+
+
+def test_pipeline_generates_and_reproduces(pipe):
+    import torch
+    from diffusers import StableDiffusion3Pipeline
+    assert isinstance(pipe, StableDiffusion3Pipeline)
+    assert pipe.scheduler.config.shift == 3.0
+    prompts = ["two red circles", "a blue square on the left"]
+    kw = {**sw.GEN_KWARGS, "num_inference_steps": 3, "output_type": "np"}
+    a = pipe(prompts, generator=torch.Generator().manual_seed(0), **kw).images
+    b = pipe(prompts, generator=torch.Generator().manual_seed(0), **kw).images
+    c = pipe(prompts, generator=torch.Generator().manual_seed(1), **kw).images
+    assert a.shape == (2, 32, 32, 3)
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    # a fresh offline reload reproduces the images exactly
+    again = sw.load_pipeline()(prompts, generator=torch.Generator().manual_seed(0), **kw).images
+    assert np.array_equal(a, again)
+
+
+def test_prompt_encoding_matches_training_length(pipe):
+    pe, pooled = sw.encode_prompts(pipe, ["two red circles"])
+    assert pe.shape == (1, 2 * sw.TEXT_LEN, 64) and pooled.shape == (1, 64)
+    ids = pipe.tokenizer("two red circles").input_ids
+    assert len(ids) == 5  # <start> two red circles <end>: one token per world word
+
+
+def test_vae_latents_standardised(pipe):
+    import torch
+    prompts = sw.sample_prompts(64, "train", 9)
+    imgs = [sw.render(p, i) for i, p in enumerate(prompts)]
+    z = sw.vae_encode(pipe.vae, imgs)
+    x = (z - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+    assert abs(float(x.mean())) < 0.3 and 0.7 < float(x.std()) < 1.3
+    recs = sw.vae_decode(pipe.vae, z)
+    assert sw.REWARDS["geneval_strict"](recs, prompts).mean() >= 0.85
