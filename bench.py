@@ -145,7 +145,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/bench", help="output folder")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per method")
-    parser.add_argument("--iterations", type=int, default=12, help="iterations per run")
+    parser.add_argument("--iterations", type=int, default=30, help="iterations per run")
     parser.add_argument("--prompts-per-iter", type=int, default=4, help="prompt groups per iteration (8 leaves each)")
     parser.add_argument("--budgets", nargs="+", default=["0.4,0.3,0.2,0.1", "0.1,0.2,0.3,0.4"], help="budget vectors")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), help="methods to run")
