@@ -849,6 +849,8 @@ def evaluate(run, args):
     metrics["eval/weighted"] = float(np.asarray(run.budgets) @ np.nanmean(R, 0) / sum(run.budgets))
     for name, fn in (run.judges or {}).items():
         metrics[f"eval/judge/{name}"] = float(np.nanmean(fn(images, run.eval_prompts)))
+    if run.frechet:
+        metrics["eval/judge/frechet"] = float(run.frechet(images, run.eval_prompts))
     return metrics, images
 
 
@@ -942,6 +944,7 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
         acc=acc, pipe=pipe, transformer=pipe.transformer, names=names, budgets=budgets, branch=branch,
         rewards=build_rewards(names, replace(args, device=str(acc.device)), reward_extras(args.model, extra_rewards)),
         judges=judges if judges is not None or world is None else world.JUDGES,
+        frechet=world.frechet_distance if world else None,  # held-out drift judge (set level)
         sigmas=pipe.scheduler.sigmas.float().cpu(),  # (T+1,), 1 -> 0: the W columns and training timesteps
         shape=(pipe.transformer.config.in_channels, res // pipe.vae_scale_factor, res // pipe.vae_scale_factor),
         opt=torch.optim.AdamW(lora_params(pipe.transformer, "default"), lr=args.lr, weight_decay=args.weight_decay),

@@ -882,6 +882,8 @@ def evaluate(run, args):
     metrics["eval/weighted"] = float(np.asarray(run.budgets) @ np.nanmean(R, 0) / sum(run.budgets))
     for name, fn in (run.judges or {}).items():
         metrics[f"eval/judge/{name}"] = float(np.nanmean(fn(images, run.eval_prompts)))
+    if run.frechet:
+        metrics["eval/judge/frechet"] = float(run.frechet(images, run.eval_prompts))
     return metrics, images
 
 
@@ -975,6 +977,7 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
         acc=acc, pipe=pipe, transformer=pipe.transformer, names=names, budgets=budgets, branch=branch,
         rewards=build_rewards(names, replace(args, device=str(acc.device)), reward_extras(args.model, extra_rewards)),
         judges=judges if judges is not None or world is None else world.JUDGES,
+        frechet=world.frechet_distance if world else None,  # held-out drift judge (set level)
         sigmas=pipe.scheduler.sigmas.float().cpu(),  # (T+1,), 1 -> 0: the W columns and training timesteps
         shape=(pipe.transformer.config.in_channels, res // pipe.vae_scale_factor, res // pipe.vae_scale_factor),
         opt=torch.optim.AdamW(lora_params(pipe.transformer, "default"), lr=args.lr, weight_decay=args.weight_decay),
@@ -1077,9 +1080,9 @@ def train(args: Args, extra_rewards=None, judges=None):
         use_local = [bw == "local" or (bw == "auto" and tie_share[k] <= args.tie_threshold) for k, bw in enumerate(bandwidths)]
         t_b = [float(run.sigmas[run.branch[-1]]) if loc else 1.0 for loc in use_local]
         x0 = b.leaves.float()
-        within = np.concatenate([(x0[b.groups == g] - x0[b.groups == g].mean(0)).pow(2).flatten().numpy() for g in np.unique(b.groups)])
-        s2 = float(run.reduce(within.sum()) / run.reduce(within.size))  # within-prompt variance per dimension
-        A_t = torch.as_tensor(A, dtype=torch.float32)
+        within = torch.cat([(x0[b.groups == g] - x0[b.groups == g].mean(0)).pow(2).flatten() for g in np.unique(b.groups)])
+        s2 = float(run.reduce(within.sum().item()) / run.reduce(within.numel()))  # within-prompt variance per dimension
+        A_t = torch.as_tensor(A, dtype=torch.float32, device=x0.device)
         directions, rvge_metrics = [], {"rvge/s2": s2}
         for k, name in enumerate(run.names):
             ids = local_ids if use_local[k] else b.groups
