@@ -400,7 +400,7 @@ def rvge_loss(v_theta, v_target, v_old, x_t, x0, t, weight):
 # Args
 # =============================================================================
 
-EMBEDDED_MODEL = "assets/shapes-sd3"
+EMBEDDED_MODEL = str(Path(__file__).resolve().parent / "assets" / "shapes-sd3")  # runs from any folder
 LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                 "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
 
