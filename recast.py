@@ -1051,7 +1051,7 @@ def train(args: Args, extra_rewards=None, judges=None):
         # 4. log, evaluate, checkpoint
         metrics = {"iteration": it, **{f"reward/{n}": float(mean_R[k]) for k, n in enumerate(run.names)},
                    "reward/weighted": float(np.asarray(budgets) @ mean_R / sum(budgets)),
-                   **{f"reward_nonfinite/{n}": int(run.reduce(len(b.R)) - n_valid[k]) for k, n in enumerate(run.names)},
+                   **dict(zip([f"reward_nonfinite/{n}" for n in run.names], (run.reduce(len(b.R)) - n_valid).astype(int).tolist())),
                    **losses, "recast/W": W.tolist(), "recast/D": D_ema.tolist(), "recast/D_iter": D_now.tolist(),
                    "recast/gains": gains.tolist(), "recast/sigmas": run.sigmas.tolist(),
                    "time/rollout": b.t_rollout - t0, "time/reward": t2 - b.t_rollout, "time/gains_W": t3 - t2, "time/update": t4 - t3}
