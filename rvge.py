@@ -916,7 +916,7 @@ def plot_run(out, names):
     ax.legend(fontsize=7)
     fig.savefig(out / "rewards.png", dpi=120, bbox_inches="tight")
     last, sig = rows[-1], np.array(rows[-1]["recast/sigmas"])
-    fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 3.6), gridspec_kw={"wspace": 0.35})
     im = axes[0].imshow(np.array(last["recast/W"]), aspect="auto", cmap="viridis")
     axes[0].set(yticks=range(len(names)), yticklabels=names, xlabel="step j (t = sigma_j)", title="W (last iteration)")
     fig.colorbar(im, ax=axes[0])
