@@ -69,17 +69,14 @@ def parse_budgets(text: str) -> list[float]:
     return out
 
 
-def optimality(rewards, groups, std=None, clip=5.0, eps=1e-4):
-    """DiffusionNFT's reward -> optimality probability, per reward column.
-
-    A = (R - mean_group R) / (std_global R + eps), A = clip(A, -clip, clip),
-    r = 0.5 + 0.5 A / clip, so r in [0, 1].
+def advantages(rewards, groups, std=None, clip=5.0, eps=1e-4):
+    """DiffusionNFT's clipped advantage, per reward column:
+    A = clip((R - mean_group R) / (std_global R + eps), -clip, clip).
     rewards (N,) or (N, K); groups (N,) prompt-group ids; std: the global std
     per reward if already reduced across processes (else computed here).
     Non-finite rewards are left out of the group means and the std and get
-    r = 0.5 (no preference). A group whose rewards all tie gets r = 0.5.
-    Returns r with the shape of rewards.
-    """
+    A = 0 (no preference); so does a group whose rewards all tie.
+    Returns A with the shape of rewards."""
     R = np.asarray(rewards, dtype=np.float64)
     squeeze = R.ndim == 1
     R = R[:, None] if squeeze else R
@@ -94,8 +91,14 @@ def optimality(rewards, groups, std=None, clip=5.0, eps=1e-4):
         n = vg.sum(0)
         mean = np.where(vg, Rg, 0.0).sum(0) / np.maximum(n, 1)
         A[rows] = np.where(vg, (np.where(vg, Rg, 0.0) - mean) / (np.asarray(std) + eps), 0.0)
-    r = 0.5 + 0.5 * np.clip(A, -clip, clip) / clip
-    return r[:, 0] if squeeze else r
+    A = np.clip(A, -clip, clip)
+    return A[:, 0] if squeeze else A
+
+
+def optimality(rewards, groups, std=None, clip=5.0, eps=1e-4):
+    """DiffusionNFT's reward -> optimality probability: r = 0.5 + 0.5 A / clip in [0, 1], A the
+    clipped advantage (`advantages`, same arguments). Non-finite rewards and tied groups get r = 0.5."""
+    return 0.5 + 0.5 * advantages(rewards, groups, std, clip, eps) / clip
 
 
 def combine_raw(rewards, budgets):
@@ -472,10 +475,11 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
-def iteration_generator(seed, iteration, device="cpu"):
+def iteration_generator(seed, iteration):
+    """The CPU generator that draws every random number of one iteration (noise moves to the device)."""
     import torch
 
-    return torch.Generator(device).manual_seed(seed * 1_000_003 + iteration)
+    return torch.Generator().manual_seed(seed * 1_000_003 + iteration)
 
 
 def validate(args: Args, extra_rewards=None):
@@ -587,7 +591,7 @@ def copy_adapter(transformer, src, dst, keep=0.0):
             p_dst.mul_(keep).add_(p_src.to(p_dst.dtype), alpha=1 - keep)
 
 
-def dry_run(args, device):
+def dry_run(args):
     """SD3.5-Medium readiness without weights: its transformer (shipped config) on the meta device,
     the LoRA attached, trainable parameters and a memory plan for one micro-batch."""
     import torch
@@ -1092,7 +1096,7 @@ def git_sha():
 def main(argv=None):
     args = parse_args(argv)
     if args.dry_run:
-        return dry_run(args, "meta")
+        return dry_run(args)
     out = train(args)
     print(f"run folder: {out}")
     return out

@@ -8,7 +8,7 @@ derivations.ipynb; design: DESIGN.md. `diff recast.py rvge.py` shows the method.
 Notation map (code name -> symbol)
     lam      (K,)      reward budgets lambda_k, not normalised; Lam = sum_k lambda_k
     sigmas   (T+1,)    sampler grid s_0 = 1 > s_1 > ... > s_T = 0 (t = 1 is pure noise)
-    A        (N, K)    normalised rewards: clipped advantages (R - group mean) / global std
+    A        (N, K)    normalised rewards: clipped advantages (R - group mean) / global std (`advantages`)
     x0       (G, ...)  clean latents of one regression group B (posterior samples of x0 | x_{t_b})
     d_B      (...)     direction at the branch time: E*[x0 | x_{t_b}] - E[x0 | x_{t_b}]
     beta               trajectory-KL weight (None: first order with step size eta, = 1 / beta)
@@ -71,17 +71,14 @@ def parse_budgets(text: str) -> list[float]:
     return out
 
 
-def optimality(rewards, groups, std=None, clip=5.0, eps=1e-4):
-    """DiffusionNFT's reward -> optimality probability, per reward column.
-
-    A = (R - mean_group R) / (std_global R + eps), A = clip(A, -clip, clip),
-    r = 0.5 + 0.5 A / clip, so r in [0, 1].
+def advantages(rewards, groups, std=None, clip=5.0, eps=1e-4):
+    """DiffusionNFT's clipped advantage, per reward column:
+    A = clip((R - mean_group R) / (std_global R + eps), -clip, clip).
     rewards (N,) or (N, K); groups (N,) prompt-group ids; std: the global std
     per reward if already reduced across processes (else computed here).
     Non-finite rewards are left out of the group means and the std and get
-    r = 0.5 (no preference). A group whose rewards all tie gets r = 0.5.
-    Returns r with the shape of rewards.
-    """
+    A = 0 (no preference); so does a group whose rewards all tie.
+    Returns A with the shape of rewards."""
     R = np.asarray(rewards, dtype=np.float64)
     squeeze = R.ndim == 1
     R = R[:, None] if squeeze else R
@@ -96,13 +93,14 @@ def optimality(rewards, groups, std=None, clip=5.0, eps=1e-4):
         n = vg.sum(0)
         mean = np.where(vg, Rg, 0.0).sum(0) / np.maximum(n, 1)
         A[rows] = np.where(vg, (np.where(vg, Rg, 0.0) - mean) / (np.asarray(std) + eps), 0.0)
-    r = 0.5 + 0.5 * np.clip(A, -clip, clip) / clip
-    return r[:, 0] if squeeze else r
+    A = np.clip(A, -clip, clip)
+    return A[:, 0] if squeeze else A
 
 
-# =============================================================================
-# Math: ReCAST's Renyi gains, for --credit recast (DESIGN §3.2-3.3, pairs estimator only)
-# =============================================================================
+def optimality(rewards, groups, std=None, clip=5.0, eps=1e-4):
+    """DiffusionNFT's reward -> optimality probability: r = 0.5 + 0.5 A / clip in [0, 1], A the
+    clipped advantage (`advantages`, same arguments). Non-finite rewards and tied groups get r = 0.5."""
+    return 0.5 + 0.5 * advantages(rewards, groups, std, clip, eps) / clip
 
 
 def split_levels(ancestry):
@@ -501,10 +499,11 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
-def iteration_generator(seed, iteration, device="cpu"):
+def iteration_generator(seed, iteration):
+    """The CPU generator that draws every random number of one iteration (noise moves to the device)."""
     import torch
 
-    return torch.Generator(device).manual_seed(seed * 1_000_003 + iteration)
+    return torch.Generator().manual_seed(seed * 1_000_003 + iteration)
 
 
 def validate(args: Args, extra_rewards=None):
@@ -624,7 +623,7 @@ def copy_adapter(transformer, src, dst, keep=0.0):
             p_dst.mul_(keep).add_(p_src.to(p_dst.dtype), alpha=1 - keep)
 
 
-def dry_run(args, device):
+def dry_run(args):
     """SD3.5-Medium readiness without weights: its transformer (shipped config) on the meta device,
     the LoRA attached, trainable parameters and a memory plan for one micro-batch."""
     import torch
@@ -1067,8 +1066,8 @@ def train(args: Args, extra_rewards=None, judges=None):
             bad = [n for n, c in zip(run.names, n_valid) if c == 0]
             raise SystemExit(f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; checkpoint saved in {run.out}. "
                              f"Fix the reward, then continue with --resume {run.out}")
-        r = optimality(b.R, b.groups, std=std)
-        A = 10.0 * (r - 0.5)  # back to clipped advantages, in global-std units (NaN rewards: 0)
+        A = advantages(b.R, b.groups, std=std)  # clipped, in global-std units (NaN rewards: 0)
+        r = optimality(b.R, b.groups, std=std)  # for the pairs estimator of --credit recast
         D_now = (renyi_grid(r, b.groups, b.ancestry, run.sigmas.double().numpy(), run.branch, run.reduce)
                  if run.branch and args.n_roots > 1 else np.zeros((K, T + 1)))
         D_ema = D_now if D_ema is None else args.gain_ema * D_ema + (1 - args.gain_ema) * D_now
@@ -1080,7 +1079,7 @@ def train(args: Args, extra_rewards=None, judges=None):
         use_local = [bw == "local" or (bw == "auto" and tie_share[k] <= args.tie_threshold) for k, bw in enumerate(bandwidths)]
         t_b = [float(run.sigmas[run.branch[-1]]) if loc else 1.0 for loc in use_local]
         x0 = b.leaves.float()
-        within = torch.cat([(x0[b.groups == g] - x0[b.groups == g].mean(0)).pow(2).flatten() for g in np.unique(b.groups)])
+        within = torch.cat([(xg - xg.mean(0)).pow(2).flatten() for xg in (x0[b.groups == g] for g in np.unique(b.groups))])
         s2 = float(run.reduce(within.sum().item()) / run.reduce(within.numel()))  # within-prompt variance per dimension
         A_t = torch.as_tensor(A, dtype=torch.float32, device=x0.device)
         directions, rvge_metrics = [], {"rvge/s2": s2}
@@ -1143,7 +1142,7 @@ def git_sha():
 def main(argv=None):
     args = parse_args(argv)
     if args.dry_run:
-        return dry_run(args, "meta")
+        return dry_run(args)
     out = train(args)
     print(f"run folder: {out}")
     return out
