@@ -41,7 +41,7 @@ def run_all(args):
                 out = Path(args.out) / "runs" / f"{budgets.replace(',', '_')}-{method}-{seed}"
                 argv = ["--budgets", budgets, "--seed", str(seed), "--iterations", str(args.iterations), "--out", str(out),
                         "--prompts-per-iter", str(args.prompts_per_iter), "--eval-every", str(args.iterations),
-                        "--save-every", str(args.iterations), "--n-roots", "4", "--n-branch", "2", "--branch-steps", "7", *flags]
+                        "--save-every", str(args.iterations), "--overwrite", "--n-roots", "4", "--n-branch", "2", "--branch-steps", "7", *flags]
                 module.train(module.parse_args(argv))
                 results[budgets][method].append([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()])
     return results
@@ -148,11 +148,16 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="1 seed, 2 iterations, 1 prompt, first budget vector only")
     parser.add_argument("--tables-only", action="store_true", help="recompute table.md and figures from --out's results.json")
     args = parser.parse_args(argv)
+    for flag in ("seeds", "iterations", "prompts_per_iter"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give at least 1")
     if args.quick:
         args.seeds, args.iterations, args.prompts_per_iter, args.budgets = 1, 2, 1, args.budgets[:1]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.tables_only:
+        if not (out / "results.json").is_file():
+            parser.error(f"--tables-only: no {out / 'results.json'} yet; run the benchmark first (without --tables-only)")
         results = json.loads((out / "results.json").read_text())
     else:
         results = run_all(args)

@@ -66,6 +66,8 @@ def parse_budgets(text: str) -> list[float]:
         out.append(value)
     if sum(out) <= 0:
         raise ValueError(f"all budgets are zero: at least one reward needs a positive budget; {fix}")
+    if not math.isfinite(sum(out)):
+        raise ValueError(f"budgets sum to {sum(out)}: only their ratios matter, so scale them down; {fix}")
     return out
 
 
@@ -388,40 +390,41 @@ class Args:
     budgets: str = field(default="0.4,0.3,0.2,0.1", metadata={"help": "reward budgets lambda_k, one per reward (W's row sums)"})
     credit: str = field(default="recast", metadata={"help": "recast: W from Renyi gains; uniform: W = lambda / T (per-reward normalisation); nft: DiffusionNFT's raw weighted sum", "choices": ["recast", "uniform", "nft"]})
     gain_estimator: str = field(default="pairs", metadata={"help": "pairs: branched-rollout pair products (alpha = 2, unbiased with --sde-a sqrt(2)); denoised: rewards of decoded x0_hat at the branch steps (any alpha, biased)", "choices": ["pairs", "denoised"]})
-    alpha: float = field(default=2.0, metadata={"help": "Renyi order (pairs needs 2; 1 is the KL limit)"})
-    tau: float = field(default=1.0, metadata={"help": "temperature of the profile in W's kernel lambda_k P~^tau (0: uniform W)"})
-    eps: float = field(default=1e-3, metadata={"help": "profile smoothing P~ = (1 - eps) P + eps / T (> 0 keeps W unique)"})
-    gain_ema: float = field(default=0.9, metadata={"help": "EMA decay of the D curves across iterations"})
-    iterations: int = field(default=120, metadata={"help": "training iterations (rollout + update); the default run takes ~7 min on 2 CPU cores"})
-    prompts_per_iter: int = field(default=8, metadata={"help": "prompt groups per iteration and process"})
-    n_roots: int = field(default=2, metadata={"help": "independent noises per prompt (tree roots)"})
-    n_branch: int = field(default=2, metadata={"help": "copies made of every state at each branch step"})
+    alpha: float = field(default=2.0, metadata={"help": "Renyi order (pairs needs 2; 1 is the KL limit)", "gt": 0})
+    tau: float = field(default=1.0, metadata={"help": "temperature of the profile in W's kernel lambda_k P~^tau (0: uniform W)", "min": 0})
+    eps: float = field(default=1e-3, metadata={"help": "profile smoothing P~ = (1 - eps) P + eps / T (> 0 keeps W unique)", "min": 0, "max": 1})
+    gain_ema: float = field(default=0.9, metadata={"help": "EMA decay of the D curves across iterations", "min": 0, "lt": 1})
+    iterations: int = field(default=120, metadata={"help": "training iterations (rollout + update); the default run takes ~7 min on 2 CPU cores", "min": 1})
+    prompts_per_iter: int = field(default=8, metadata={"help": "prompt groups per iteration and process", "min": 1})
+    n_roots: int = field(default=2, metadata={"help": "independent noises per prompt (tree roots)", "min": 1})
+    n_branch: int = field(default=2, metadata={"help": "copies made of every state at each branch step", "min": 1})
     branch_steps: str = field(default="3,6", metadata={"help": "sampler steps j (0 < j < T - 1) at which states branch; group size = n_roots * n_branch^len"})
-    steps: int = field(default=10, metadata={"help": "sampler steps T (= columns of W = training timesteps)"})
-    sde_a: float = field(default=math.sqrt(2), metadata={"help": "SDE noise level a after the first branch, g = a sqrt(s / (1 - s)); sqrt(2) (default) is the exact reversal of the noising, so branches sample x0 | x_t (the pairs estimator and kappa transfer need it; FlowGRPO uses 0.7)"})
-    resolution: int = field(default=0, metadata={"help": "image size in pixels (0: the model's default, 512 for SD3.5-M)"})
-    max_sequence_length: int = field(default=0, metadata={"help": "T5 tokens (0: the model's default)"})
-    nft_b: float = field(default=1.0, metadata={"help": "DiffusionNFT guidance strength b in v+- = v_old +- b (v_theta - v_old)"})
-    base_reg: float = field(default=1e-4, metadata={"help": "weight of the velocity MSE to the frozen base model"})
-    train_steps_per_leaf: int = field(default=4, metadata={"help": "training timesteps drawn (without replacement) from the T grid steps per leaf and iteration"})
-    train_batch: int = field(default=32, metadata={"help": "micro-batch of (leaf, timestep) samples per optimizer step"})
-    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    rollout_batch: int = field(default=64, metadata={"help": "chunk size for transformer calls during rollouts"})
-    lr: float = field(default=1e-4, metadata={"help": "AdamW learning rate (DiffusionNFT uses 3e-4 on SD3.5-M with ~1k images per step; 1e-4 suits the embedded model's 256-sample steps)"})
-    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay"})
-    grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clip"})
-    lora_rank: int = field(default=32, metadata={"help": "LoRA rank"})
-    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha"})
-    eval_every: int = field(default=20, metadata={"help": "evaluate every N iterations (and at start and end); 0: never"})
+    steps: int = field(default=10, metadata={"help": "sampler steps T (= columns of W = training timesteps)", "min": 3})
+    sde_a: float = field(default=math.sqrt(2), metadata={"help": "SDE noise level a after the first branch, g = a sqrt(s / (1 - s)); sqrt(2) (default) is the exact reversal of the noising, so branches sample x0 | x_t (the pairs estimator and kappa transfer need it; FlowGRPO uses 0.7)", "min": 0})
+    resolution: int = field(default=0, metadata={"help": "image size in pixels (0: the model's default, 512 for SD3.5-M)", "min": 0})
+    max_sequence_length: int = field(default=0, metadata={"help": "T5 tokens (0: the model's default)", "min": 0})
+    nft_b: float = field(default=1.0, metadata={"help": "DiffusionNFT guidance strength b in v+- = v_old +- b (v_theta - v_old)", "gt": 0})
+    base_reg: float = field(default=1e-4, metadata={"help": "weight of the velocity MSE to the frozen base model", "min": 0})
+    train_steps_per_leaf: int = field(default=4, metadata={"help": "training timesteps drawn (without replacement) from the T grid steps per leaf and iteration", "min": 1})
+    train_batch: int = field(default=32, metadata={"help": "micro-batch of (leaf, timestep) samples per optimizer step", "min": 1})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step", "min": 1})
+    rollout_batch: int = field(default=64, metadata={"help": "chunk size for transformer calls during rollouts", "min": 1})
+    lr: float = field(default=1e-4, metadata={"help": "AdamW learning rate (DiffusionNFT uses 3e-4 on SD3.5-M with ~1k images per step; 1e-4 suits the embedded model's 256-sample steps)", "gt": 0})
+    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay", "min": 0})
+    grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clip", "gt": 0})
+    lora_rank: int = field(default=32, metadata={"help": "LoRA rank", "min": 1})
+    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha", "min": 1})
+    eval_every: int = field(default=20, metadata={"help": "evaluate every N iterations (and at start and end); 0: never", "min": 0})
     eval_prompts: str = field(default="", metadata={"help": "file with evaluation prompts, one per line (embedded model: its held-out prompts)"})
     train_prompts: str = field(default="", metadata={"help": "file with training prompts, one per line (embedded model: its train split)"})
-    save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
+    save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)", "min": 1})
     out: str = field(default="", metadata={"help": "run folder (default runs/<name>)"})
     name: str = field(default="", metadata={"help": "run name (default recast-<credit>-<seed>)"})
-    seed: int = field(default=0, metadata={"help": "seed for prompts, noise and LoRA init"})
-    resume: str = field(default="", metadata={"help": "run folder to resume from its last checkpoint (uses its config.json)"})
+    seed: int = field(default=0, metadata={"help": "seed for prompts, noise and LoRA init", "min": 0, "max": 2**31 - 1})
+    resume: str = field(default="", metadata={"help": "run folder to continue in place from its newest intact checkpoint (its config.json gives the settings; flags given now override those that may change)"})
+    overwrite: bool = field(default=False, metadata={"help": "let --out replace a run folder that already holds a run (its metrics, checkpoints and figures are deleted)"})
     device: str = field(default="", metadata={"help": "cpu or cuda (default: cuda if available)"})
-    dtype: str = field(default="", metadata={"help": "frozen weights' dtype: float32, bfloat16, float16 (default: bfloat16 on cuda, float32 on cpu)"})
+    dtype: str = field(default="", metadata={"help": "frozen weights' dtype (default: bfloat16 on cuda, float32 on cpu)", "choices": ["", "float32", "bfloat16", "float16"]})
     dry_run: bool = field(default=False, metadata={"help": "build SD3.5-Medium's transformer on the meta device, attach the LoRA, print trainable parameters and a memory plan, exit"})
     pickscore_model: str = field(default="yuvalkirstain/PickScore_v1", metadata={"help": "PickScore weights"})
     pickscore_processor: str = field(default="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", metadata={"help": "PickScore processor"})
@@ -449,16 +452,39 @@ def make_parser(suppress=False):
     return parser
 
 
+FIXED_ON_RESUME = ("model", "rewards", "steps", "lora_rank", "lora_alpha")  # a checkpoint is only valid with these
+
+
 def parse_args(argv=None) -> Args:
+    """Args from the command line. With --resume DIR the settings come from DIR/config.json and
+    flags given now override them, except FIXED_ON_RESUME (refused with both values named); the
+    run folder is DIR itself, wherever it lies now."""
     args = Args(**vars(make_parser().parse_args(argv)))
-    if args.resume:
-        config = Path(args.resume) / "config.json"
-        if not config.exists():
-            raise SystemExit(f"--resume {args.resume}: no config.json there; give the run folder of an earlier run")
-        saved = json.loads(config.read_text())["args"]
-        saved.update(vars(make_parser(suppress=True).parse_args(argv)))  # flags given now win (e.g. --iterations)
-        args = Args(**saved)
-        args.out = args.out or args.resume
+    if not args.resume:
+        return args
+    config = Path(args.resume) / "config.json"
+    if not config.is_file():
+        raise SystemExit(f"--resume {args.resume}: no config.json there; give the run folder of an earlier run")
+    try:
+        saved_config = json.loads(config.read_text())
+        saved = saved_config["args"]
+    except (ValueError, KeyError) as err:
+        raise SystemExit(f"--resume {args.resume}: config.json is unreadable ({err}); the folder cannot be resumed") from None
+    script = Path(__file__).stem
+    if saved_config.get("script", script) != script:
+        raise SystemExit(f"--resume {args.resume}: that run was trained by {saved_config['script']}.py; resume it with that script")
+    given = vars(make_parser(suppress=True).parse_args(argv))
+    if "out" in given and Path(given["out"]).resolve() != Path(args.resume).resolve():
+        raise SystemExit(f"--resume {args.resume} continues that folder in place; --out {given['out']} names another. "
+                         "To branch a run, copy its folder and resume the copy")
+    changed = [f"--{k.replace('_', '-')}: saved {saved.get(k)!r}, given {given[k]!r}" for k in FIXED_ON_RESUME
+               if k in given and given[k] != saved.get(k)]
+    if changed:
+        raise SystemExit(f"--resume {args.resume}: these settings cannot change on resume ({'; '.join(changed)}). "
+                         "Drop them, or start a new run")
+    known = {f.name for f in fields(Args)}
+    args = Args(**{**{k: v for k, v in saved.items() if k in known}, **given})
+    args.out, args.resume, args.overwrite = str(args.resume), str(args.resume), False
     return args
 
 
@@ -482,11 +508,45 @@ def iteration_generator(seed, iteration):
     return torch.Generator().manual_seed(seed * 1_000_003 + iteration)
 
 
+def check_ranges(args: Args):
+    """Each numeric flag against the bounds in its Args metadata (min / max inclusive, gt / lt strict),
+    NaN and inf refused; each flag with choices against them. Raises SystemExit naming flag, value and fix."""
+    for f in fields(Args):
+        value, meta, flag = getattr(args, f.name), f.metadata, "--" + f.name.replace("_", "-")
+        if meta.get("choices") and value not in meta["choices"]:
+            raise SystemExit(f"{flag} {value!r}: choose one of {[c for c in meta['choices'] if c]}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        bounds = [(meta.get("min"), ">=", value >= meta.get("min", -math.inf)), (meta.get("gt"), ">", value > meta.get("gt", -math.inf)),
+                  (meta.get("max"), "<=", value <= meta.get("max", math.inf)), (meta.get("lt"), "<", value < meta.get("lt", math.inf))]
+        if not math.isfinite(value) or any(bound is not None and not ok for bound, _, ok in bounds):
+            need = " and ".join(f"{op} {bound}" for bound, op, _ in bounds if bound is not None) or "finite"
+            raise SystemExit(f"{flag} {value}: must be a finite number {need}. Fix {flag}")
+
+
 def validate(args: Args, extra_rewards=None):
-    """Every check on the user's input that can fail before any model is loaded.
-    Returns (reward names, budgets, branch steps). Raises SystemExit with the problem and the fix."""
+    """Every check on the user's input, before any model is loaded or any file in a run folder changes.
+    Resolves the run folder (args.out). Returns (reward names, budgets, branch steps).
+    Raises SystemExit with the problem and the fix."""
     import torch
 
+    check_ranges(args)
+    if args.resolution % 16:
+        raise SystemExit(f"--resolution {args.resolution}: SD3 needs a multiple of 16 (VAE 8 x patch 2), or 0 for the model's default")
+    device = args.device.split(":")[0]
+    if device not in ("", "cpu", "cuda"):
+        raise SystemExit(f"--device {args.device!r}: give cpu, cuda or cuda:N (or omit it: cuda when available)")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA GPU is visible here. Use --device cpu (or omit --device)")
+    model_path = Path(args.model)
+    if not args.dry_run:
+        if not model_path.exists():
+            if args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:
+                raise SystemExit(f"--model {args.model}: no such folder. Give a diffusers folder or a hub id such as stabilityai/stable-diffusion-3.5-medium")
+            if not torch.cuda.is_available() and args.device != "cpu":
+                raise SystemExit(f"--model {args.model} (SD3.5-Medium scale) needs a CUDA GPU and none is visible. On a CPU, train the embedded model: omit --model")
+        elif not (model_path / "model_index.json").exists():
+            raise SystemExit(f"--model {args.model}: not a diffusers pipeline folder (no model_index.json)")
     try:
         budgets = parse_budgets(args.budgets)
     except ValueError as err:
@@ -509,32 +569,63 @@ def validate(args: Args, extra_rewards=None):
     except ValueError:
         raise SystemExit(f"--branch-steps {args.branch_steps!r}: give step indices such as 3,6") from None
     if any(not 0 < b < args.steps - 1 for b in branch):
-        raise SystemExit(f"--branch-steps must lie strictly between 0 and T - 1 = {args.steps - 1}, got {branch}")
+        raise SystemExit(f"--branch-steps must lie strictly between 0 and T - 1 = {args.steps - 1} (T = --steps), got {branch}")
     if args.gain_estimator == "pairs":
         if args.alpha != 2:
             raise SystemExit("--gain-estimator pairs estimates the order-2 Renyi divergence only: use --alpha 2, or --gain-estimator denoised for other orders")
         if args.n_roots < 2 or not branch:
             raise SystemExit("--gain-estimator pairs needs --n-roots >= 2 and at least one --branch-steps entry")
-    if args.alpha <= 0:
-        raise SystemExit(f"--alpha must be > 0, got {args.alpha}")
-    model_path = Path(args.model)
-    if not args.dry_run:
-        if not model_path.exists():
-            if args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:
-                raise SystemExit(f"--model {args.model}: no such folder. Give a diffusers folder or a hub id such as stabilityai/stable-diffusion-3.5-medium")
-            if not torch.cuda.is_available() and args.device != "cpu":
-                raise SystemExit(f"--model {args.model} (SD3.5-Medium scale) needs a CUDA GPU and none is visible. On a CPU, train the embedded model: omit --model")
-        elif not (model_path / "model_index.json").exists():
-            raise SystemExit(f"--model {args.model}: not a diffusers pipeline folder (no model_index.json)")
-    out = Path(args.out or f"runs/{args.name or default_name(args)}")
+    if is_embedded(args.model) and args.train_prompts:
+        raise SystemExit("--train-prompts is not used with the embedded model (it samples prompts of its own world): omit it, or give --model")
+    if args.train_prompts:
+        read_prompts(args.train_prompts, "--train-prompts")
+    if args.eval_prompts and len(read_prompts(args.eval_prompts, "--eval-prompts")) < 2:
+        raise SystemExit(f"--eval-prompts {args.eval_prompts}: give at least 2 prompts (the held-out set is judged as a set)")
+    args.out = str(run_folder(args))
+    return names, budgets, branch
+
+
+def holds_run(folder):
+    """True when the folder already holds a run's files (its settings, metrics or checkpoints)."""
+    return any((Path(folder) / f).exists() for f in ("config.json", "metrics.jsonl", "checkpoints"))
+
+
+def run_folder(args):
+    """The run folder, checked writable. --resume: that folder. --out: refused if it holds a run,
+    unless --overwrite. Default runs/<name>: a fresh -1, -2, ... suffix when the name is taken, so
+    running a command twice gives two runs. Creates the folder; changes nothing inside it."""
+    if args.resume:
+        out = Path(args.resume)
+    elif args.out:
+        out = Path(args.out)
+        if holds_run(out) and not args.overwrite:
+            raise SystemExit(f"--out {out} already holds a run. Continue it with --resume {out}, choose another --out, "
+                             "or replace it with --overwrite")
+    else:
+        base = Path("runs") / (args.name or default_name(args))
+        out = next(p for p in (base.with_name(f"{base.name}-{i}") if i else base for i in range(10**6)) if not holds_run(p))
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
+        probe = out / f".write_test.{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
         raise SystemExit(f"cannot write to the run folder {out} ({err.strerror}): choose another with --out") from None
-    return names, budgets, branch
+    return out
+
+
+def lock_run(out):
+    """An exclusive lock on out/.lock for this process's lifetime: a second live process on the same
+    folder (e.g. two --resume) is refused. Returns the open file (keep it referenced)."""
+    import fcntl
+
+    handle = open(Path(out) / ".lock", "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise SystemExit(f"{out} is in use by another live process (it holds {out}/.lock); wait for it to finish or stop it") from None
+    return handle
 
 
 def default_name(args):
@@ -762,7 +853,8 @@ def nft_update(transformer, opt, leaves, groups, r_mix_table, W, emb, pooled, si
     steps = torch.stack([torch.randperm(T, generator=gen)[:n_steps] for _ in range(N)])  # (N, n_steps)
     pairs = torch.stack([torch.arange(N).repeat_interleave(n_steps), steps.reshape(-1)], 1)
     pairs = pairs[torch.randperm(len(pairs), generator=gen)]
-    r_t, W_t = torch.as_tensor(r_mix_table, dtype=torch.float32), torch.as_tensor(W, dtype=torch.float32)
+    r_t = torch.as_tensor(r_mix_table, dtype=torch.float32)
+    W_t = torch.as_tensor(W / W.sum(), dtype=torch.float32)  # scale-free before float32 (budgets of 1e-40 or 1e300)
     params = lora_params(transformer, "default")
     totals = {"loss/policy": 0.0, "loss/base_reg": 0.0}
     batches = pairs.split(args.train_batch)
@@ -789,9 +881,19 @@ def nft_update(transformer, opt, leaves, groups, r_mix_table, W, emb, pooled, si
         if (b_idx + 1) % args.grad_accum == 0 or b_idx == len(batches) - 1:
             all_reduce_grads(params)
             totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
+            check_finite(totals)
             opt.step()
             opt.zero_grad(set_to_none=True)
     return totals
+
+
+def check_finite(values):
+    """Stop before an optimizer step that would write NaN/inf into the weights (exit code 1; the run
+    folder keeps its last good checkpoint). values: the step's losses and gradient norm."""
+    bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+    if bad:
+        raise SystemExit(f"non-finite {bad}: the optimizer step was not taken and nothing was saved; the last good "
+                         "checkpoint is kept. Lower --lr or check the flags and rewards, then --resume")
 
 
 # =============================================================================
@@ -802,40 +904,62 @@ def nft_update(transformer, opt, leaves, groups, r_mix_table, W, emb, pooled, si
 def save_checkpoint(out, iteration, transformer, opt, state):
     """checkpoints/iter_N/: the "default" LoRA in diffusers' format (pipe.load_lora_weights(dir)
     loads it) and state.pt (both adapters, optimizer, D EMA, iteration). Written to a .tmp folder,
-    renamed, then `latest` is replaced atomically: a kill at any moment leaves the last good one."""
+    renamed, then `latest` is replaced atomically: a kill at any moment leaves the last good one.
+    Keeps this checkpoint and the newest earlier one. Refuses to write non-finite weights."""
     import torch
     from diffusers import StableDiffusion3Pipeline
     from peft.utils import get_peft_model_state_dict
 
+    lora = {a: get_peft_model_state_dict(transformer, adapter_name=a) for a in ("default", "old")}
+    bad = [k for sd in lora.values() for k, v in sd.items() if not torch.isfinite(v).all()]
+    if bad:
+        raise SystemExit(f"non-finite LoRA weights ({bad[0]}, {len(bad)} tensors) at iteration {iteration}: not saved; "
+                         f"the last good checkpoint in {out}/checkpoints is kept")
     root = out / "checkpoints"
     final, tmp = root / f"iter_{iteration:06d}", root / f"iter_{iteration:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    lora = {a: get_peft_model_state_dict(transformer, adapter_name=a) for a in ("default", "old")}
-    StableDiffusion3Pipeline.save_lora_weights(tmp, transformer_lora_layers=lora["default"])
-    torch.save({"iteration": iteration, "lora": lora, "optimizer": opt.state_dict(), **state}, tmp / "state.pt")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    (root / "latest.tmp").write_text(final.name)
-    os.replace(root / "latest.tmp", root / "latest")
-    for old in sorted(root.glob("iter_??????"))[:-2]:
-        shutil.rmtree(old, ignore_errors=True)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        StableDiffusion3Pipeline.save_lora_weights(tmp, transformer_lora_layers=lora["default"])
+        torch.save({"iteration": iteration, "lora": lora, "optimizer": opt.state_dict(), **state}, tmp / "state.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        (root / "latest.tmp").write_text(final.name)
+        os.replace(root / "latest.tmp", root / "latest")
+    except (OSError, RuntimeError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SystemExit(f"writing the checkpoint of iteration {iteration} failed ({err}); is the disk full? "
+                         f"The last good checkpoint in {root} is kept; free space, then continue with --resume {out}") from None
+    previous = max((p for p in root.glob("iter_??????") if p.name < final.name), default=None)
+    for old in root.glob("iter_??????"):
+        if old not in (final, previous):
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def load_checkpoint(out, transformer, opt):
-    """Restore the latest checkpoint of a run folder; returns its state dict (None if there is none)."""
+    """Restore the newest intact checkpoint of a run folder (the one `latest` names, else the newest
+    iter_N whose state.pt loads; says so when it falls back). Returns its state dict, None if none."""
     import torch
     from peft.utils import set_peft_model_state_dict
 
-    latest = out / "checkpoints" / "latest"
-    if not latest.exists():
-        return None
-    state = torch.load(out / "checkpoints" / latest.read_text().strip() / "state.pt", weights_only=False)
-    for adapter, sd in state.pop("lora").items():
-        set_peft_model_state_dict(transformer, sd, adapter_name=adapter)
-    opt.load_state_dict(state.pop("optimizer"))
-    transformer.set_adapter("default")
-    return state
+    root = out / "checkpoints"
+    latest = root / "latest"
+    named = root / latest.read_text().strip() if latest.is_file() else None
+    candidates = ([named] if named else []) + sorted((p for p in root.glob("iter_??????") if p != named), reverse=True)
+    for ckpt in candidates:
+        try:
+            state = torch.load(ckpt / "state.pt", weights_only=False)
+        except Exception as err:  # missing, truncated or corrupt: try the next older one
+            tqdm.write(f"checkpoint {ckpt} is not loadable ({type(err).__name__}); trying an older one")
+            continue
+        if ckpt != named:
+            tqdm.write(f"resuming from {ckpt.name}, the newest intact checkpoint")
+        for adapter, sd in state.pop("lora").items():
+            set_peft_model_state_dict(transformer, sd, adapter_name=adapter)
+        opt.load_state_dict(state.pop("optimizer"))
+        transformer.set_adapter("default")
+        return state
+    return None
 
 
 def evaluate(run, args):
@@ -914,6 +1038,7 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
     from accelerate import Accelerator
 
     names, budgets, branch = validate(args, extra_rewards)
+    lock = lock_run(args.out) if int(os.environ.get("RANK", 0)) == 0 else None
     device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     acc = Accelerator(cpu=device_name == "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if acc.device.type == "cuda" else "float32"))
@@ -924,7 +1049,7 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
     max_len = args.max_sequence_length or gen_kwargs.get("max_sequence_length", 256)
     pipe = load_pipeline(args, acc.device, dtype)
     pipe.scheduler.set_timesteps(args.steps)
-    train_prompts = read_prompts(args.train_prompts) if args.train_prompts else None
+    train_prompts = read_prompts(args.train_prompts, "--train-prompts") if args.train_prompts else None
     if world is None and train_prompts is None:
         raise SystemExit("--train-prompts FILE is required for this model (one prompt per line)")
 
@@ -952,8 +1077,8 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
         sigmas=pipe.scheduler.sigmas.float().cpu(),  # (T+1,), 1 -> 0: the W columns and training timesteps
         shape=(pipe.transformer.config.in_channels, res // pipe.vae_scale_factor, res // pipe.vae_scale_factor),
         opt=torch.optim.AdamW(lora_params(pipe.transformer, "default"), lr=args.lr, weight_decay=args.weight_decay),
-        eval_prompts=read_prompts(args.eval_prompts) if args.eval_prompts else (world.sample_prompts(16, "heldout", 0) if world else []),
-        out=Path(args.out or f"runs/{args.name or default_name(args)}"), reduce=reduce, all_reduce_grads=all_reduce_grads,
+        eval_prompts=read_prompts(args.eval_prompts, "--eval-prompts") if args.eval_prompts else (world.sample_prompts(16, "heldout", 0) if world else []),
+        out=Path(args.out), lock=lock, reduce=reduce, all_reduce_grads=all_reduce_grads,
         prompts_for=prompts_for, encode=lambda prompts: encode(pipe, prompts, max_len, acc.device))
 
 
@@ -1002,11 +1127,18 @@ def finish_iteration(run, args, it, metrics, state, before=None):
 
 
 def start_or_resume(run, args):
-    """Restore the last checkpoint when resuming; write config.json; returns (first iteration, state)."""
+    """Restore the newest intact checkpoint when resuming (metrics cut back to it), or clear the folder
+    for --overwrite; remove .tmp leftovers; write config.json. Returns (first iteration, state)."""
     state = load_checkpoint(run.out, run.transformer, run.opt) if args.resume else None
     start = state.pop("iteration") + 1 if state else 0
     if run.acc.is_main_process:
-        (run.out / "config.json").write_text(json.dumps({"args": asdict(args), "rewards": run.names, "git_sha": git_sha()}, indent=2))
+        if args.overwrite:
+            for name in ("config.json", "metrics.jsonl", "checkpoints", "rewards.png", "credit.png", "samples_before.png", "samples_after.png"):
+                shutil.rmtree(run.out / name) if (run.out / name).is_dir() else (run.out / name).unlink(missing_ok=True)
+        for leftover in list(run.out.glob("*.tmp")) + list((run.out / "checkpoints").glob("*.tmp")):
+            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+        config = {"args": asdict(args), "script": Path(__file__).stem, "rewards": run.names, "git_sha": git_sha()}
+        write_atomic(run.out / "config.json", json.dumps(config, indent=2))
         keep_metrics_until(run.out / "metrics.jsonl", start)
     return start, state or {}
 
@@ -1065,20 +1197,41 @@ def train(args: Args, extra_rewards=None, judges=None):
     return run.out
 
 
-def read_prompts(path):
-    prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+def read_prompts(path, flag="prompts"):
+    """Prompts of a UTF-8 text file, one per line; SystemExit naming the flag when the file is missing,
+    binary, not UTF-8 or empty."""
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except OSError as err:
+        raise SystemExit(f"{flag} {path}: cannot read it ({err.strerror}); give a text file with one prompt per line") from None
+    except UnicodeDecodeError:
+        raise SystemExit(f"{flag} {path}: not UTF-8 text; save it as UTF-8, one prompt per line") from None
+    if "\x00" in text:
+        raise SystemExit(f"{flag} {path}: a binary file, not prompts; give a text file with one prompt per line")
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
-        raise SystemExit(f"{path}: no prompts (one per line)")
+        raise SystemExit(f"{flag} {path}: no prompts (one per line)")
     return prompts
 
 
+def write_atomic(path, text):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def keep_metrics_until(path, start):
-    """On resume, drop metric lines of iterations after the checkpoint (they will be redone)."""
+    """On resume, keep the metric lines of iterations before `start` (later ones will be redone);
+    a partial or undecodable line (a kill or a full disk mid-write) is dropped, never fatal."""
     if path.exists():
-        rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["iteration"] < start]
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(row + "\n" for row in rows))
-        os.replace(tmp, path)
+        rows = []
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                if json.loads(line)["iteration"] < start:
+                    rows.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue
+        write_atomic(path, "".join(row + "\n" for row in rows))
 
 
 def git_sha():

@@ -43,6 +43,7 @@ from reward_models import REWARD_MODELS, build_rewards
 # =============================================================================
 
 
+# Copied from recast.parse_budgets
 def parse_budgets(text: str) -> list[float]:
     """Parse a budget vector such as "0.4,0.3,0.2,0.1" -> [0.4, 0.3, 0.2, 0.1].
 
@@ -68,9 +69,12 @@ def parse_budgets(text: str) -> list[float]:
         out.append(value)
     if sum(out) <= 0:
         raise ValueError(f"all budgets are zero: at least one reward needs a positive budget; {fix}")
+    if not math.isfinite(sum(out)):
+        raise ValueError(f"budgets sum to {sum(out)}: only their ratios matter, so scale them down; {fix}")
     return out
 
 
+# Copied from recast.advantages
 def advantages(rewards, groups, std=None, clip=5.0, eps=1e-4):
     """DiffusionNFT's clipped advantage, per reward column:
     A = clip((R - mean_group R) / (std_global R + eps), -clip, clip).
@@ -97,12 +101,14 @@ def advantages(rewards, groups, std=None, clip=5.0, eps=1e-4):
     return A[:, 0] if squeeze else A
 
 
+# Copied from recast.optimality
 def optimality(rewards, groups, std=None, clip=5.0, eps=1e-4):
     """DiffusionNFT's reward -> optimality probability: r = 0.5 + 0.5 A / clip in [0, 1], A the
     clipped advantage (`advantages`, same arguments). Non-finite rewards and tied groups get r = 0.5."""
     return 0.5 + 0.5 * advantages(rewards, groups, std, clip, eps) / clip
 
 
+# Copied from recast.split_levels
 def split_levels(ancestry):
     """Level at which two leaves' trajectories split, from their ancestry codes.
 
@@ -115,6 +121,7 @@ def split_levels(ancestry):
     return np.cumprod(same, axis=-1).sum(-1)
 
 
+# Copied from recast.pair_moments
 def pair_moments(r, groups, ancestry):
     """Sufficient statistics of the `pairs` estimator (alpha = 2), summable across processes.
 
@@ -140,6 +147,7 @@ def pair_moments(r, groups, ancestry):
     return sums, counts
 
 
+# Copied from recast.pairs_curve
 def pairs_curve(sums, counts):
     """D_2 at every level from pair statistics: D(t_l) = log(mean_l r_a r_b / mean_0 r_a r_b).
     Level 0 (different roots) is t = 1, so D = 0 there by construction. Levels with
@@ -149,6 +157,7 @@ def pairs_curve(sums, counts):
         return np.log(np.maximum(means, 1e-300) / np.maximum(means[:, :1], 1e-300))
 
 
+# Copied from recast.monotone_curve
 def monotone_curve(t_levels, D_levels, weights=None):
     """Project level estimates onto curves that are 0 at t = 1 and non-increasing in t.
 
@@ -172,6 +181,7 @@ def monotone_curve(t_levels, D_levels, weights=None):
     return t_u, fit[::-1][first]
 
 
+# Copied from recast.gains_on_grid
 def gains_on_grid(t_levels, D_levels, sigmas, weights=None):
     """Renyi curves on the sampler grid and their per-step gains (DESIGN §3.3).
 
@@ -192,6 +202,7 @@ def gains_on_grid(t_levels, D_levels, sigmas, weights=None):
     return D_grid, np.maximum(np.diff(D_grid, axis=1), 0.0)
 
 
+# Copied from recast.profiles
 def profiles(gains):
     """P_kj = g_kj / sum_j g_kj, uniform 1/T for a reward whose total gain is 0. (K, T) -> (K, T)."""
     gains = np.asarray(gains, dtype=np.float64)
@@ -204,6 +215,7 @@ def profiles(gains):
 # =============================================================================
 
 
+# Copied from recast.solve_W
 def solve_W(budgets, profile, tau=1.0, eps=1e-3, tol=1e-12, max_iter=20000):
     """Credit matrix W (K, T): the KL (I-)projection of K_kj = lambda_k P~_kj^tau onto
     {row sums = lambda, column sums = Lam / T}, with P~ = (1 - eps) P + eps / T.
@@ -245,6 +257,7 @@ def solve_W(budgets, profile, tau=1.0, eps=1e-3, tol=1e-12, max_iter=20000):
     return W
 
 
+# Copied from recast.uniform_W
 def uniform_W(budgets, T):
     """W_kj = lambda_k / T: DiffusionNFT with per-reward normalisation (--credit uniform)."""
     return np.repeat(np.asarray(budgets, dtype=np.float64)[:, None] / T, T, axis=1)
@@ -255,6 +268,7 @@ def uniform_W(budgets, T):
 # =============================================================================
 
 
+# Copied from recast.sde_step
 def sde_step(x, v, s, s_next, a, s_first, noise):
     """One FlowGRPO-form SDE step from sigma s to s_next < s (DESIGN §1).
 
@@ -270,11 +284,13 @@ def sde_step(x, v, s, s_next, a, s_first, noise):
     return mean + g * math.sqrt(-dt) * noise
 
 
+# Copied from recast.ode_step
 def ode_step(x, v, s, s_next):
     """Euler step of dx/dt = v from sigma s to s_next."""
     return x + (s_next - s) * v
 
 
+# Copied from recast.shifted_sigmas
 def shifted_sigmas(T, shift=3.0):
     """Grid 1 = s_0 > ... > s_T = 0 with SD3's time shift s -> shift s / (1 + (shift - 1) s) on a
     uniform grid. The training loop uses the scheduler's own sigmas; this is for the toy and tests."""
@@ -306,8 +322,8 @@ def value_direction(x0, rewards, beta=None, eta=1.0):
     if beta is None:
         weights = eta * R / max(len(R) - 1, 1)
     else:
-        z = R / beta
-        weights = np.exp(z - z.max()) if isinstance(z, np.ndarray) else (z - z.max()).exp()
+        z = (R if isinstance(R, np.ndarray) else R.double()) / beta  # float64: A / beta overflows float32 for tiny beta
+        weights = np.exp(z - z.max()) if isinstance(z, np.ndarray) else (z - z.max()).exp().to(x0.dtype)
         weights = weights / weights.sum()
     if (rewards == rewards[0]).all():  # ties: no contrast, no direction (and no rounding noise in the mean)
         return centred[0] * 0
@@ -398,7 +414,9 @@ def rvge_loss(v_theta, v_target, v_old, x_t, x0, t, weight):
 # Args
 # =============================================================================
 
+# Copied from recast.EMBEDDED_MODEL
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent / "assets" / "shapes-sd3")  # runs from any folder
+# Copied from recast.LORA_TARGETS
 LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                 "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
 
@@ -410,42 +428,43 @@ class Args:
     budgets: str = field(default="0.4,0.3,0.2,0.1", metadata={"help": "reward budgets lambda_k, one per reward (W's row sums)"})
     credit: str = field(default="budgets", metadata={"help": "budgets: reward k's direction weighted lambda_k / Lam at every step; recast: T W_kj / Lam with ReCAST's W (Renyi gains from the pairs estimator)", "choices": ["budgets", "recast"]})
     bandwidth: str = field(default="auto", metadata={"help": "local (regress among leaves that split at the last branch step), broad (the whole prompt group, t_b = 1) or auto (broad when most local groups tie); one value or one per reward"})
-    tie_threshold: float = field(default=0.5, metadata={"help": "auto picks broad for a reward when the share of tied local groups exceeds this"})
-    eta: float = field(default=0.2, metadata={"help": "first-order step size: d = eta Cov(x0, A) (0.2 matches DiffusionNFT's implied step at b = 1)"})
-    kl_beta: float = field(default=None, metadata={"help": "trajectory-KL weight beta > 0: softmax(A / beta) tilt instead of the first-order direction"})
-    transfer_cap: float = field(default=4.0, metadata={"help": "cap on kappa(t) / kappa(t_b) in the direction transfer"})
-    tau: float = field(default=1.0, metadata={"help": "temperature of the profile in W's kernel lambda_k P~^tau (0: uniform W)"})
-    eps: float = field(default=1e-3, metadata={"help": "profile smoothing P~ = (1 - eps) P + eps / T (> 0 keeps W unique)"})
-    gain_ema: float = field(default=0.9, metadata={"help": "EMA decay of the D curves across iterations"})
-    iterations: int = field(default=120, metadata={"help": "training iterations (rollout + update); the default run takes ~7 min on 2 CPU cores"})
-    prompts_per_iter: int = field(default=8, metadata={"help": "prompt groups per iteration and process"})
-    n_roots: int = field(default=4, metadata={"help": "independent noises per prompt (tree roots)"})
-    n_branch: int = field(default=2, metadata={"help": "copies made of every state at each branch step"})
+    tie_threshold: float = field(default=0.5, metadata={"help": "auto picks broad for a reward when the share of tied local groups exceeds this", "min": 0, "max": 1})
+    eta: float = field(default=0.2, metadata={"help": "first-order step size: d = eta Cov(x0, A) (0.2 matches DiffusionNFT's implied step at b = 1)", "gt": 0})
+    kl_beta: float = field(default=None, metadata={"help": "trajectory-KL weight beta > 0: softmax(A / beta) tilt instead of the first-order direction", "gt": 0})
+    transfer_cap: float = field(default=4.0, metadata={"help": "cap on kappa(t) / kappa(t_b) in the direction transfer", "min": 1})
+    tau: float = field(default=1.0, metadata={"help": "temperature of the profile in W's kernel lambda_k P~^tau (0: uniform W)", "min": 0})
+    eps: float = field(default=1e-3, metadata={"help": "profile smoothing P~ = (1 - eps) P + eps / T (> 0 keeps W unique)", "min": 0, "max": 1})
+    gain_ema: float = field(default=0.9, metadata={"help": "EMA decay of the D curves across iterations", "min": 0, "lt": 1})
+    iterations: int = field(default=120, metadata={"help": "training iterations (rollout + update); the default run takes ~7 min on 2 CPU cores", "min": 1})
+    prompts_per_iter: int = field(default=8, metadata={"help": "prompt groups per iteration and process", "min": 1})
+    n_roots: int = field(default=4, metadata={"help": "independent noises per prompt (tree roots)", "min": 1})
+    n_branch: int = field(default=2, metadata={"help": "copies made of every state at each branch step", "min": 1})
     branch_steps: str = field(default="7", metadata={"help": "sampler steps j (0 < j < T - 1) at which states branch; group size = n_roots * n_branch^len"})
-    steps: int = field(default=10, metadata={"help": "sampler steps T (= columns of W = training timesteps)"})
-    sde_a: float = field(default=math.sqrt(2), metadata={"help": "SDE noise level a after the first branch, g = a sqrt(s / (1 - s)); sqrt(2) (default) is the exact reversal of the noising, so branches sample x0 | x_t (the pairs estimator and kappa transfer need it; FlowGRPO uses 0.7)"})
-    resolution: int = field(default=0, metadata={"help": "image size in pixels (0: the model's default, 512 for SD3.5-M)"})
-    max_sequence_length: int = field(default=0, metadata={"help": "T5 tokens (0: the model's default)"})
-    base_reg: float = field(default=1e-4, metadata={"help": "weight of the velocity MSE to the frozen base model"})
-    train_steps_per_leaf: int = field(default=4, metadata={"help": "training timesteps drawn (without replacement) from the T grid steps per leaf and iteration"})
-    train_batch: int = field(default=32, metadata={"help": "micro-batch of (leaf, timestep) samples per optimizer step"})
-    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    rollout_batch: int = field(default=64, metadata={"help": "chunk size for transformer calls during rollouts"})
-    lr: float = field(default=1e-4, metadata={"help": "AdamW learning rate (DiffusionNFT uses 3e-4 on SD3.5-M with ~1k images per step; 1e-4 suits the embedded model's 256-sample steps)"})
-    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay"})
-    grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clip"})
-    lora_rank: int = field(default=32, metadata={"help": "LoRA rank"})
-    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha"})
-    eval_every: int = field(default=20, metadata={"help": "evaluate every N iterations (and at start and end); 0: never"})
+    steps: int = field(default=10, metadata={"help": "sampler steps T (= columns of W = training timesteps)", "min": 3})
+    sde_a: float = field(default=math.sqrt(2), metadata={"help": "SDE noise level a after the first branch, g = a sqrt(s / (1 - s)); sqrt(2) (default) is the exact reversal of the noising, so branches sample x0 | x_t (the pairs estimator and kappa transfer need it; FlowGRPO uses 0.7)", "min": 0})
+    resolution: int = field(default=0, metadata={"help": "image size in pixels (0: the model's default, 512 for SD3.5-M)", "min": 0})
+    max_sequence_length: int = field(default=0, metadata={"help": "T5 tokens (0: the model's default)", "min": 0})
+    base_reg: float = field(default=1e-4, metadata={"help": "weight of the velocity MSE to the frozen base model", "min": 0})
+    train_steps_per_leaf: int = field(default=4, metadata={"help": "training timesteps drawn (without replacement) from the T grid steps per leaf and iteration", "min": 1})
+    train_batch: int = field(default=32, metadata={"help": "micro-batch of (leaf, timestep) samples per optimizer step", "min": 1})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step", "min": 1})
+    rollout_batch: int = field(default=64, metadata={"help": "chunk size for transformer calls during rollouts", "min": 1})
+    lr: float = field(default=1e-4, metadata={"help": "AdamW learning rate (DiffusionNFT uses 3e-4 on SD3.5-M with ~1k images per step; 1e-4 suits the embedded model's 256-sample steps)", "gt": 0})
+    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay", "min": 0})
+    grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clip", "gt": 0})
+    lora_rank: int = field(default=32, metadata={"help": "LoRA rank", "min": 1})
+    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha", "min": 1})
+    eval_every: int = field(default=20, metadata={"help": "evaluate every N iterations (and at start and end); 0: never", "min": 0})
     eval_prompts: str = field(default="", metadata={"help": "file with evaluation prompts, one per line (embedded model: its held-out prompts)"})
     train_prompts: str = field(default="", metadata={"help": "file with training prompts, one per line (embedded model: its train split)"})
-    save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
+    save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)", "min": 1})
     out: str = field(default="", metadata={"help": "run folder (default runs/<name>)"})
     name: str = field(default="", metadata={"help": "run name (default rvge-<credit>-<seed>)"})
-    seed: int = field(default=0, metadata={"help": "seed for prompts, noise and LoRA init"})
-    resume: str = field(default="", metadata={"help": "run folder to resume from its last checkpoint (uses its config.json)"})
+    seed: int = field(default=0, metadata={"help": "seed for prompts, noise and LoRA init", "min": 0, "max": 2**31 - 1})
+    resume: str = field(default="", metadata={"help": "run folder to continue in place from its newest intact checkpoint (its config.json gives the settings; flags given now override those that may change)"})
+    overwrite: bool = field(default=False, metadata={"help": "let --out replace a run folder that already holds a run (its metrics, checkpoints and figures are deleted)"})
     device: str = field(default="", metadata={"help": "cpu or cuda (default: cuda if available)"})
-    dtype: str = field(default="", metadata={"help": "frozen weights' dtype: float32, bfloat16, float16 (default: bfloat16 on cuda, float32 on cpu)"})
+    dtype: str = field(default="", metadata={"help": "frozen weights' dtype (default: bfloat16 on cuda, float32 on cpu)", "choices": ["", "float32", "bfloat16", "float16"]})
     dry_run: bool = field(default=False, metadata={"help": "build SD3.5-Medium's transformer on the meta device, attach the LoRA, print trainable parameters and a memory plan, exit"})
     pickscore_model: str = field(default="yuvalkirstain/PickScore_v1", metadata={"help": "PickScore weights"})
     pickscore_processor: str = field(default="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", metadata={"help": "PickScore processor"})
@@ -456,6 +475,7 @@ class Args:
     geneval_key: str = field(default="scores", metadata={"help": "GenEval reply field used as the reward: scores (partial credit), strict_rewards (0/1)"})
 
 
+# Copied from recast.make_parser
 def make_parser(suppress=False):
     """argparse from Args; every field's help string is its --help line. With suppress=True
     only the flags actually given appear in the result (used by --resume)."""
@@ -473,19 +493,45 @@ def make_parser(suppress=False):
     return parser
 
 
+# Copied from recast.FIXED_ON_RESUME
+FIXED_ON_RESUME = ("model", "rewards", "steps", "lora_rank", "lora_alpha")  # a checkpoint is only valid with these
+
+
+# Copied from recast.parse_args
 def parse_args(argv=None) -> Args:
+    """Args from the command line. With --resume DIR the settings come from DIR/config.json and
+    flags given now override them, except FIXED_ON_RESUME (refused with both values named); the
+    run folder is DIR itself, wherever it lies now."""
     args = Args(**vars(make_parser().parse_args(argv)))
-    if args.resume:
-        config = Path(args.resume) / "config.json"
-        if not config.exists():
-            raise SystemExit(f"--resume {args.resume}: no config.json there; give the run folder of an earlier run")
-        saved = json.loads(config.read_text())["args"]
-        saved.update(vars(make_parser(suppress=True).parse_args(argv)))  # flags given now win (e.g. --iterations)
-        args = Args(**saved)
-        args.out = args.out or args.resume
+    if not args.resume:
+        return args
+    config = Path(args.resume) / "config.json"
+    if not config.is_file():
+        raise SystemExit(f"--resume {args.resume}: no config.json there; give the run folder of an earlier run")
+    try:
+        saved_config = json.loads(config.read_text())
+        saved = saved_config["args"]
+    except (ValueError, KeyError) as err:
+        raise SystemExit(f"--resume {args.resume}: config.json is unreadable ({err}); the folder cannot be resumed") from None
+    script = Path(__file__).stem
+    if saved_config.get("script", script) != script:
+        raise SystemExit(f"--resume {args.resume}: that run was trained by {saved_config['script']}.py; resume it with that script")
+    given = vars(make_parser(suppress=True).parse_args(argv))
+    if "out" in given and Path(given["out"]).resolve() != Path(args.resume).resolve():
+        raise SystemExit(f"--resume {args.resume} continues that folder in place; --out {given['out']} names another. "
+                         "To branch a run, copy its folder and resume the copy")
+    changed = [f"--{k.replace('_', '-')}: saved {saved.get(k)!r}, given {given[k]!r}" for k in FIXED_ON_RESUME
+               if k in given and given[k] != saved.get(k)]
+    if changed:
+        raise SystemExit(f"--resume {args.resume}: these settings cannot change on resume ({'; '.join(changed)}). "
+                         "Drop them, or start a new run")
+    known = {f.name for f in fields(Args)}
+    args = Args(**{**{k: v for k, v in saved.items() if k in known}, **given})
+    args.out, args.resume, args.overwrite = str(args.resume), str(args.resume), False
     return args
 
 
+# Copied from recast.seed_everything
 def seed_everything(seed):
     """Seeds Python's `random`, numpy's global RNG and torch's CPU and CUDA default generators.
     The loop itself draws every random number from per-iteration generators seeded by
@@ -499,6 +545,7 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
+# Copied from recast.iteration_generator
 def iteration_generator(seed, iteration):
     """The CPU generator that draws every random number of one iteration (noise moves to the device)."""
     import torch
@@ -506,11 +553,48 @@ def iteration_generator(seed, iteration):
     return torch.Generator().manual_seed(seed * 1_000_003 + iteration)
 
 
+# Copied from recast.check_ranges
+def check_ranges(args: Args):
+    """Each numeric flag against the bounds in its Args metadata (min / max inclusive, gt / lt strict),
+    NaN and inf refused; each flag with choices against them. Raises SystemExit naming flag, value and fix."""
+    for f in fields(Args):
+        value, meta, flag = getattr(args, f.name), f.metadata, "--" + f.name.replace("_", "-")
+        if meta.get("choices") and value not in meta["choices"]:
+            raise SystemExit(f"{flag} {value!r}: choose one of {[c for c in meta['choices'] if c]}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        bounds = [(meta.get("min"), ">=", value >= meta.get("min", -math.inf)), (meta.get("gt"), ">", value > meta.get("gt", -math.inf)),
+                  (meta.get("max"), "<=", value <= meta.get("max", math.inf)), (meta.get("lt"), "<", value < meta.get("lt", math.inf))]
+        if not math.isfinite(value) or any(bound is not None and not ok for bound, _, ok in bounds):
+            need = " and ".join(f"{op} {bound}" for bound, op, _ in bounds if bound is not None) or "finite"
+            raise SystemExit(f"{flag} {value}: must be a finite number {need}. Fix {flag}")
+
+
+
+
 def validate(args: Args, extra_rewards=None):
-    """Every check on the user's input that can fail before any model is loaded.
-    Returns (reward names, budgets, branch steps). Raises SystemExit with the problem and the fix."""
+    """Every check on the user's input, before any model is loaded or any file in a run folder changes.
+    Resolves the run folder (args.out). Returns (reward names, budgets, branch steps).
+    Raises SystemExit with the problem and the fix."""
     import torch
 
+    check_ranges(args)
+    if args.resolution % 16:
+        raise SystemExit(f"--resolution {args.resolution}: SD3 needs a multiple of 16 (VAE 8 x patch 2), or 0 for the model's default")
+    device = args.device.split(":")[0]
+    if device not in ("", "cpu", "cuda"):
+        raise SystemExit(f"--device {args.device!r}: give cpu, cuda or cuda:N (or omit it: cuda when available)")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA GPU is visible here. Use --device cpu (or omit --device)")
+    model_path = Path(args.model)
+    if not args.dry_run:
+        if not model_path.exists():
+            if args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:
+                raise SystemExit(f"--model {args.model}: no such folder. Give a diffusers folder or a hub id such as stabilityai/stable-diffusion-3.5-medium")
+            if not torch.cuda.is_available() and args.device != "cpu":
+                raise SystemExit(f"--model {args.model} (SD3.5-Medium scale) needs a CUDA GPU and none is visible. On a CPU, train the embedded model: omit --model")
+        elif not (model_path / "model_index.json").exists():
+            raise SystemExit(f"--model {args.model}: not a diffusers pipeline folder (no model_index.json)")
     try:
         budgets = parse_budgets(args.budgets)
     except ValueError as err:
@@ -533,34 +617,58 @@ def validate(args: Args, extra_rewards=None):
     except ValueError:
         raise SystemExit(f"--branch-steps {args.branch_steps!r}: give step indices such as 3,6") from None
     if any(not 0 < b < args.steps - 1 for b in branch):
-        raise SystemExit(f"--branch-steps must lie strictly between 0 and T - 1 = {args.steps - 1}, got {branch}")
+        raise SystemExit(f"--branch-steps must lie strictly between 0 and T - 1 = {args.steps - 1} (T = --steps), got {branch}")
     bandwidths = parse_bandwidths(args.bandwidth, len(names))
     if len(bandwidths) != len(names) or any(b not in ("local", "broad", "auto") for b in bandwidths):
         raise SystemExit(f"--bandwidth {args.bandwidth!r}: give local, broad or auto, once or once per reward ({len(names)})")
-    if args.kl_beta is not None and not args.kl_beta > 0:
-        raise SystemExit(f"--kl-beta must be > 0, got {args.kl_beta}; leave it unset for the first-order direction")
     if not branch and any(b != "broad" for b in bandwidths):
         raise SystemExit("local (and auto) bandwidths need at least one --branch-steps entry; or use --bandwidth broad")
     if args.credit == "recast" and (args.n_roots < 2 or not branch):
         raise SystemExit("--credit recast estimates gains from branched pairs: it needs --n-roots >= 2 and a --branch-steps entry")
-    model_path = Path(args.model)
-    if not args.dry_run:
-        if not model_path.exists():
-            if args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:
-                raise SystemExit(f"--model {args.model}: no such folder. Give a diffusers folder or a hub id such as stabilityai/stable-diffusion-3.5-medium")
-            if not torch.cuda.is_available() and args.device != "cpu":
-                raise SystemExit(f"--model {args.model} (SD3.5-Medium scale) needs a CUDA GPU and none is visible. On a CPU, train the embedded model: omit --model")
-        elif not (model_path / "model_index.json").exists():
-            raise SystemExit(f"--model {args.model}: not a diffusers pipeline folder (no model_index.json)")
-    out = Path(args.out or f"runs/{args.name or default_name(args)}")
+    if is_embedded(args.model) and args.train_prompts:
+        raise SystemExit("--train-prompts is not used with the embedded model (it samples prompts of its own world): omit it, or give --model")
+    if args.train_prompts:
+        read_prompts(args.train_prompts, "--train-prompts")
+    if args.eval_prompts and len(read_prompts(args.eval_prompts, "--eval-prompts")) < 2:
+        raise SystemExit(f"--eval-prompts {args.eval_prompts}: give at least 2 prompts (the held-out set is judged as a set)")
+    args.out = str(run_folder(args))
+    return names, budgets, branch
+
+
+# Copied from recast.holds_run
+def holds_run(folder):
+    """True when the folder already holds a run's files (its settings, metrics or checkpoints)."""
+    return any((Path(folder) / f).exists() for f in ("config.json", "metrics.jsonl", "checkpoints"))
+
+
+# Copied from recast.run_folder
+def run_folder(args):
+    """The run folder, checked writable. --resume: that folder. --out: refused if it holds a run,
+    unless --overwrite. Default runs/<name>: a fresh -1, -2, ... suffix when the name is taken, so
+    running a command twice gives two runs. Creates the folder; changes nothing inside it."""
+    if args.resume:
+        out = Path(args.resume)
+    elif args.out:
+        out = Path(args.out)
+        if holds_run(out) and not args.overwrite:
+            raise SystemExit(f"--out {out} already holds a run. Continue it with --resume {out}, choose another --out, "
+                             "or replace it with --overwrite")
+    else:
+        base = Path("runs") / (args.name or default_name(args))
+        out = next(p for p in (base.with_name(f"{base.name}-{i}") if i else base for i in range(10**6)) if not holds_run(p))
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
+        probe = out / f".write_test.{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
         raise SystemExit(f"cannot write to the run folder {out} ({err.strerror}): choose another with --out") from None
-    return names, budgets, branch
+    return out
+
+
+# Copied from recast.lock_run
+def lock_run():
+    pass
 
 
 def parse_bandwidths(text, K):
@@ -571,8 +679,24 @@ def parse_bandwidths(text, K):
 
 def default_name(args):
     return f"rvge-{args.credit}-{args.seed}"
+# Copied from recast.lock_run
+def lock_run(out):
+    """An exclusive lock on out/.lock for this process's lifetime: a second live process on the same
+    folder (e.g. two --resume) is refused. Returns the open file (keep it referenced)."""
+    import fcntl
+
+    handle = open(Path(out) / ".lock", "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise SystemExit(f"{out} is in use by another live process (it holds {out}/.lock); wait for it to finish or stop it") from None
+    return handle
 
 
+
+
+# Copied from recast.is_embedded
 def is_embedded(model):
     return Path(model).resolve() == (Path(__file__).parent / EMBEDDED_MODEL).resolve()
 
@@ -582,6 +706,7 @@ def is_embedded(model):
 # =============================================================================
 
 
+# Copied from recast.load_pipeline
 def load_pipeline(args, device, dtype):
     """StableDiffusion3Pipeline (the real SD3.5-M or the embedded tiny one, same classes) with
     frozen VAE and text encoders, and two LoRA adapters on the transformer: "default" (trained)
@@ -610,10 +735,12 @@ def load_pipeline(args, device, dtype):
     return pipe
 
 
+# Copied from recast.lora_params
 def lora_params(transformer, adapter):
     return [p for n, p in transformer.named_parameters() if f".{adapter}." in n]
 
 
+# Copied from recast.copy_adapter
 def copy_adapter(transformer, src, dst, keep=0.0):
     """dst <- keep * dst + (1 - keep) * src, parameter by parameter (DiffusionNFT's soft update)."""
     import torch
@@ -623,6 +750,7 @@ def copy_adapter(transformer, src, dst, keep=0.0):
             p_dst.mul_(keep).add_(p_src.to(p_dst.dtype), alpha=1 - keep)
 
 
+# Copied from recast.dry_run
 def dry_run(args):
     """SD3.5-Medium readiness without weights: its transformer (shipped config) on the meta device,
     the LoRA attached, trainable parameters and a memory plan for one micro-batch."""
@@ -667,6 +795,7 @@ def dry_run(args):
 # CLIPScore, aesthetic, OCR, GenEval) live in reward_models.py, shared by both scripts.
 
 
+# Copied from recast.reward_extras
 def reward_extras(model, extra=None):
     """Rewards that are plain callables: the embedded world's programs (for the embedded model;
     their names shadow the reward models', e.g. `geneval` is the shapes checker there) and `extra`."""
@@ -674,6 +803,7 @@ def reward_extras(model, extra=None):
     return {**world, **(extra or {})}
 
 
+# Copied from recast.score
 def score(rewards, images, prompts):
     """Rewards (N, K) float64; non-finite values are kept (NaN) and handled by `optimality`."""
     return np.stack([np.asarray(fn(images, prompts), dtype=np.float64).reshape(len(images)) for fn in rewards], 1)
@@ -684,6 +814,7 @@ def score(rewards, images, prompts):
 # =============================================================================
 
 
+# Copied from recast.encode
 def encode(pipe, prompts, max_len, device):
     """CFG-free text conditioning: (prompt_embeds (P, L, D), pooled (P, D'))."""
     import torch
@@ -694,6 +825,7 @@ def encode(pipe, prompts, max_len, device):
     return emb, pooled
 
 
+# Copied from recast.velocity
 def velocity(transformer, x, s, emb, pooled, chunk=64):
     """v(x_t, t, c) of the active adapter; x (N, C, h, w) float32, s (N,) sigmas in [0, 1],
     emb/pooled already indexed per sample. The transformer takes timestep = 1000 s (float32, as the
@@ -709,6 +841,7 @@ def velocity(transformer, x, s, emb, pooled, chunk=64):
     return torch.cat(outs)
 
 
+# Copied from recast.tree_rollout
 def tree_rollout(transformer, emb, pooled, sigmas, n_roots, n_branch, branch, sde_a, gen, shape, chunk=64, probe_steps=()):
     """One tree per prompt: n_roots noises, ODE to the first branch step, then at each branch step
     every state is copied n_branch times and continued with the SDE (the last step is an Euler
@@ -742,6 +875,9 @@ def tree_rollout(transformer, emb, pooled, sigmas, n_roots, n_branch, branch, sd
     return x, groups.numpy(), np.stack(ancestry, 1), probes
 
 
+
+
+# Copied from recast.decode
 def decode(pipe, latents, chunk=8):
     """Latents (scaled as the transformer sees them) -> list of PIL images."""
     import torch
@@ -817,9 +953,20 @@ def rvge_update(transformer, opt, leaves, groups, directions, t_b, mix, s2, emb,
         if (b_idx + 1) % args.grad_accum == 0 or b_idx == len(batches) - 1:
             all_reduce_grads(params)
             totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
+            check_finite(totals)
             opt.step()
             opt.zero_grad(set_to_none=True)
     return totals
+
+
+# Copied from recast.check_finite
+def check_finite(values):
+    """Stop before an optimizer step that would write NaN/inf into the weights (exit code 1; the run
+    folder keeps its last good checkpoint). values: the step's losses and gradient norm."""
+    bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+    if bad:
+        raise SystemExit(f"non-finite {bad}: the optimizer step was not taken and nothing was saved; the last good "
+                         "checkpoint is kept. Lower --lr or check the flags and rewards, then --resume")
 
 
 # =============================================================================
@@ -827,45 +974,70 @@ def rvge_update(transformer, opt, leaves, groups, directions, t_b, mix, s2, emb,
 # =============================================================================
 
 
+# Copied from recast.save_checkpoint
 def save_checkpoint(out, iteration, transformer, opt, state):
     """checkpoints/iter_N/: the "default" LoRA in diffusers' format (pipe.load_lora_weights(dir)
     loads it) and state.pt (both adapters, optimizer, D EMA, iteration). Written to a .tmp folder,
-    renamed, then `latest` is replaced atomically: a kill at any moment leaves the last good one."""
+    renamed, then `latest` is replaced atomically: a kill at any moment leaves the last good one.
+    Keeps this checkpoint and the newest earlier one. Refuses to write non-finite weights."""
     import torch
     from diffusers import StableDiffusion3Pipeline
     from peft.utils import get_peft_model_state_dict
 
+    lora = {a: get_peft_model_state_dict(transformer, adapter_name=a) for a in ("default", "old")}
+    bad = [k for sd in lora.values() for k, v in sd.items() if not torch.isfinite(v).all()]
+    if bad:
+        raise SystemExit(f"non-finite LoRA weights ({bad[0]}, {len(bad)} tensors) at iteration {iteration}: not saved; "
+                         f"the last good checkpoint in {out}/checkpoints is kept")
     root = out / "checkpoints"
     final, tmp = root / f"iter_{iteration:06d}", root / f"iter_{iteration:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    lora = {a: get_peft_model_state_dict(transformer, adapter_name=a) for a in ("default", "old")}
-    StableDiffusion3Pipeline.save_lora_weights(tmp, transformer_lora_layers=lora["default"])
-    torch.save({"iteration": iteration, "lora": lora, "optimizer": opt.state_dict(), **state}, tmp / "state.pt")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    (root / "latest.tmp").write_text(final.name)
-    os.replace(root / "latest.tmp", root / "latest")
-    for old in sorted(root.glob("iter_??????"))[:-2]:
-        shutil.rmtree(old, ignore_errors=True)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        StableDiffusion3Pipeline.save_lora_weights(tmp, transformer_lora_layers=lora["default"])
+        torch.save({"iteration": iteration, "lora": lora, "optimizer": opt.state_dict(), **state}, tmp / "state.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        (root / "latest.tmp").write_text(final.name)
+        os.replace(root / "latest.tmp", root / "latest")
+    except (OSError, RuntimeError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SystemExit(f"writing the checkpoint of iteration {iteration} failed ({err}); is the disk full? "
+                         f"The last good checkpoint in {root} is kept; free space, then continue with --resume {out}") from None
+    previous = max((p for p in root.glob("iter_??????") if p.name < final.name), default=None)
+    for old in root.glob("iter_??????"):
+        if old not in (final, previous):
+            shutil.rmtree(old, ignore_errors=True)
 
 
+# Copied from recast.load_checkpoint
 def load_checkpoint(out, transformer, opt):
-    """Restore the latest checkpoint of a run folder; returns its state dict (None if there is none)."""
+    """Restore the newest intact checkpoint of a run folder (the one `latest` names, else the newest
+    iter_N whose state.pt loads; says so when it falls back). Returns its state dict, None if none."""
     import torch
     from peft.utils import set_peft_model_state_dict
 
-    latest = out / "checkpoints" / "latest"
-    if not latest.exists():
-        return None
-    state = torch.load(out / "checkpoints" / latest.read_text().strip() / "state.pt", weights_only=False)
-    for adapter, sd in state.pop("lora").items():
-        set_peft_model_state_dict(transformer, sd, adapter_name=adapter)
-    opt.load_state_dict(state.pop("optimizer"))
-    transformer.set_adapter("default")
-    return state
+    root = out / "checkpoints"
+    latest = root / "latest"
+    named = root / latest.read_text().strip() if latest.is_file() else None
+    candidates = ([named] if named else []) + sorted((p for p in root.glob("iter_??????") if p != named), reverse=True)
+    for ckpt in candidates:
+        try:
+            state = torch.load(ckpt / "state.pt", weights_only=False)
+        except Exception as err:  # missing, truncated or corrupt: try the next older one
+            tqdm.write(f"checkpoint {ckpt} is not loadable ({type(err).__name__}); trying an older one")
+            continue
+        if ckpt != named:
+            tqdm.write(f"resuming from {ckpt.name}, the newest intact checkpoint")
+        for adapter, sd in state.pop("lora").items():
+            set_peft_model_state_dict(transformer, sd, adapter_name=adapter)
+        opt.load_state_dict(state.pop("optimizer"))
+        transformer.set_adapter("default")
+        return state
+    return None
 
 
+# Copied from recast.evaluate
 def evaluate(run, args):
     """Held-out evaluation of the trained ("default") adapter: ODE sampling on fixed prompts and
     seeds, training rewards and held-out judges. Returns (metrics, images)."""
@@ -886,6 +1058,7 @@ def evaluate(run, args):
     return metrics, images
 
 
+# Copied from recast.save_grid
 def save_grid(images, path, cols=8):
     from PIL import Image
 
@@ -897,6 +1070,7 @@ def save_grid(images, path, cols=8):
     grid.save(path)
 
 
+# Copied from recast.plot_run
 def plot_run(out, names):
     """Figures from metrics.jsonl: reward curves, the last W heatmap, D_k(t) curves and gains."""
     import matplotlib
@@ -936,12 +1110,14 @@ def plot_run(out, names):
 # =============================================================================
 
 
+# Copied from recast.setup_run
 def setup_run(args: Args, extra_rewards=None, judges=None):
     """Validate, then load everything one run needs; returns a namespace shared by the loop's steps."""
     import torch
     from accelerate import Accelerator
 
     names, budgets, branch = validate(args, extra_rewards)
+    lock = lock_run(args.out) if int(os.environ.get("RANK", 0)) == 0 else None
     device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     acc = Accelerator(cpu=device_name == "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if acc.device.type == "cuda" else "float32"))
@@ -952,7 +1128,7 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
     max_len = args.max_sequence_length or gen_kwargs.get("max_sequence_length", 256)
     pipe = load_pipeline(args, acc.device, dtype)
     pipe.scheduler.set_timesteps(args.steps)
-    train_prompts = read_prompts(args.train_prompts) if args.train_prompts else None
+    train_prompts = read_prompts(args.train_prompts, "--train-prompts") if args.train_prompts else None
     if world is None and train_prompts is None:
         raise SystemExit("--train-prompts FILE is required for this model (one prompt per line)")
 
@@ -980,11 +1156,12 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
         sigmas=pipe.scheduler.sigmas.float().cpu(),  # (T+1,), 1 -> 0: the W columns and training timesteps
         shape=(pipe.transformer.config.in_channels, res // pipe.vae_scale_factor, res // pipe.vae_scale_factor),
         opt=torch.optim.AdamW(lora_params(pipe.transformer, "default"), lr=args.lr, weight_decay=args.weight_decay),
-        eval_prompts=read_prompts(args.eval_prompts) if args.eval_prompts else (world.sample_prompts(16, "heldout", 0) if world else []),
-        out=Path(args.out or f"runs/{args.name or default_name(args)}"), reduce=reduce, all_reduce_grads=all_reduce_grads,
+        eval_prompts=read_prompts(args.eval_prompts, "--eval-prompts") if args.eval_prompts else (world.sample_prompts(16, "heldout", 0) if world else []),
+        out=Path(args.out), lock=lock, reduce=reduce, all_reduce_grads=all_reduce_grads,
         prompts_for=prompts_for, encode=lambda prompts: encode(pipe, prompts, max_len, acc.device))
 
 
+# Copied from recast.rollout_and_score
 def rollout_and_score(run, args, it, gen, probe_steps=()):
     """Step 1 of an iteration: prompts, tree rollouts from the "old" adapter, decoded leaves scored.
     Returns a namespace with prompts, emb, pooled, leaves, groups, ancestry, probes, R (N, K)."""
@@ -1001,6 +1178,7 @@ def rollout_and_score(run, args, it, gen, probe_steps=()):
                            R=R, probe_R=probe_R, t_rollout=t_rollout)
 
 
+# Copied from recast.global_stats
 def global_stats(R, reduce):
     """Per-column (count, mean, std) of the finite rewards of all processes; R (N, K)."""
     finite = np.isfinite(R)
@@ -1010,6 +1188,7 @@ def global_stats(R, reduce):
     return n, mean, np.sqrt(np.maximum(reduce((Rz ** 2).sum(0)) / np.maximum(n, 1) - mean ** 2, 0.0))
 
 
+# Copied from recast.finish_iteration
 def finish_iteration(run, args, it, metrics, state, before=None):
     """Step 4: evaluate (every eval_every iterations and at the end), append the metrics line,
     checkpoint (every save_every iterations and at the end). Main process only."""
@@ -1029,12 +1208,20 @@ def finish_iteration(run, args, it, metrics, state, before=None):
     run.acc.wait_for_everyone()
 
 
+# Copied from recast.start_or_resume
 def start_or_resume(run, args):
-    """Restore the last checkpoint when resuming; write config.json; returns (first iteration, state)."""
+    """Restore the newest intact checkpoint when resuming (metrics cut back to it), or clear the folder
+    for --overwrite; remove .tmp leftovers; write config.json. Returns (first iteration, state)."""
     state = load_checkpoint(run.out, run.transformer, run.opt) if args.resume else None
     start = state.pop("iteration") + 1 if state else 0
     if run.acc.is_main_process:
-        (run.out / "config.json").write_text(json.dumps({"args": asdict(args), "rewards": run.names, "git_sha": git_sha()}, indent=2))
+        if args.overwrite:
+            for name in ("config.json", "metrics.jsonl", "checkpoints", "rewards.png", "credit.png", "samples_before.png", "samples_after.png"):
+                shutil.rmtree(run.out / name) if (run.out / name).is_dir() else (run.out / name).unlink(missing_ok=True)
+        for leftover in list(run.out.glob("*.tmp")) + list((run.out / "checkpoints").glob("*.tmp")):
+            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+        config = {"args": asdict(args), "script": Path(__file__).stem, "rewards": run.names, "git_sha": git_sha()}
+        write_atomic(run.out / "config.json", json.dumps(config, indent=2))
         keep_metrics_until(run.out / "metrics.jsonl", start)
     return start, state or {}
 
@@ -1111,22 +1298,47 @@ def train(args: Args, extra_rewards=None, judges=None):
     return run.out
 
 
-def read_prompts(path):
-    prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+# Copied from recast.read_prompts
+def read_prompts(path, flag="prompts"):
+    """Prompts of a UTF-8 text file, one per line; SystemExit naming the flag when the file is missing,
+    binary, not UTF-8 or empty."""
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except OSError as err:
+        raise SystemExit(f"{flag} {path}: cannot read it ({err.strerror}); give a text file with one prompt per line") from None
+    except UnicodeDecodeError:
+        raise SystemExit(f"{flag} {path}: not UTF-8 text; save it as UTF-8, one prompt per line") from None
+    if "\x00" in text:
+        raise SystemExit(f"{flag} {path}: a binary file, not prompts; give a text file with one prompt per line")
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
-        raise SystemExit(f"{path}: no prompts (one per line)")
+        raise SystemExit(f"{flag} {path}: no prompts (one per line)")
     return prompts
 
 
+# Copied from recast.write_atomic
+def write_atomic(path, text):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# Copied from recast.keep_metrics_until
 def keep_metrics_until(path, start):
-    """On resume, drop metric lines of iterations after the checkpoint (they will be redone)."""
+    """On resume, keep the metric lines of iterations before `start` (later ones will be redone);
+    a partial or undecodable line (a kill or a full disk mid-write) is dropped, never fatal."""
     if path.exists():
-        rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["iteration"] < start]
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(row + "\n" for row in rows))
-        os.replace(tmp, path)
+        rows = []
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                if json.loads(line)["iteration"] < start:
+                    rows.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue
+        write_atomic(path, "".join(row + "\n" for row in rows))
 
 
+# Copied from recast.git_sha
 def git_sha():
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True).stdout.strip()
@@ -1139,6 +1351,7 @@ def git_sha():
 # =============================================================================
 
 
+# Copied from recast.main
 def main(argv=None):
     args = parse_args(argv)
     if args.dry_run:

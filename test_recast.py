@@ -580,11 +580,254 @@ def test_bad_input_fails_before_any_work_with_a_clear_message(tiny, tmp_path, ch
     if "CUDA" in words and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     if module == "rvge" and "--alpha" in change:
-        change, words = ["--kl-beta", "0"], "kl-beta must be > 0"
+        change, words = ["--kl-beta", "0"], "--kl-beta 0.0: must be a finite number > 0"
     script = __import__(module)
     argv = tiny_argv(tiny, tmp_path / "run") + change
     with pytest.raises(SystemExit, match=words):
         script.validate(script.parse_args(argv), extra_rewards=TINY_REWARDS)
+
+
+# -----------------------------------------------------------------------------
+# Runs never lose or corrupt work (issue 14): every case leaves an earlier run byte-identical
+# -----------------------------------------------------------------------------
+
+
+def snapshot(folder):
+    """{relative path: bytes} of every file under a run folder (the lock file excluded)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+@pytest.fixture(scope="module", params=["recast", "rvge"])
+def finished_run(request, tiny, tmp_path_factory):
+    """A finished 2-iteration run (checkpoints at both iterations) of each script; tests copy it."""
+    script = __import__(request.param)
+    out = tmp_path_factory.mktemp(request.param) / "run"
+    script.train(script.parse_args(tiny_argv(tiny, out, "--iterations", "2", "--save-every", "1", "--eval-every", "0")),
+                 extra_rewards=TINY_REWARDS)
+    return SimpleNamespace(script=script, out=out)
+
+
+def copy_of(run, tmp_path, name="run"):
+    import shutil
+
+    dst = tmp_path / name
+    shutil.copytree(run.out, dst, ignore=shutil.ignore_patterns(".lock"))
+    return dst
+
+
+def test_the_same_command_twice_makes_two_runs(tiny, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = [a for a in tiny_argv(tiny, "x", "--iterations", "1", "--eval-every", "0") if a not in ("--out", "x")]
+    first = recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+    before = snapshot(first)
+    second = recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+    assert first == Path("runs/recast-recast-0") and second == Path("runs/recast-recast-0-1")
+    assert snapshot(first) == before and (second / "checkpoints" / "latest").is_file()
+
+
+@pytest.mark.parametrize("more, words", [([], "already holds a run"), (["--train-batch", "0"], "--train-batch 0: must be"),
+                                         (["--lr", "nan"], "--lr nan: must be a finite")])
+def test_an_existing_run_is_never_touched_by_a_new_command(finished_run, tmp_path, more, words):
+    out = copy_of(finished_run, tmp_path)
+    before = snapshot(out)
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        finished_run.script.validate(finished_run.script.parse_args(tiny_argv_for(finished_run, out, *more)), extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
+
+
+def tiny_argv_for(run, out, *more):
+    return json_args_to_argv(json.loads((run.out / "config.json").read_text())["args"], out, *more)
+
+
+def json_args_to_argv(saved, out, *more):
+    keep = ["model", "rewards", "budgets", "resolution", "max_sequence_length", "train_prompts", "eval_prompts", "prompts_per_iter",
+            "lora_rank", "lora_alpha"]
+    return [x for k in keep for x in (f"--{k.replace('_', '-')}", str(saved[k]))] + ["--out", str(out), *more]
+
+
+def test_overwrite_replaces_a_run(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    script = finished_run.script
+    script.train(script.parse_args(tiny_argv_for(finished_run, out, "--iterations", "1", "--eval-every", "0", "--overwrite")),
+                 extra_rewards=TINY_REWARDS)
+    assert [m["iteration"] for m in read_metrics(out)] == [0]
+    assert sorted(p.name for p in (out / "checkpoints").glob("iter_*")) == ["iter_000000"]
+
+
+def test_resume_trains_the_folder_given_wherever_it_lies(finished_run, tmp_path):
+    script = finished_run.script
+    original = snapshot(finished_run.out)
+    moved = copy_of(finished_run, tmp_path, "moved")
+    script.train(script.parse_args(["--resume", str(moved), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+    assert [m["iteration"] for m in read_metrics(moved)] == [0, 1, 2]
+    assert snapshot(finished_run.out) == original  # the folder it was copied from is untouched
+    assert json.loads((moved / "config.json").read_text())["args"]["out"] == str(moved)
+    with pytest.raises(SystemExit, match="continues that folder in place"):
+        script.parse_args(["--resume", str(moved), "--out", str(tmp_path / "elsewhere")])
+
+
+@pytest.mark.parametrize("more, words", [(["--rewards", "brightness"], "--rewards: saved 'brightness,redness', given 'brightness'"),
+                                         (["--steps", "12"], "--steps: saved 10, given 12"),
+                                         (["--lora-rank", "8"], "--lora-rank: saved 4, given 8")])
+def test_resume_refuses_settings_that_cannot_change(finished_run, tmp_path, more, words):
+    out = copy_of(finished_run, tmp_path)
+    before = snapshot(out)
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        finished_run.script.parse_args(["--resume", str(out), *more])
+    assert snapshot(out) == before
+    other = "rvge" if finished_run.script is recast else "recast"
+    with pytest.raises(SystemExit, match=f"trained by {finished_run.script.__name__}.py"):
+        __import__(other).parse_args(["--resume", str(out)])
+
+
+def test_a_second_live_process_on_a_folder_is_refused(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    held = finished_run.script.lock_run(out)
+    try:
+        with pytest.raises(SystemExit, match="in use by another live process"):
+            finished_run.script.train(finished_run.script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+    finally:
+        held.close()
+
+
+@pytest.mark.parametrize("damage", ["partial_metrics_line", "dangling_latest", "truncated_state"])
+def test_resume_survives_damage_and_falls_back_to_an_intact_checkpoint(finished_run, tmp_path, damage, capsys):
+    out = copy_of(finished_run, tmp_path)
+    ckpts = out / "checkpoints"
+    if damage == "partial_metrics_line":
+        with open(out / "metrics.jsonl", "a") as f:
+            f.write('{"iteration": 2, "reward/bri')
+    elif damage == "dangling_latest":
+        (ckpts / "latest").write_text("iter_000009")
+    else:
+        (ckpts / "iter_000001" / "state.pt").write_bytes((ckpts / "iter_000001" / "state.pt").read_bytes()[:1000])
+    (ckpts / "iter_000005.tmp").mkdir()
+    finished_run.script.train(finished_run.script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+    its = [m["iteration"] for m in read_metrics(out)]
+    if damage == "truncated_state":  # iteration 1 is redone from the iteration-0 checkpoint
+        captured = capsys.readouterr()
+        assert its == [0, 1, 2] and "iter_000000, the newest intact checkpoint" in captured.out + captured.err
+    else:
+        assert its == [0, 1, 2]
+    assert not list(ckpts.glob("*.tmp")) and (ckpts / (ckpts / "latest").read_text()).is_dir()
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_a_non_finite_loss_stops_before_the_step_and_keeps_the_last_good_checkpoint(tiny, tmp_path, module, monkeypatch):
+    script = __import__(module)
+    out = tmp_path / "run"
+    script.train(script.parse_args(tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0")), extra_rewards=TINY_REWARDS)
+    before = snapshot(out)
+    loss = "nft_loss" if module == "recast" else "rvge_loss"
+    monkeypatch.setattr(script, loss, lambda *a, **k: torch.full((len(a[0]),), float("nan")))
+    with pytest.raises(SystemExit, match="non-finite"):
+        script.train(script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+    after = snapshot(out)
+    assert {k: v for k, v in after.items() if k != "config.json"} == {k: v for k, v in before.items() if k != "config.json"}
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_budgets_are_scale_free(tiny, tmp_path, module):
+    script = __import__(module)
+    losses = []
+    for budgets in ("1,1", "1e-40,1e-40", "1e300,1e300"):
+        out = tmp_path / budgets
+        script.train(script.parse_args(tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0", "--budgets", budgets)),
+                     extra_rewards=TINY_REWARDS)
+        losses.append(read_metrics(out)[0]["loss/policy"])
+    assert np.isfinite(losses).all() and np.allclose(losses, losses[0], rtol=1e-5)
+    with pytest.raises(SystemExit, match="scale them down"):
+        script.validate(script.parse_args(tiny_argv(tiny, tmp_path / "big", "--budgets", "1e308,1e308")), extra_rewards=TINY_REWARDS)
+
+
+BAD_FLAGS = [["--iterations", "0"], ["--iterations", "-1"], ["--train-batch", "0"], ["--prompts-per-iter", "0"], ["--n-branch", "0"],
+             ["--n-roots", "0"], ["--resolution", "7"], ["--lora-rank", "0"], ["--grad-accum", "0"], ["--rollout-batch", "0"],
+             ["--train-steps-per-leaf", "0"], ["--save-every", "0"], ["--seed", "-1"], ["--lr", "-1"], ["--lr", "nan"],
+             ["--sde-a", "nan"], ["--grad-clip", "nan"], ["--gain-ema", "nan"], ["--gain-ema", "5"], ["--steps", "2"],
+             ["--device", "bogus"], ["--weight-decay", "inf"]]
+
+
+@pytest.mark.parametrize("change", BAD_FLAGS, ids=lambda c: " ".join(c))
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_every_numeric_flag_is_checked_before_anything_is_written(tiny, tmp_path, change, module):
+    script = __import__(module)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match=re.escape(change[0])):
+        script.validate(script.parse_args(tiny_argv(tiny, out, *change)), extra_rewards=TINY_REWARDS)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("change", [["--nft-b", "nan"], ["--alpha", "0"]])
+def test_recast_only_flags_are_checked(tiny, tmp_path, change):
+    with pytest.raises(SystemExit, match=re.escape(change[0])):
+        recast.validate(recast.parse_args(tiny_argv(tiny, tmp_path / "run", *change)), extra_rewards=TINY_REWARDS)
+
+
+@pytest.mark.parametrize("change", [["--eta", "nan"], ["--eta", "-1"], ["--transfer-cap", "nan"], ["--tie-threshold", "nan"]])
+def test_rvge_only_flags_are_checked(tiny, tmp_path, change):
+    with pytest.raises(SystemExit, match=re.escape(change[0])):
+        rvge.validate(rvge.parse_args(tiny_argv(tiny, tmp_path / "run", *change)), extra_rewards=TINY_REWARDS)
+
+
+def test_rvge_tiny_kl_beta_gives_finite_directions():
+    x0 = torch.randn(4, 3, 2, 2)
+    d = rvge.value_direction(x0, torch.tensor([0.1, -0.2, 0.3, 0.0]), beta=1e-300)
+    assert torch.isfinite(d).all() and torch.allclose(d, x0[2] - x0.mean(0))  # the softmax becomes the arg max
+
+
+@pytest.mark.parametrize("content, words", [(None, "cannot read it"), (b"\x00\x01\x02", "binary"), ("caf\xe9".encode("latin-1"), "not UTF-8"),
+                                            (b"\n\n", "no prompts")])
+def test_prompt_files_are_checked(tiny, tmp_path, content, words):
+    path = tmp_path / "prompts.txt"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(SystemExit, match=words):
+        recast.validate(recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--train-prompts", str(path))), extra_rewards=TINY_REWARDS)
+    one = tmp_path / "one.txt"
+    one.write_text("a red circle\n")
+    with pytest.raises(SystemExit, match="at least 2 prompts"):
+        recast.validate(recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--eval-prompts", str(one))), extra_rewards=TINY_REWARDS)
+
+
+def test_unclear_cases_now_name_the_real_problem(tiny, tmp_path):
+    with pytest.raises(SystemExit, match="--model /nonexistent: no such folder"):
+        recast.validate(recast.parse_args(["--model", "/nonexistent"]))
+    with pytest.raises(SystemExit, match="--steps 2: must be"):
+        recast.validate(recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--steps", "2")), extra_rewards=TINY_REWARDS)
+    with pytest.raises(SystemExit, match="--train-prompts is not used with the embedded model"):
+        recast.validate(recast.parse_args(["--train-prompts", str(tiny / "prompts.txt"), "--out", str(tmp_path / "e")]))
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no CUDA GPU is visible"):
+            recast.validate(recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--device", "cuda")), extra_rewards=TINY_REWARDS)
+
+
+def test_checkpoint_write_failure_says_disk_and_keeps_the_last_good_one(finished_run, tmp_path, monkeypatch):
+    script = finished_run.script
+    out = copy_of(finished_run, tmp_path)
+    before = snapshot(out)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(SystemExit, match="is the disk full"):
+        script.train(script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+    assert {k: v for k, v in snapshot(out).items() if k.startswith("checkpoints")} == {k: v for k, v in before.items() if k.startswith("checkpoints")}
+
+
+def test_helper_scripts_refuse_bad_flags(tmp_path, capsys):
+    import bench
+    import toy_gaussian
+
+    with pytest.raises(SystemExit):
+        toy_gaussian.main(["--only", "bogus", "--out", str(tmp_path)])
+    assert "unknown check(s) ['bogus']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--seeds", "0", "--out", str(tmp_path)])
+    assert "--seeds 0: give at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--tables-only", "--out", str(tmp_path / "empty")])
+    assert "results.json yet; run the benchmark first" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("change, words", [(["--bandwidth", "wide"], "local, broad or auto"),
@@ -891,3 +1134,57 @@ def test_bench_quick_runs_every_method_on_the_embedded_model(tmp_path):
     table = (tmp_path / "table.md").read_text()
     assert "speed-up vs nft" in table and all(f"| {m} |" in table for m in bench.METHODS)
     assert (tmp_path / "reward_vs_time_0.4_0.3_0.2_0.1.png").exists()
+
+
+# -----------------------------------------------------------------------------
+# The shared skeleton: rvge.py's copies of recast.py (diffusers' check_copies idea)
+# -----------------------------------------------------------------------------
+# A top-level definition in rvge.py preceded by the line `# Copied from recast.NAME` must equal
+# recast.py's NAME character for character. After editing recast.py, `python test_recast.py
+# --fix-copies` rewrites the copies.
+
+COPY_MARK = "# Copied from recast."
+
+
+def top_level_definitions(source):
+    """{name: (first line, end line)} (0-based, end exclusive) of top-level defs, classes and single-name assignments."""
+    import ast
+
+    spans = {}
+    for node in ast.parse(source).body:
+        name = getattr(node, "name", None) or (node.targets[0].id if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) else None)
+        if name:
+            first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
+            spans[name] = (first, node.end_lineno)
+    return spans
+
+
+def marked_copies(copy_source):
+    """[(name, first line, end line)] of the definitions marked as copies, in file order."""
+    lines, spans = copy_source.splitlines(), top_level_definitions(copy_source)
+    return [(name, a, b) for name, (a, b) in spans.items() if a > 0 and lines[a - 1].strip() == COPY_MARK + name]
+
+
+def fix_copies(original=Path(__file__).parent / "recast.py", copy=Path(__file__).parent / "rvge.py"):
+    src, dst = original.read_text(), copy.read_text()
+    src_lines, src_spans, lines = src.splitlines(keepends=True), top_level_definitions(src), dst.splitlines(keepends=True)
+    for name, a, b in reversed(marked_copies(dst)):
+        s, e = src_spans[name]
+        lines[a:b] = src_lines[s:e]
+    copy.write_text("".join(lines))
+
+
+def test_rvge_copies_of_the_shared_skeleton_match_recast():
+    here = Path(__file__).parent
+    src, dst = (here / "recast.py").read_text(), (here / "rvge.py").read_text()
+    src_lines, src_spans, dst_lines = src.splitlines(), top_level_definitions(src), dst.splitlines()
+    copies = marked_copies(dst)
+    assert len(copies) >= 40, "the copy marks are gone"
+    for name, a, b in copies:
+        assert name in src_spans, f"rvge.py marks {name} as copied from recast.py, which has no {name}"
+        s, e = src_spans[name]
+        assert dst_lines[a:b] == src_lines[s:e], f"rvge.py's copy of {name} differs from recast.py's: run python test_recast.py --fix-copies"
+
+
+if __name__ == "__main__" and "--fix-copies" in sys.argv:
+    fix_copies()

@@ -866,6 +866,9 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="smaller samples and fewer steps (for the tests)")
     parser.add_argument("--only", default=",".join(CHECKS), help="comma-separated subset of " + ", ".join(CHECKS))
     args = parser.parse_args(argv)
+    unknown = [n for n in args.only.split(",") if n not in CHECKS]
+    if unknown:
+        parser.error(f"--only: unknown check(s) {unknown}; choose from {', '.join(CHECKS)}")
     import matplotlib
 
     matplotlib.use("Agg")
