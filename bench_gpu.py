@@ -374,17 +374,10 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def main(argv=None):
+def profile_all(args, recipe, out):
+    """Build (or reuse) the random pipeline, measure the matmul rate, train each method under the Profiler."""
     import torch
 
-    args = parse_args(argv)
-    args.device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
-    if args.device == "cpu" and not args.tiny:
-        raise SystemExit("SD3.5-Medium size needs a CUDA GPU and none is used here: run with --tiny on a CPU")
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    recipe = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in (TINY if args.tiny else RECIPE).items()}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         pipe_dir = Path(args.pipeline_dir or Path(tmp) / "pipeline")
         if not (pipe_dir / "model_index.json").exists():
@@ -411,6 +404,27 @@ def main(argv=None):
             gc.collect()  # the run's pipeline, before the next one loads
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+    return result
+
+
+def main(argv=None):
+    import torch
+
+    args = parse_args(argv)
+    args.device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if args.device == "cpu" and not args.tiny:
+        raise SystemExit("SD3.5-Medium size needs a CUDA GPU and none is used here: run with --tiny on a CPU")
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    recipe = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in (TINY if args.tiny else RECIPE).items()}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()
+    if args.tiny:
+        torch.set_num_threads(1)  # toy tensors: threads only add synchronisation (5x slower on 2 busy cores)
+    try:
+        result = profile_all(args, recipe, out)
+    finally:
+        torch.set_num_threads(threads)
     (out / "bench_gpu.json").write_text(json.dumps(result, indent=2))
     report = table(result)
     (out / "bench_gpu.md").write_text(report)
