@@ -34,7 +34,8 @@ samples the loop pushes through the transformer in each phase (with and without 
 images it decodes; phase FLOPs = counts x FLOPs per sample. Text encoders and rewards are not
 counted (their time is). Achieved TFLOP/s = FLOPs / seconds; MFU = that / the dense matmul rate
 measured here on the same device and dtype (torch.matmul of two n x n matrices). The first
-iteration (warm-up: kernel selection, allocator) is left out of the averages. Writes --out/bench_gpu.json and --out/bench_gpu.md (also printed).
+iteration (warm-up: kernel selection, allocator) is left out of the averages. Writes
+--out/bench_gpu.json and --out/bench_gpu.md (also printed).
 """
 import argparse
 import gc
