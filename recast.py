@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import numpy as np
 from tqdm import tqdm
 
-from reward_models import REWARD_MODELS, build_rewards
+from reward_models import REWARD_MODELS, build_rewards, ocr_target
 
 # =============================================================================
 # Math: budgets and optimality probabilities (DESIGN §2, §3.1)
@@ -256,6 +256,122 @@ def profiles(gains):
     return np.where(total > 0, gains / np.where(total > 0, total, 1.0), 1.0 / gains.shape[1])
 
 
+def branch_layout(n_groups, T, branch_steps, offset=0):
+    """Branch steps of each prompt group (DESIGN §3.3, §5). branch_steps: a list of steps shared by
+    every group, or "rotate": group p branches once, at step 1 + (offset + p) mod (T - 2), so that
+    consecutive groups (and iterations, through `offset`) cover every step 1..T-2 in turn and each
+    sampler level gets a measured D. Returns a list of n_groups sorted lists."""
+    if branch_steps == "rotate":
+        return [[1 + (offset + p) % (T - 2)] for p in range(n_groups)]
+    return [list(branch_steps) for _ in range(n_groups)]
+
+
+def level_observations(r, groups, ancestry, layouts, T, probes=(), estimator="pairs", alpha=2.0):
+    """Per-group observations of D's levels, summed into statistics that add across processes and
+    iterations: n (T+1,) groups observed at grid level j (t = sigma_j; j = T is t = 0), s1 / s2 (K, T+1)
+    sums of the observations and of their squares. One observation per group and level makes the
+    standard error honest about within-group correlation (derivations.ipynb §7).
+
+    pairs (alpha = 2): column 0 holds each group's mean cross-root product (the Z^2 baseline); column j
+    the group's mean sibling product at its split level minus that baseline (a paired difference: the
+    prompt's own scale cancels); column T the mean r^2 minus the baseline. D(s_j) = log(1 + m_j / m_0).
+    denoised (any alpha): probes (step, h (n, K), group ids (n,)) give column j the group's mean of
+    (h / Z_g)^alpha (`renyi_moment`, Z_g the group's mean h); column T uses the final r.
+    r (N, K); groups (N,) group ids indexing layouts; ancestry (N, L+1) as in `split_levels`."""
+    r = np.asarray(r, dtype=np.float64)
+    K = r.shape[1]
+    n, s1, s2 = np.zeros(T + 1), np.zeros((K, T + 1)), np.zeros((K, T + 1))
+
+    def add(j, obs):
+        if np.isfinite(obs).all():
+            n[j] += 1
+            s1[:, j] += obs
+            s2[:, j] += obs * obs
+
+    def moment(h):  # the group's mean of (h / Z_g)^alpha
+        sums, counts = denoised_moments(h[None], alpha)
+        return sums[:, 0] / counts[0]
+
+    for g in np.unique(groups):
+        rows = np.flatnonzero(groups == g)
+        if estimator == "pairs":
+            sums, counts = pair_moments(r[rows], groups[rows], ancestry[rows])
+            with np.errstate(invalid="ignore", divide="ignore"):
+                means = sums / counts  # (K, L+2): cross roots, each split level, self
+            add(0, means[:, 0])
+            for level, j in enumerate(list(layouts[g]) + [T], 1):
+                add(j, means[:, level] - means[:, 0])
+        else:
+            add(T, moment(r[rows]))
+    for j, h, probe_groups in probes:
+        for g in np.unique(probe_groups):
+            add(j, moment(np.asarray(h, dtype=np.float64)[probe_groups == g]))
+    return n, s1, s2
+
+
+def level_curves(n, s1, s2, estimator="pairs", alpha=2.0):
+    """D (K, T+1) and its standard error at each grid level from `level_observations` statistics
+    (summed over processes, discounted over iterations). Level 0 (t = 1) is D = 0 exactly; levels with
+    fewer than 2 observations are NaN. se: the delta method on the level mean (sample variance over
+    groups / n): pairs se_j = se(m_j) / m_0; denoised se(mean) / (mean (alpha - 1)), alpha = 1: se(mean)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = s1 / n
+        var = np.maximum(s2 / n - mean ** 2, 0.0) * n / (n - 1)
+        se_mean = np.sqrt(var / n)
+        if estimator == "pairs":
+            D, se = np.log1p(mean / mean[:, :1]), se_mean / mean[:, :1]
+        elif alpha == 1:
+            D, se = mean, se_mean
+        else:
+            D, se = renyi_from_moment(mean, alpha), se_mean / (mean * (alpha - 1))
+    bad = (n < 2)[None, :] | ~np.isfinite(D) | ~np.isfinite(se)
+    D, se = np.where(bad, np.nan, D), np.where(bad, np.nan, se)
+    D[:, 0], se[:, 0] = 0.0, 0.0
+    return D, se
+
+
+def evidence_weight(D, se, c=2.0):
+    """rho_k in [0, 1]: how far reward k's measured curve departs from the rewards' common shape, in
+    its own standard errors (derivations.ipynb §6b). W only moves credit *between* rewards, so the
+    null is "every reward has the same profile": D_k(s_j) = D_k(0) c_j with c_j = sum_k D_kj / sum_k D_k(0).
+    With z_kj = (D_kj - D_k(0) c_j) / sqrt(se_kj^2 + c_j^2 se_k(0)^2) over the p measured inner levels
+    and Q_k = sum_j z_kj^2: rho_k = max(0, 1 - c p / Q_k), a positive-part James-Stein factor with a
+    stricter constant (c = 2 keeps rho = 0 unless Q > 2p; a chi^2_8 exceeds 16 with probability 4%).
+    D, se (K, T+1) from `level_curves`. Returns (K,)."""
+    T = D.shape[1] - 1
+    inner = np.arange(1, T)
+    measured = np.isfinite(D[:, inner]).all(0) & np.isfinite(D[:, T]).all()
+    if not measured.any() or not np.sum(D[:, T]) > 0:
+        return np.zeros(D.shape[0])
+    j = inner[measured]
+    shape = D[:, j].sum(0) / D[:, T].sum()  # (p,) the common curve, D(0) = 1
+    sd = np.sqrt(se[:, j] ** 2 + (shape * se[:, T:]) ** 2)
+    Q = (((D[:, j] - D[:, T:] * shape) / np.where(sd > 0, sd, np.inf)) ** 2).sum(1)
+    return np.where(Q > 0, np.maximum(0.0, 1.0 - c * len(j) / np.where(Q > 0, Q, 1.0)), 0.0)
+
+
+def credit_profiles(D, se, sigmas, n, c=2.0):
+    """From measured levels to the profiles W is built from (DESIGN §3.3, derivations.ipynb §6b).
+    Per reward the measured levels (NaN ones skipped) are monotone-projected and PCHIP-interpolated to
+    the grid (`gains_on_grid`, weights = observation counts). Each gain gets its noise floor added,
+    g~_kj = g_kj + delta_k (delta_k: the mean standard error of reward k's level differences), so a step
+    where no reward's gain is measurable carries no ratio between rewards; the profile P_k of g~ is then
+    shrunk towards the rewards' mean profile by its evidence: P~_k = rho_k P_k + (1 - rho_k) mean_k P_k.
+    rho = 0 for every reward gives identical profiles and so the uniform W; with more samples delta -> 0
+    and rho -> 1, and W tends to the exact one. Returns (D_grid (K, T+1), gains (K, T), P~ (K, T), rho (K,))."""
+    sigmas = np.asarray(sigmas, dtype=np.float64)
+    T = len(sigmas) - 1
+    D_grid, gains = np.zeros_like(D), np.zeros((D.shape[0], T))
+    for k in range(D.shape[0]):
+        if np.isfinite(D[k, T]):
+            D_grid[k], gains[k] = (a[0] for a in gains_on_grid(sigmas, D[k][None], sigmas, weights=np.maximum(n, 1e-12)))
+    se_steps = np.sqrt(se[:, 1:] ** 2 + se[:, :-1] ** 2)  # (K, T) level differences; unmeasured levels excluded
+    floor = np.array([np.nanmean(row) if np.isfinite(row).any() else 0.0 for row in se_steps])
+    P = profiles(gains + floor[:, None])
+    rho = evidence_weight(D, se, c) if c > 0 else np.ones(D.shape[0])
+    return D_grid, gains, rho[:, None] * P + (1 - rho[:, None]) * P.mean(0), rho
+
+
 # =============================================================================
 # Math: the W solver (DESIGN §3.4)
 # =============================================================================
@@ -324,15 +440,19 @@ def mix_optimality(r, W, step):
     return (weights * r).sum(-1)
 
 
-def nft_loss(v_theta, v_old, x_t, x0, t, r, b=1.0):
+def nft_loss(v_theta, v_old, x_t, x0, t, r, b=1.0, adv_clip=5.0):
     """DiffusionNFT's per-sample policy loss (DESIGN §2), mean over latent dims.
 
     v+ = (1 - b) v_old + b v_theta,  v- = (1 + b) v_old - b v_theta,
     x0_hat± = x_t - t v±,  L± = mean((x0_hat± - x0)^2) / sg(mean|x0_hat± - x0|),
-    L = (r L+ + (1 - r) L-) / b.
+    L = adv_clip (r L+ + (1 - r) L-) / b.
+    The factor adv_clip (5) is DiffusionNFT's: its batch policy loss is the per-sample loss times
+    adv_clip_max before the mean (NVlabs/DiffusionNFT scripts/train_nft_sd3.py, `policy_loss = ...`,
+    ~L960), so base_reg and the gradient clip act as theirs do.
     Shapes: v_*, x_t, x0 (N, ...); t (N,) or (N, 1, 1, 1); r (N,). Returns (N,).
-    Its unweighted optimum is v_theta* = v_old + (2 / b) h (v+ - v_old),
-    h = E[r | x_t] (derivations.ipynb §3)."""
+    Optimum of the unweighted loss: v_theta* = v_old + (1 / b) E[(2r - 1)(u - v_old) | x_t]; it is
+    v_old + (2 / b) h (v+ - v_old), h = E[r | x_t], only when v_old is the exact velocity of the law the
+    rollouts come from (derivations.ipynb §3)."""
     t = t.reshape(-1, *([1] * (x_t.dim() - 1)))
     v_old = v_old.detach()
     dims = tuple(range(1, x_t.dim()))
@@ -344,7 +464,22 @@ def nft_loss(v_theta, v_old, x_t, x0, t, r, b=1.0):
 
     loss_pos = adaptive((1 - b) * v_old + b * v_theta)
     loss_neg = adaptive((1 + b) * v_old - b * v_theta)
-    return (r * loss_pos + (1 - r) * loss_neg) / b
+    return adv_clip * (r * loss_pos + (1 - r) * loss_neg) / b
+
+
+def old_decay(step, decay_type):
+    """DiffusionNFT's `return_decay`: the weight kept by the sampling ("old") adapter in
+    old <- decay old + (1 - decay) default, after `step` optimizer steps in all.
+    Type 0: always 0 (old = the trained policy); 1: min(0.001 step, 0.5) (GenEval, PickScore,
+    multi-reward); 2: 0 for 75 steps, then 0.0075 per step up to 0.999 (OCR)."""
+    flat, rate, cap = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}[decay_type]
+    return 0.0 if step < flat else min((step - flat) * rate, cap)
+
+
+def ema_decay(step):
+    """Decay of DiffusionNFT's EMA of the trained LoRA after optimizer step `step` (1, 2, ...):
+    min((1 + step) / (10 + step), 0.9) (flow_grpo/ema.py); the evaluation uses the EMA weights."""
+    return min((1 + step) / (10 + step), 0.9)
 
 
 def sde_step(x, v, s, s_next, a, s_first, noise):
@@ -365,6 +500,26 @@ def sde_step(x, v, s, s_next, a, s_first, noise):
 def ode_step(x, v, s, s_next):
     """Euler step of dx/dt = v from sigma s to s_next."""
     return x + (s_next - s) * v
+
+
+def dpm2_step(x, x0_hat, x0_hat_prev, s_prev, s, s_next):
+    """One step of DPM-Solver++(2M) (Lu et al. 2022, multistep, data prediction) for rectified flow,
+    alpha_t = 1 - t, sigma_t = t, lambda = log(alpha / sigma): from sigma s to s_next < s,
+      h = lambda(s_next) - lambda(s),  D = x0_hat + (x0_hat - x0_hat_prev) / (2 r),  r = h_prev / h,
+      x' = (s_next / s) x - alpha(s_next) (exp(-h) - 1) D.
+    First order (D = x0_hat, DDIM) at the first step (x0_hat_prev None) and at the last (s_next = 0,
+    where x' = x0_hat), as diffusers' DPMSolverMultistepScheduler with lower_order_final and
+    DiffusionNFT's deterministic "dpm2" rollouts do. x0_hat = x - s v. Works on floats, arrays, tensors."""
+    if s_next <= 0:
+        return x0_hat
+    if s >= 1:  # lambda(1) = -inf: h = inf, the DDIM step from pure noise
+        return s_next * x + (1 - s_next) * x0_hat
+    lam = lambda u: math.log((1 - u) / u)  # noqa: E731
+    h = lam(s_next) - lam(s)
+    D = x0_hat
+    if x0_hat_prev is not None and s_prev < 1:  # s_prev = 1: lambda = -inf, r = inf, no correction
+        D = x0_hat + (x0_hat - x0_hat_prev) * h / (2 * (lam(s) - lam(s_prev)))
+    return (s_next / s) * x - (1 - s_next) * math.expm1(-h) * D
 
 
 def shifted_sigmas(T, shift=3.0):
@@ -389,16 +544,19 @@ class Args:
     rewards: str = field(default="", metadata={"help": "comma-separated reward names, in budget order (default for the embedded model: its four default rewards)"})
     budgets: str = field(default="0.4,0.3,0.2,0.1", metadata={"help": "reward budgets lambda_k, one per reward (W's row sums)"})
     credit: str = field(default="recast", metadata={"help": "recast: W from Renyi gains; uniform: W = lambda / T (per-reward normalisation); nft: DiffusionNFT's raw weighted sum", "choices": ["recast", "uniform", "nft"]})
-    gain_estimator: str = field(default="pairs", metadata={"help": "pairs: branched-rollout pair products (alpha = 2, unbiased with --sde-a sqrt(2)); denoised: rewards of decoded x0_hat at the branch steps (any alpha, biased)", "choices": ["pairs", "denoised"]})
+    gain_estimator: str = field(default="pairs", metadata={"help": "pairs: sibling-leaf pair products (alpha = 2; levels exact as the SDE steps shrink, see --sde-substeps); denoised: rewards of decoded x0_hat at the layout's steps (any alpha, plug-in biased)", "choices": ["pairs", "denoised"]})
     alpha: float = field(default=2.0, metadata={"help": "Renyi order (pairs needs 2; 1 is the KL limit)", "gt": 0})
     tau: float = field(default=1.0, metadata={"help": "temperature of the profile in W's kernel lambda_k P~^tau (0: uniform W)", "min": 0})
     eps: float = field(default=1e-3, metadata={"help": "profile smoothing P~ = (1 - eps) P + eps / T (> 0 keeps W unique)", "min": 0, "max": 1})
-    gain_ema: float = field(default=0.9, metadata={"help": "EMA decay of the D curves across iterations", "min": 0, "lt": 1})
+    gain_ema: float = field(default=0.9, metadata={"help": "discount of the level statistics across iterations (horizon ~ 1 / (1 - gain_ema) iterations)", "min": 0, "lt": 1})
+    evidence: float = field(default=2.0, metadata={"help": "shrink each reward's profile towards uniform by rho = max(0, 1 - c p / Q), Q the chi^2 of its curve against uniform gains (0: no shrinkage)", "min": 0})
     iterations: int = field(default=120, metadata={"help": "training iterations (rollout + update); the default run takes ~7 min on 2 CPU cores", "min": 1})
     prompts_per_iter: int = field(default=8, metadata={"help": "prompt groups per iteration and process", "min": 1})
     n_roots: int = field(default=2, metadata={"help": "independent noises per prompt (tree roots)", "min": 1})
-    n_branch: int = field(default=2, metadata={"help": "copies made of every state at each branch step", "min": 1})
-    branch_steps: str = field(default="3,6", metadata={"help": "sampler steps j (0 < j < T - 1) at which states branch; group size = n_roots * n_branch^len"})
+    n_branch: int = field(default=4, metadata={"help": "copies made of every state at each branch step", "min": 1})
+    branch_steps: str = field(default="rotate", metadata={"help": "rotate: each prompt group branches once, at a step that rotates over 1..T-2 across groups and iterations (every level measured); or fixed sampler steps j (0 < j < T - 1) for every group; group size = n_roots * n_branch^(number of branch steps)"})
+    sde_substeps: int = field(default=2, metadata={"help": "Euler-Maruyama sub-steps per grid interval after a branch (1: the grid itself; more: siblings closer to exact x0 | x_t samples, rollout cost grows)", "min": 1})
+    sampler: str = field(default="tree", metadata={"help": "tree: branched trees (ReCAST's pairs estimator needs them); ode: DiffusionNFT's independent deterministic DPM-Solver-2 rollouts, n_roots per prompt", "choices": ["tree", "ode"]})
     steps: int = field(default=10, metadata={"help": "sampler steps T (= columns of W = training timesteps)", "min": 3})
     sde_a: float = field(default=math.sqrt(2), metadata={"help": "SDE noise level a after the first branch, g = a sqrt(s / (1 - s)); sqrt(2) (default) is the exact reversal of the noising, so branches sample x0 | x_t (the pairs estimator and kappa transfer need it; FlowGRPO uses 0.7)", "min": 0})
     resolution: int = field(default=0, metadata={"help": "image size in pixels (0: the model's default, 512 for SD3.5-M)", "min": 0})
@@ -406,8 +564,12 @@ class Args:
     nft_b: float = field(default=1.0, metadata={"help": "DiffusionNFT guidance strength b in v+- = v_old +- b (v_theta - v_old)", "gt": 0})
     base_reg: float = field(default=1e-4, metadata={"help": "weight of the velocity MSE to the frozen base model", "min": 0})
     train_steps_per_leaf: int = field(default=4, metadata={"help": "training timesteps drawn (without replacement) from the T grid steps per leaf and iteration", "min": 1})
-    train_batch: int = field(default=32, metadata={"help": "micro-batch of (leaf, timestep) samples per optimizer step", "min": 1})
-    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step", "min": 1})
+    train_batch: int = field(default=32, metadata={"help": "micro-batch of (leaf, timestep) samples per forward/backward", "min": 1})
+    frozen_batch: int = field(default=0, metadata={"help": "compute the no-grad v_old / v_base forwards of each optimizer step ahead, in batches of this size (0: with each gradient micro-batch); same numbers, unmeasured on GPU", "min": 0})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute the transformer's activations in backward (diffusers' gradient checkpointing): less memory for a larger --train-batch, same gradients"})
+    updates_per_iter: int = field(default=8, metadata={"help": "optimizer steps per iteration, each on the mean loss over its share of the iteration's samples (1: DiffusionNFT's one step per epoch)", "min": 1})
+    old_decay: int = field(default=1, metadata={"help": "DiffusionNFT's old-policy schedule on optimizer steps: 0 none, 1 min(0.001 s, 0.5), 2 OCR's (0 for 75 steps, then +0.0075 up to 0.999)", "choices": [0, 1, 2]})
+    ema: bool = field(default=False, metadata={"help": "keep DiffusionNFT's EMA of the trained LoRA (decay min((1 + s) / (10 + s), 0.9)), evaluate it and save it beside the raw LoRA"})
     rollout_batch: int = field(default=64, metadata={"help": "chunk size for transformer calls during rollouts", "min": 1})
     lr: float = field(default=1e-4, metadata={"help": "AdamW learning rate (DiffusionNFT uses 3e-4 on SD3.5-M with ~1k images per step; 1e-4 suits the embedded model's 256-sample steps)", "gt": 0})
     weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay", "min": 0})
@@ -415,6 +577,7 @@ class Args:
     lora_rank: int = field(default=32, metadata={"help": "LoRA rank", "min": 1})
     lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha", "min": 1})
     eval_every: int = field(default=20, metadata={"help": "evaluate every N iterations (and at start and end); 0: never", "min": 0})
+    eval_steps: int = field(default=0, metadata={"help": "Euler steps of the evaluation sampler (0: --steps; DiffusionNFT evaluates with 40)", "min": 0})
     eval_prompts: str = field(default="", metadata={"help": "file with evaluation prompts, one per line (embedded model: its held-out prompts)"})
     train_prompts: str = field(default="", metadata={"help": "file with training prompts, one per line (embedded model: its train split)"})
     save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)", "min": 1})
@@ -564,12 +727,9 @@ def validate(args: Args, extra_rewards=None):
         raise SystemExit(f"unknown or repeated reward(s) in {names}; known rewards: {sorted(known)}. Fix --rewards.")
     if len(budgets) != len(names):
         raise SystemExit(f"{len(budgets)} budgets for {len(names)} rewards ({','.join(names)}): give one budget per reward with --budgets")
-    try:
-        branch = sorted({int(b) for b in args.branch_steps.split(",") if b.strip()})
-    except ValueError:
-        raise SystemExit(f"--branch-steps {args.branch_steps!r}: give step indices such as 3,6") from None
-    if any(not 0 < b < args.steps - 1 for b in branch):
-        raise SystemExit(f"--branch-steps must lie strictly between 0 and T - 1 = {args.steps - 1} (T = --steps), got {branch}")
+    branch = parse_branch_steps(args.branch_steps, args.steps)
+    if args.gain_estimator == "pairs" and args.sampler == "ode":
+        raise SystemExit("--gain-estimator pairs needs branched rollouts: use --sampler tree, or --gain-estimator denoised with --sampler ode")
     if args.gain_estimator == "pairs":
         if args.alpha != 2:
             raise SystemExit("--gain-estimator pairs estimates the order-2 Renyi divergence only: use --alpha 2, or --gain-estimator denoised for other orders")
@@ -578,11 +738,27 @@ def validate(args: Args, extra_rewards=None):
     if is_embedded(args.model) and args.train_prompts:
         raise SystemExit("--train-prompts is not used with the embedded model (it samples prompts of its own world): omit it, or give --model")
     if args.train_prompts:
-        read_prompts(args.train_prompts, "--train-prompts")
+        unquoted = [q for q in read_prompts(args.train_prompts, "--train-prompts") if ocr_target(q) is None]
+        if "ocr" in names and unquoted:
+            raise SystemExit(f"--train-prompts {args.train_prompts}: the ocr reward scores the text between double quotes, and "
+                             f"{len(unquoted)} prompt(s) quote nothing, the first: {unquoted[0]!r}. Quote the text to render")
     if args.eval_prompts and len(read_prompts(args.eval_prompts, "--eval-prompts")) < 2:
         raise SystemExit(f"--eval-prompts {args.eval_prompts}: give at least 2 prompts (the held-out set is judged as a set)")
     args.out = str(run_folder(args))
     return names, budgets, branch
+
+
+def parse_branch_steps(text, T):
+    """--branch-steps: "rotate" or sorted distinct steps strictly between 0 and T - 1."""
+    if text.strip() == "rotate":
+        return "rotate"
+    try:
+        branch = sorted({int(b) for b in text.split(",") if b.strip()})
+    except ValueError:
+        raise SystemExit(f"--branch-steps {text!r}: give rotate, or step indices such as 3,6") from None
+    if any(not 0 < b < T - 1 for b in branch):
+        raise SystemExit(f"--branch-steps must lie strictly between 0 and T - 1 = {T - 1} (T = --steps), got {branch}")
+    return branch
 
 
 def holds_run(folder):
@@ -643,8 +819,8 @@ def is_embedded(model):
 
 def load_pipeline(args, device, dtype):
     """StableDiffusion3Pipeline (the real SD3.5-M or the embedded tiny one, same classes) with
-    frozen VAE and text encoders, and two LoRA adapters on the transformer: "default" (trained)
-    and "old" (sampling policy, a copy). Disabling adapters gives the frozen base."""
+    frozen VAE and text encoders, and LoRA adapters on the transformer: "default" (trained), "old"
+    (sampling policy, a copy) and with --ema "ema". Disabling adapters gives the frozen base."""
     import torch
     from diffusers import StableDiffusion3Pipeline
     from peft import LoraConfig
@@ -661,12 +837,23 @@ def load_pipeline(args, device, dtype):
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian", target_modules=LORA_TARGETS)
     torch.manual_seed(args.seed)
     transformer.add_adapter(config, adapter_name="default")
-    transformer.add_adapter(config, adapter_name="old")
-    copy_adapter(transformer, "default", "old")
-    for p in lora_params(transformer, "default") + lora_params(transformer, "old"):
+    adapters = ["default", "old"] + (["ema"] if args.ema else [])
+    for name in adapters[1:]:  # "old" and "ema" start as copies of "default"
+        transformer.add_adapter(config, adapter_name=name)
+        copy_adapter(transformer, "default", name)
+    for p in [p for name in adapters for p in lora_params(transformer, name)]:
         p.data = p.data.float()  # LoRA weights and their optimizer state in float32
     transformer.set_adapter("default")
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
     return pipe
+
+
+def scheduler_sigmas(pipe, steps):
+    """The pipeline scheduler's sigma grid (steps + 1,) for `steps` steps, from a copy (the pipeline's own stays as set)."""
+    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+    scheduler.set_timesteps(steps)
+    return scheduler.sigmas.float().cpu()
 
 
 def lora_params(transformer, adapter):
@@ -768,37 +955,71 @@ def velocity(transformer, x, s, emb, pooled, chunk=64):
     return torch.cat(outs)
 
 
-def tree_rollout(transformer, emb, pooled, sigmas, n_roots, n_branch, branch, sde_a, gen, shape, chunk=64, probe_steps=()):
-    """One tree per prompt: n_roots noises, ODE to the first branch step, then at each branch step
-    every state is copied n_branch times and continued with the SDE (the last step is an Euler
-    step, so leaves are clean). sigmas (T+1,) float tensor from 1 to 0.
+def tree_rollout(transformer, emb, pooled, sigmas, n_roots, n_branch, branch, sde_a, gen, shape, chunk=64, probe_steps=(),
+                 substeps=1, solver="euler"):
+    """One tree per prompt (DESIGN §5): n_roots noises run with the ODE to the group's first branch
+    step; at each of its branch steps every state is copied n_branch times; after the first branch the
+    SDE continues (`substeps` Euler-Maruyama sub-steps per grid interval, so that siblings sample
+    x0 | x_t closely: derivations.ipynb §7); the last step is an Euler step, so leaves are clean.
+    branch / probe_steps: a list of steps shared by every prompt, or one list per prompt (`branch_layout`);
+    every prompt must have the same number of branch steps. solver: the ODE before branching, "euler"
+    or "dpm2" (`dpm2_step`, DiffusionNFT's deterministic sampler). sigmas (T+1,) float tensor, 1 -> 0.
 
-    Returns leaves (N, C, h, w) with N = P n_roots n_branch^len(branch), groups (N,) prompt index,
-    ancestry (N, 1 + len(branch)) codes for `split_levels`, and probes: a list of
-    (step, x0_hat = x - s v, groups) at `probe_steps` for the denoised estimator."""
+    Returns leaves (N, C, h, w), groups (N,) prompt index, ancestry (N, 1 + L) codes for
+    `split_levels`, and probes: a list of (step, x0_hat = x - s v, groups) for the denoised estimator."""
     import torch
 
     device = emb.device
     P, T = len(emb), len(sigmas) - 1
+    per_group = lambda steps: [list(x) for x in steps] if steps and isinstance(steps[0], (list, tuple)) else [list(steps)] * P  # noqa: E731
+    branch, probe_steps = per_group(branch), per_group(probe_steps)
+    L = len(branch[0])
+    first = np.array([min(b) if b else T for b in branch])
     x = torch.randn((P * n_roots, *shape), generator=gen).to(device)
-    groups = torch.arange(P).repeat_interleave(n_roots)
-    ancestry = [np.arange(P * n_roots)]
-    probes = []
+    groups = np.arange(P).repeat(n_roots)
+    ancestry = np.zeros((len(x), 1 + L), dtype=np.int64)
+    ancestry[:, 0] = np.arange(len(x))
+    x0_prev, probes = None, []
     with torch.no_grad():
         for j in range(T):
-            if j in branch:
-                x, groups = x.repeat_interleave(n_branch, 0), groups.repeat_interleave(n_branch)
-                ancestry = [a.repeat(n_branch) for a in ancestry] + [np.tile(np.arange(n_branch), len(x) // n_branch)]
+            column = np.array([branch[g].index(j) + 1 if j in branch[g] else 0 for g in groups])
+            if column.any():  # copy the branching states n_branch times, recording the branch index taken
+                copies = np.where(column > 0, n_branch, 1)
+                child = np.concatenate([np.arange(c) for c in copies])
+                x, groups, column = x.repeat_interleave(torch.as_tensor(copies, device=device), 0), groups.repeat(copies), column.repeat(copies)
+                ancestry = ancestry.repeat(copies, 0)
+                ancestry[column > 0, column[column > 0]] = child[column > 0]
+                x0_prev = None if x0_prev is None else x0_prev.repeat_interleave(torch.as_tensor(copies, device=device), 0)
             s, s_next = float(sigmas[j]), float(sigmas[j + 1])
             v = velocity(transformer, x, torch.full((len(x),), s, device=device), emb[groups], pooled[groups], chunk)
-            if j in probe_steps:
-                probes.append((j, x - s * v, groups.clone()))
-            if branch and j >= min(branch) and j < T - 1:
-                noise = torch.randn(x.shape, generator=gen).to(device)
-                x = sde_step(x, v, s, s_next, sde_a, float(sigmas[1]), noise)
+            x0_hat = x - s * v
+            probing = np.array([j in probe_steps[g] for g in groups])
+            if probing.any():
+                probes.append((j, x0_hat[torch.as_tensor(probing)], groups[probing]))
+            sde = torch.as_tensor((first[groups] <= j) & (j < T - 1), device=device)  # after the group's first branch
+            if solver == "dpm2":
+                x_ode = dpm2_step(x, x0_hat, x0_prev, float(sigmas[j - 1]) if j else 1.0, s, s_next)
             else:
-                x = ode_step(x, v, s, s_next)
-    return x, groups.numpy(), np.stack(ancestry, 1), probes
+                x_ode = ode_step(x, v, s, s_next)
+            if sde.any():
+                on = sde.cpu().numpy()
+                x_ode = x_ode.clone()
+                x_ode[sde] = sde_continue(transformer, x[sde], v[sde], s, s_next, emb[groups[on]], pooled[groups[on]], sde_a,
+                                          float(sigmas[1]), substeps, gen, chunk)
+            x, x0_prev = x_ode, x0_hat
+    return x, groups, ancestry, probes
+
+
+def sde_continue(transformer, x, v, s, s_next, emb, pooled, sde_a, s_first, substeps, gen, chunk):
+    """`substeps` SDE steps from s to s_next on an even sub-grid; v is the velocity already taken at s."""
+    import torch
+
+    grid = np.linspace(s, s_next, substeps + 1)
+    for i, (u, u_next) in enumerate(zip(grid[:-1], grid[1:])):
+        if i:
+            v = velocity(transformer, x, torch.full((len(x),), float(u), device=x.device), emb, pooled, chunk)
+        x = sde_step(x, v, float(u), float(u_next), sde_a, s_first, torch.randn(x.shape, generator=gen).to(x.device))
+    return x
 
 
 def decode(pipe, latents, chunk=8):
@@ -819,20 +1040,21 @@ def decode(pipe, latents, chunk=8):
 # =============================================================================
 
 
-def renyi_grid(args, r, groups, ancestry, probe_r, sigmas, branch, reduce):
-    """D_k on the sampler grid (K, T+1) for this iteration, from statistics summed over processes.
-    pairs: levels t = 1, sigma at each branch step, 0. denoised: t = 1, each probe step, 0."""
-    if args.gain_estimator == "pairs":
-        sums, counts = pair_moments(r, groups, ancestry)
-        sums, counts = reduce(sums), reduce(counts)
-        t_levels = [1.0] + [float(sigmas[b]) for b in branch] + [0.0]
-        return gains_on_grid(t_levels, pairs_curve(sums, counts), sigmas, weights=counts)[0]
-    t_levels, D = [1.0], [np.zeros(r.shape[1])]
-    for step, h, g in probe_r + [(None, r, groups)]:
-        sums, counts = denoised_moments(h[None], args.alpha)
-        D.append(renyi_from_moment(reduce(sums)[:, 0] / reduce(counts)[0], args.alpha))
-        t_levels.append(0.0 if step is None else float(sigmas[step]))
-    return gains_on_grid(t_levels, np.stack(D, 1), sigmas)[0]
+def credit(args, stats, r, std, b, budgets, sigmas, reduce):
+    """ReCAST's credit for one iteration (DESIGN §3.3-3.4): this iteration's level observations, summed
+    over processes, are added to the discounted statistics (stats = gain_ema stats + new), then
+    D, its standard error, the evidence-shrunk profiles and W. Returns (stats, info dict, W)."""
+    T = len(sigmas) - 1
+    probes = [(j, optimality(Rp, gp, std=std), gp) for j, Rp, gp in b.probe_R]
+    new = [reduce(a) for a in level_observations(r, b.groups, b.ancestry, b.layouts, T, probes, args.gain_estimator, args.alpha)]
+    stats = new if stats is None else [args.gain_ema * old + now for old, now in zip(stats, new)]
+    D, se = level_curves(*stats, args.gain_estimator, args.alpha)
+    D_grid, gains, P, rho = credit_profiles(D, se, sigmas, stats[0], args.evidence)
+    W = solve_W(budgets, P, args.tau, args.eps) if args.credit == "recast" else uniform_W(budgets, T)
+    info = {"recast/D": D_grid.tolist(), "recast/D_measured": np.where(np.isfinite(D), D, -1.0).tolist(),
+            "recast/D_se": np.where(np.isfinite(se), se, -1.0).tolist(), "recast/level_n": stats[0].tolist(),
+            "recast/evidence": rho.tolist(), "recast/gains": gains.tolist(), "recast/W": W.tolist()}
+    return stats, info, W
 
 
 # =============================================================================
@@ -840,51 +1062,99 @@ def renyi_grid(args, r, groups, ancestry, probe_r, sigmas, branch, reduce):
 # =============================================================================
 
 
-def nft_update(transformer, opt, leaves, groups, r_mix_table, W, emb, pooled, sigmas, args, gen, all_reduce_grads):
-    """One pass over (leaf, timestep) samples: fresh noise, x_t = (1 - s) x0 + s eps, loss
-    nft_loss(v_theta, v_old, r~) + base_reg |v_theta - v_base|^2, AdamW with grad clip.
-    r_mix_table (N, K) optimality per reward; W (K, T): the loss at t = sigmas[j] (the velocity
-    that moves s_j -> s_{j+1}) uses r~ = sum_k (T / Lam) W_kj r_k. Returns mean losses."""
+def training_pairs(N, T, per_leaf, gen):
+    """(N * per_leaf, 2) (leaf, grid step) pairs in random order: each leaf trains on `per_leaf`
+    distinct sampler steps, the first of a random permutation of the T (DiffusionNFT: 9 of 10)."""
+    import torch
+
+    steps = torch.stack([torch.randperm(T, generator=gen)[:min(per_leaf, T)] for _ in range(N)])
+    pairs = torch.stack([torch.arange(N).repeat_interleave(steps.shape[1]), steps.reshape(-1)], 1)
+    return pairs[torch.randperm(len(pairs), generator=gen)]
+
+
+def nft_update(transformer, opt, leaves, groups, r_mix_table, W, emb, pooled, sigmas, args, gen, all_reduce_grads, on_step):
+    """The iteration's (leaf, timestep) samples in --updates-per-iter equal chunks, one AdamW step per
+    chunk on the mean loss over its samples (all processes; N = 1 is DiffusionNFT's one step per epoch).
+    Per sample: fresh noise, x_t = (1 - s) x0 + s eps, nft_loss(v_theta, v_old, r~) + base_reg
+    |v_theta - v_base|^2. r_mix_table (N, K) optimality per reward; W (K, T): the loss at t = sigmas[j]
+    (the velocity that moves s_j -> s_{j+1}) uses r~ = sum_k (T / Lam) W_kj r_k. `on_step()` runs after
+    every optimizer step (the EMA). Returns mean losses, the last gradient norm and the counts."""
     import torch
 
     device = leaves.device
-    N, T = len(leaves), len(sigmas) - 1
-    n_steps = min(args.train_steps_per_leaf, T)
-    steps = torch.stack([torch.randperm(T, generator=gen)[:n_steps] for _ in range(N)])  # (N, n_steps)
-    pairs = torch.stack([torch.arange(N).repeat_interleave(n_steps), steps.reshape(-1)], 1)
-    pairs = pairs[torch.randperm(len(pairs), generator=gen)]
+    pairs = training_pairs(len(leaves), len(sigmas) - 1, args.train_steps_per_leaf, gen)
     r_t = torch.as_tensor(r_mix_table, dtype=torch.float32)
     W_t = torch.as_tensor(W / W.sum(), dtype=torch.float32)  # scale-free before float32 (budgets of 1e-40 or 1e300)
     params = lora_params(transformer, "default")
-    totals = {"loss/policy": 0.0, "loss/base_reg": 0.0}
-    batches = pairs.split(args.train_batch)
-    for b_idx, batch in enumerate(tqdm(batches, desc="update", leave=False)):
-        i, j = batch[:, 0], batch[:, 1]
-        x0, s = leaves[i], sigmas[j].to(device)
-        eps = torch.randn(x0.shape, generator=gen).to(device)
-        x_t = (1 - s.view(-1, 1, 1, 1)) * x0 + s.view(-1, 1, 1, 1) * eps
-        cond = (emb[groups[i]], pooled[groups[i]])
-        with torch.no_grad():
-            transformer.set_adapter("old")
-            v_old = velocity(transformer, x_t, s, *cond)
-            transformer.disable_adapters()
-            v_base = velocity(transformer, x_t, s, *cond) if args.base_reg > 0 else v_old
-            transformer.enable_adapters()
-        transformer.set_adapter("default")
-        v_theta = velocity(transformer, x_t, s, *cond)
-        r = mix_optimality(r_t[i], W_t, j).to(device)
-        policy = nft_loss(v_theta, v_old, x_t, x0, s, r, args.nft_b).mean()
-        base = ((v_theta - v_base) ** 2).mean()
-        ((policy + args.base_reg * base) / args.grad_accum).backward()
-        totals["loss/policy"] += policy.item() / len(batches)
-        totals["loss/base_reg"] += base.item() / len(batches)
-        if (b_idx + 1) % args.grad_accum == 0 or b_idx == len(batches) - 1:
-            all_reduce_grads(params)
-            totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
-            check_finite(totals)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    totals = {"loss/policy": 0.0, "loss/base_reg": 0.0, "train/opt_steps": 0, "train/samples": len(pairs)}
+    for chunk in pairs.tensor_split(args.updates_per_iter):
+        batches = [noised_batch(batch, leaves, groups, emb, pooled, sigmas, gen) for batch in chunk.split(args.train_batch)]
+        frozen = frozen_velocities_ahead(transformer, batches, args.frozen_batch, args.base_reg > 0) if args.frozen_batch else None
+        for b_idx, (batch, i, j, x0, s, x_t, cond) in enumerate(batches):
+            v_old, v_base = frozen[b_idx] if frozen else frozen_velocities(transformer, x_t, s, cond, args.base_reg > 0)
+            v_theta = velocity(transformer, x_t, s, *cond)
+            r = mix_optimality(r_t[i], W_t, j).to(device)
+            policy = nft_loss(v_theta, v_old, x_t, x0, s, r, args.nft_b).mean()
+            base = ((v_theta - v_base) ** 2).mean()
+            ((policy + args.base_reg * base) * (len(batch) / len(chunk))).backward()
+            totals["loss/policy"] += policy.item() * len(batch) / len(pairs)
+            totals["loss/base_reg"] += base.item() * len(batch) / len(pairs)
+        optimizer_step(opt, params, totals, args.grad_clip, all_reduce_grads)
+        on_step()
     return totals
+
+
+def noised_batch(batch, leaves, groups, emb, pooled, sigmas, gen):
+    """One micro-batch of (leaf, step) pairs -> (batch, i, j, x0, s, x_t = (1 - s) x0 + s eps with fresh eps, cond)."""
+    import torch
+
+    i, j = batch[:, 0], batch[:, 1]
+    x0, s = leaves[i], sigmas[j].to(leaves.device)
+    eps = torch.randn(x0.shape, generator=gen).to(leaves.device)
+    x_t = (1 - s.view(-1, *[1] * (x0.dim() - 1))) * x0 + s.view(-1, *[1] * (x0.dim() - 1)) * eps
+    return batch, i, j, x0, s, x_t, (emb[groups[i]], pooled[groups[i]])
+
+
+def frozen_velocities_ahead(transformer, batches, size, with_base):
+    """--frozen-batch: the no-grad v_old / v_base of every micro-batch of an optimizer step, computed
+    ahead in chunks of `size` (larger than the gradient micro-batch: no activations are kept), then
+    split back per micro-batch. The same numbers as `frozen_velocities` per micro-batch."""
+    import torch
+
+    cat = lambda k: torch.cat([b[k] for b in batches])  # noqa: E731
+    x_t, s = cat(5), cat(4)
+    cond = (torch.cat([b[6][0] for b in batches]), torch.cat([b[6][1] for b in batches]))
+    v_old, v_base = zip(*(frozen_velocities(transformer, x_t[k:k + size], s[k:k + size], (cond[0][k:k + size], cond[1][k:k + size]), with_base)
+                          for k in range(0, len(x_t), size)))
+    sizes = [len(b[0]) for b in batches]
+    return list(zip(torch.cat(v_old).split(sizes), torch.cat(v_base).split(sizes)))
+
+
+def frozen_velocities(transformer, x_t, s, cond, with_base):
+    """No-grad velocities of the "old" (sampling) adapter and of the frozen base (adapters off; v_old
+    again when the base term is off); leaves the "default" adapter active."""
+    import torch
+
+    with torch.no_grad():
+        transformer.set_adapter("old")
+        v_old = velocity(transformer, x_t, s, *cond)
+        transformer.disable_adapters()
+        v_base = velocity(transformer, x_t, s, *cond) if with_base else v_old
+        transformer.enable_adapters()
+    transformer.set_adapter("default")
+    return v_old, v_base
+
+
+def optimizer_step(opt, params, totals, grad_clip, all_reduce_grads):
+    """Average the gradients over processes, clip their norm, refuse a non-finite step, step AdamW."""
+    import torch
+
+    all_reduce_grads(params)
+    totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    check_finite({k: v for k, v in totals.items() if k.startswith(("loss/", "grad_norm"))})
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    totals["train/opt_steps"] += 1
 
 
 def check_finite(values):
@@ -903,14 +1173,15 @@ def check_finite(values):
 
 def save_checkpoint(out, iteration, transformer, opt, state):
     """checkpoints/iter_N/: the "default" LoRA in diffusers' format (pipe.load_lora_weights(dir)
-    loads it) and state.pt (both adapters, optimizer, D EMA, iteration). Written to a .tmp folder,
+    loads it; iter_N/ema the EMA with --ema) and state.pt (every adapter, optimizer, level statistics,
+    optimizer-step count, iteration). Written to a .tmp folder,
     renamed, then `latest` is replaced atomically: a kill at any moment leaves the last good one.
     Keeps this checkpoint and the newest earlier one. Refuses to write non-finite weights."""
     import torch
     from diffusers import StableDiffusion3Pipeline
     from peft.utils import get_peft_model_state_dict
 
-    lora = {a: get_peft_model_state_dict(transformer, adapter_name=a) for a in ("default", "old")}
+    lora = {a: get_peft_model_state_dict(transformer, adapter_name=a) for a in transformer.peft_config}
     bad = [k for sd in lora.values() for k, v in sd.items() if not torch.isfinite(v).all()]
     if bad:
         raise SystemExit(f"non-finite LoRA weights ({bad[0]}, {len(bad)} tensors) at iteration {iteration}: not saved; "
@@ -921,6 +1192,8 @@ def save_checkpoint(out, iteration, transformer, opt, state):
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         StableDiffusion3Pipeline.save_lora_weights(tmp, transformer_lora_layers=lora["default"])
+        if "ema" in lora:  # DiffusionNFT's evaluation weights, loadable the same way from iter_N/ema
+            StableDiffusion3Pipeline.save_lora_weights(tmp / "ema", transformer_lora_layers=lora["ema"])
         torch.save({"iteration": iteration, "lora": lora, "optimizer": opt.state_dict(), **state}, tmp / "state.pt")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -954,8 +1227,12 @@ def load_checkpoint(out, transformer, opt):
             continue
         if ckpt != named:
             tqdm.write(f"resuming from {ckpt.name}, the newest intact checkpoint")
-        for adapter, sd in state.pop("lora").items():
-            set_peft_model_state_dict(transformer, sd, adapter_name=adapter)
+        lora = state.pop("lora")
+        for adapter, sd in lora.items():
+            if adapter in transformer.peft_config:
+                set_peft_model_state_dict(transformer, sd, adapter_name=adapter)
+        if "ema" in transformer.peft_config and "ema" not in lora:  # --ema switched on at resume: start it here
+            copy_adapter(transformer, "default", "ema")
         opt.load_state_dict(state.pop("optimizer"))
         transformer.set_adapter("default")
         return state
@@ -963,14 +1240,16 @@ def load_checkpoint(out, transformer, opt):
 
 
 def evaluate(run, args):
-    """Held-out evaluation of the trained ("default") adapter: ODE sampling on fixed prompts and
-    seeds, training rewards and held-out judges. Returns (metrics, images)."""
+    """Held-out evaluation of the trained adapter (its EMA with --ema, as DiffusionNFT evaluates):
+    Euler ODE sampling with --eval-steps on fixed prompts and seeds, training rewards and held-out
+    judges. Returns (metrics, images)."""
     import torch
 
     emb, pooled = run.encode(run.eval_prompts)
+    run.transformer.set_adapter("ema" if args.ema else "default")
+    latents, _, _, _ = tree_rollout(run.transformer, emb, pooled, run.eval_sigmas, n_roots=1, n_branch=1, branch=[], sde_a=0.0,
+                                    gen=torch.Generator().manual_seed(12345), shape=run.shape, chunk=args.rollout_batch)
     run.transformer.set_adapter("default")
-    latents, _, _, _ = tree_rollout(run.transformer, emb, pooled, run.sigmas, 1, 1, [], 0.0, torch.Generator().manual_seed(12345),
-                                    run.shape, args.rollout_batch)
     images = decode(run.pipe, latents)
     R = score(run.rewards, images, run.eval_prompts)
     metrics = {f"eval/{n}": float(np.nanmean(R[:, k])) for k, n in enumerate(run.names)}
@@ -1075,6 +1354,7 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
         judges=judges if judges is not None or world is None else world.JUDGES,
         frechet=world.frechet_distance if world else None,  # held-out drift judge (set level)
         sigmas=pipe.scheduler.sigmas.float().cpu(),  # (T+1,), 1 -> 0: the W columns and training timesteps
+        eval_sigmas=scheduler_sigmas(pipe, args.eval_steps or args.steps),
         shape=(pipe.transformer.config.in_channels, res // pipe.vae_scale_factor, res // pipe.vae_scale_factor),
         opt=torch.optim.AdamW(lora_params(pipe.transformer, "default"), lr=args.lr, weight_decay=args.weight_decay),
         eval_prompts=read_prompts(args.eval_prompts, "--eval-prompts") if args.eval_prompts else (world.sample_prompts(16, "heldout", 0) if world else []),
@@ -1082,20 +1362,27 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
         prompts_for=prompts_for, encode=lambda prompts: encode(pipe, prompts, max_len, acc.device))
 
 
-def rollout_and_score(run, args, it, gen, probe_steps=()):
-    """Step 1 of an iteration: prompts, tree rollouts from the "old" adapter, decoded leaves scored.
-    Returns a namespace with prompts, emb, pooled, leaves, groups, ancestry, probes, R (N, K)."""
+def rollout_and_score(run, args, it, gen, probe=False):
+    """Step 1 of an iteration: prompts, rollouts from the "old" adapter (--sampler tree: branched trees
+    with this iteration's branch layout; ode: independent deterministic DPM-Solver-2 samples, as
+    DiffusionNFT), decoded leaves scored; with `probe`, x0_hat decoded and scored at each group's layout
+    steps (the denoised estimator). Returns a namespace with prompts, emb, pooled, leaves, groups,
+    ancestry, layouts, probe_R [(step, R, groups)], R (N, K)."""
     prompts = run.prompts_for(it)
     emb, pooled = run.encode(prompts)
+    P = len(prompts)
+    layouts = branch_layout(P, args.steps, run.branch, offset=(it * run.acc.num_processes + run.acc.process_index) * P)
+    tree = args.sampler == "tree"
     run.transformer.set_adapter("old")
-    leaves, groups, ancestry, probes = tree_rollout(run.transformer, emb, pooled, run.sigmas, args.n_roots, args.n_branch, run.branch,
-                                                    args.sde_a, gen, run.shape, args.rollout_batch, probe_steps)
+    leaves, groups, ancestry, probes = tree_rollout(run.transformer, emb, pooled, run.sigmas, args.n_roots, args.n_branch,
+                                                    layouts if tree else [], args.sde_a, gen, run.shape, args.rollout_batch,
+                                                    layouts if probe else (), args.sde_substeps, "euler" if tree else "dpm2")
     run.transformer.set_adapter("default")
     t_rollout = time.perf_counter()
     R = score(run.rewards, decode(run.pipe, leaves), [prompts[g] for g in groups])
-    probe_R = [(j, score(run.rewards, decode(run.pipe, x0h), [prompts[g] for g in gp.numpy()]), gp.numpy()) for j, x0h, gp in probes]
+    probe_R = [(j, score(run.rewards, decode(run.pipe, x0h), [prompts[g] for g in gp]), gp) for j, x0h, gp in probes]
     return SimpleNamespace(prompts=prompts, emb=emb, pooled=pooled, leaves=leaves, groups=groups, ancestry=ancestry,
-                           R=R, probe_R=probe_R, t_rollout=t_rollout)
+                           layouts=layouts if tree else [[]] * P, R=R, probe_R=probe_R, t_rollout=t_rollout)
 
 
 def global_stats(R, reduce):
@@ -1140,7 +1427,7 @@ def start_or_resume(run, args):
         config = {"args": asdict(args), "script": Path(__file__).stem, "rewards": run.names, "git_sha": git_sha()}
         write_atomic(run.out / "config.json", json.dumps(config, indent=2))
         keep_metrics_until(run.out / "metrics.jsonl", start)
-    return start, state or {}
+    return start, {"opt_steps": 0, "level_stats": None, **(state or {})}
 
 
 def train(args: Args, extra_rewards=None, judges=None):
@@ -1150,7 +1437,13 @@ def train(args: Args, extra_rewards=None, judges=None):
 
     run = setup_run(args, extra_rewards, judges)
     start, state = start_or_resume(run, args)
-    D_ema, T, budgets = state.get("D_ema"), args.steps, run.budgets
+    T, budgets = args.steps, run.budgets
+
+    def on_step():  # after every optimizer step: the EMA of the trained LoRA (DiffusionNFT's evaluation weights)
+        state["opt_steps"] += 1
+        if args.ema:
+            copy_adapter(run.transformer, "default", "ema", keep=ema_decay(state["opt_steps"]))
+
     for it in tqdm(range(start, args.iterations), desc="recast", initial=start, total=args.iterations, disable=not run.acc.is_main_process):
         gen, t0 = iteration_generator(args.seed, it), time.perf_counter()
         before = None
@@ -1158,22 +1451,19 @@ def train(args: Args, extra_rewards=None, judges=None):
             before, images = evaluate(run, args)
             save_grid(images, run.out / "samples_before.png")
         # 1. rollouts from the old policy, rewards
-        b = rollout_and_score(run, args, it, gen, run.branch if args.gain_estimator == "denoised" else ())
+        b = rollout_and_score(run, args, it, gen, probe=args.gain_estimator == "denoised")
         t2 = time.perf_counter()
-        # 2. per-reward optimality (global std across processes), Renyi curves, W
+        # 2. per-reward optimality (global std across processes), Renyi curves with errors, W
         n_valid, mean_R, std = global_stats(b.R, run.reduce)
         if (n_valid == 0).any():
             if run.acc.is_main_process:
-                save_checkpoint(run.out, max(it - 1, 0), run.transformer, run.opt, {"D_ema": D_ema})
+                save_checkpoint(run.out, max(it - 1, 0), run.transformer, run.opt, state)
             bad = [n for n, c in zip(run.names, n_valid) if c == 0]
             raise SystemExit(f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; checkpoint saved in {run.out}. "
                              f"Fix the reward, then continue with --resume {run.out}")
         r = optimality(b.R, b.groups, std=std)
-        probe_r = [(j, optimality(Rp, gp, std=std), gp) for j, Rp, gp in b.probe_R]
-        D_now = renyi_grid(args, r, b.groups, b.ancestry, probe_r, run.sigmas.double().numpy(), run.branch, run.reduce)
-        D_ema = D_now if D_ema is None else args.gain_ema * D_ema + (1 - args.gain_ema) * D_now
-        gains = np.maximum(np.diff(D_ema, axis=1), 0.0)
-        W = solve_W(budgets, profiles(gains), args.tau, args.eps) if args.credit == "recast" else uniform_W(budgets, T)
+        state["level_stats"], credit_info, W = credit(args, state.get("level_stats"), r, std, b, budgets, run.sigmas.double().numpy(),
+                                                      run.reduce)
         r_train, W_train = r, W
         if args.credit == "nft":  # DiffusionNFT: one combined raw reward, normalised once (K = 1, W irrelevant)
             Rc = combine_raw(b.R, budgets)[:, None]
@@ -1181,17 +1471,16 @@ def train(args: Args, extra_rewards=None, judges=None):
         t3 = time.perf_counter()
         # 3. NFT update of "default", then the soft update of "old"
         losses = nft_update(run.transformer, run.opt, b.leaves, torch.as_tensor(b.groups), r_train, W_train, b.emb, b.pooled,
-                            run.sigmas, args, gen, run.all_reduce_grads)
-        copy_adapter(run.transformer, "default", "old", keep=min(0.001 * it, 0.5))
+                            run.sigmas, args, gen, run.all_reduce_grads, on_step)
+        copy_adapter(run.transformer, "default", "old", keep=old_decay(state["opt_steps"], args.old_decay))
         t4 = time.perf_counter()
         # 4. log, evaluate, checkpoint
         metrics = {"iteration": it, **{f"reward/{n}": float(mean_R[k]) for k, n in enumerate(run.names)},
                    "reward/weighted": float(np.asarray(budgets) @ mean_R / sum(budgets)),
                    **dict(zip([f"reward_nonfinite/{n}" for n in run.names], (run.reduce(len(b.R)) - n_valid).astype(int).tolist())),
-                   **losses, "recast/W": W.tolist(), "recast/D": D_ema.tolist(), "recast/D_iter": D_now.tolist(),
-                   "recast/gains": gains.tolist(), "recast/sigmas": run.sigmas.tolist(),
+                   **losses, "train/samples": int(run.reduce(losses["train/samples"])), **credit_info, "recast/sigmas": run.sigmas.tolist(),
                    "time/rollout": b.t_rollout - t0, "time/reward": t2 - b.t_rollout, "time/gains_W": t3 - t2, "time/update": t4 - t3}
-        finish_iteration(run, args, it, metrics, {"D_ema": D_ema}, before)
+        finish_iteration(run, args, it, metrics, state, before)
     if run.acc.is_main_process:
         plot_run(run.out, run.names)
     return run.out

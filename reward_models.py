@@ -189,14 +189,19 @@ def load_ocr():
 def ocr_reward(opts):
     """OCR reward: all lines RapidOCR reads (confidence >= 0.5, like PaddleOCR's drop_score),
     concatenated in reading order, scored by ocr_score against ocr_target(prompt). NaN when the
-    prompt quotes nothing. Runs on CPU (onnxruntime), one image at a time, no angle classifier."""
+    prompt quotes nothing, and when the engine fails on an image (DiffusionNFT scores those 0; a NaN
+    is left out of the statistics and counted in reward_nonfinite/ocr, and the run goes on).
+    Runs on CPU (onnxruntime), one image at a time, no angle classifier."""
     engine = load_ocr()
 
     def one(image, prompt):
         target = ocr_target(prompt)
         if target is None:
             return float("nan")
-        lines, _ = engine(image.convert("RGB"), use_cls=False)  # a PIL image: RapidOCR makes it BGR
+        try:
+            lines, _ = engine(image.convert("RGB"), use_cls=False)  # a PIL image: RapidOCR makes it BGR
+        except Exception:  # the engine's own failure on one image must not stop a training run
+            return float("nan")
         return ocr_score("".join(text for _box, text, _conf in (lines or [])), target)
     return lambda images, prompts: _batched(lambda ims, ps: [one(i, p) for i, p in zip(ims, ps)], images, prompts)
 

@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import numpy as np
 from tqdm import tqdm
 
-from reward_models import REWARD_MODELS, build_rewards
+from reward_models import REWARD_MODELS, build_rewards, ocr_target
 
 # =============================================================================
 # Math: budgets and optimality probabilities (DESIGN §2)
@@ -628,7 +628,10 @@ def validate(args: Args, extra_rewards=None):
     if is_embedded(args.model) and args.train_prompts:
         raise SystemExit("--train-prompts is not used with the embedded model (it samples prompts of its own world): omit it, or give --model")
     if args.train_prompts:
-        read_prompts(args.train_prompts, "--train-prompts")
+        unquoted = [q for q in read_prompts(args.train_prompts, "--train-prompts") if ocr_target(q) is None]
+        if "ocr" in names and unquoted:
+            raise SystemExit(f"--train-prompts {args.train_prompts}: the ocr reward scores the text between double quotes, and "
+                             f"{len(unquoted)} prompt(s) quote nothing, the first: {unquoted[0]!r}. Quote the text to render")
     if args.eval_prompts and len(read_prompts(args.eval_prompts, "--eval-prompts")) < 2:
         raise SystemExit(f"--eval-prompts {args.eval_prompts}: give at least 2 prompts (the held-out set is judged as a set)")
     args.out = str(run_folder(args))

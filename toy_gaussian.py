@@ -524,6 +524,146 @@ def check_sde(quick, out=None):
             ("5 mixture KS to p_t at 3 mid-grid points", ks_mid, "< 0.02", ks_mid < 0.02)]
 
 
+class ExactVelocity:
+    """Stand-in for the SD3 transformer inside recast.velocity: the exact velocity of a mixture, so the
+    shipped recast.tree_rollout runs on the toy. Counts the states it evaluates (rollout cost)."""
+
+    def __init__(self, gm):
+        self.gm, self.evaluations = gm, 0
+
+    def __call__(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, return_dict=False):
+        import torch
+
+        self.evaluations += len(hidden_states)
+        x = hidden_states.reshape(len(hidden_states), -1).double().numpy()
+        return (torch.as_tensor(self.gm.velocity(x, float(timestep[0]) / 1000)).reshape(hidden_states.shape),)
+
+
+def training_regime(reward, gm, rng):
+    """r = 1/2 + (R - E R) / (10 sd R): the magnitude of DiffusionNFT's r = 1/2 + A / 10 without the group
+    centring and the clip (which scale e^D - 1 by a common factor: derivations.ipynb §7)."""
+    R = reward(gm.sample(200_000, rng))
+    m, sd = R.mean(), R.std()
+    return RidgeReward(reward.name, reward.u, lambda z: 0.5 + (reward.f(z) - m) / (10 * sd))
+
+
+def credit_iteration(gm, rewards, spec, n_prompts, offset, substeps, gen, estimator="pairs", T=10, noise_rng=None):
+    """One training iteration's credit statistics on the toy, through the shipped code: recast.branch_layout,
+    recast.tree_rollout (exact velocity, 2 roots x 4 children, a = sqrt 2), recast.optimality per group,
+    recast.level_observations. noise_rng: pure-noise rewards instead (independent of x0).
+    Returns ((n, s1, s2), rollout evaluations per leaf)."""
+    import torch
+
+    sig = torch.as_tensor(recast.shifted_sigmas(T))
+    layouts = recast.branch_layout(n_prompts, T, spec, offset)
+    model = ExactVelocity(gm)
+    emb, pooled = torch.zeros(n_prompts, 1, 1, dtype=torch.float64), torch.zeros(n_prompts, 1, dtype=torch.float64)
+    x, groups, anc, probes = recast.tree_rollout(model, emb, pooled, sig, 2, 4, layouts, np.sqrt(2), gen, (gm.d,), chunk=10 ** 9,
+                                                 probe_steps=layouts if estimator == "denoised" else (), substeps=substeps)
+    score = lambda z: (noise_rng.standard_normal((len(z), len(rewards))) if noise_rng is not None  # noqa: E731
+                       else np.stack([rew(z.double().numpy()) for rew in rewards], 1))
+    R = score(x)
+    std = R.std(0)
+    r = recast.optimality(R, groups, std=std)
+    probe_r = [(j, recast.optimality(score(x0h), gp, std=std), gp) for j, x0h, gp in probes]
+    return recast.level_observations(r, groups, anc, layouts, T, probe_r, estimator), model.evaluations / len(x)
+
+
+def accumulate(stats, new, gamma):
+    return new if stats is None else [gamma * a + b for a, b in zip(stats, new)]
+
+
+def credit_W(stats, sig, estimator="pairs", c=2.0, budgets=(1.0, 1.0)):
+    D, se = recast.level_curves(*stats, estimator)
+    _, _, P, rho = recast.credit_profiles(D, se, sig, stats[0], c)
+    return recast.solve_W(list(budgets), P), D, se, rho
+
+
+def check_credit(quick, out=None):
+    """ReCAST's measured credit against exact ground truth (issue: gains at every step, with error bars):
+    (a) the pairs levels at the default sampler (T = 10, rotated branch steps, a = sqrt 2) against the
+    exact D_2 of the training-regime r, for 1, 2 and 4 SDE sub-steps, with the rollout cost per leaf;
+    (b) W from the estimators after 1 iteration and after the EMA horizon, against the exact W (coarse
+    vs fine reward, equal budgets); (c) pure-noise rewards: how far W leaves uniform, with and without
+    the evidence shrinkage; (d) with plenty of samples the shrunk W recovers the exact one."""
+    import torch
+
+    rng = np.random.default_rng(7)
+    T, sig = 10, recast.shifted_sigmas(10)
+    rewards = [training_regime(rew, MIX1, rng) for rew in (COARSE1, FINE1)]
+    ts = np.unique(np.concatenate([np.linspace(0, 1, 41), sig]))
+    exact = np.stack([np.interp(sig, ts, exact_renyi(MIX1, rew, ts, (2.0,), 1201)[0][0]) for rew in rewards])
+    _, gains_x = recast.gains_on_grid(sig, exact, sig)
+    W_exact = recast.solve_W([1.0, 1.0], recast.profiles(gains_x))
+    rows, lines = [], []
+    # (a) level bias and cost
+    n_groups = 800 if quick else 4000
+    bias = {}
+    lines.append("\n8a pairs D_2 of the coarse reward (training regime) at each rotated branch level vs exact")
+    lines.append("  t_j       " + " ".join(f"{sig[j]:6.3f}" for j in range(1, T - 1)) + "   evals/leaf")
+    lines.append("  exact     " + " ".join(f"{exact[0, j]:6.3f}" for j in range(1, T - 1)))
+    for m in (1, 2, 4):
+        stats, cost = credit_iteration(MIX1, rewards, "rotate", n_groups, 0, m, torch.Generator().manual_seed(m))
+        D, se = recast.level_curves(*stats)
+        z = (D[0, 1:T - 1] - exact[0, 1:T - 1]) / se[0, 1:T - 1]
+        rel = np.abs(D[0, 1:T - 1] - exact[0, 1:T - 1]).sum() / exact[0, 1:T - 1].sum()
+        bias[m] = (rel, cost, np.abs(z).max())
+        lines.append(f"  m = {m}     " + " ".join(f"{d:6.3f}" for d in D[0, 1:T - 1]) + f"   {cost:.1f}   (sum |err| / sum D = {rel:.2f})")
+        lines.append("    +- se   " + " ".join(f"{e:6.3f}" for e in se[0, 1:T - 1]))
+    rows += [("8a pairs level error sum|D-D*|/sum D*, 1 / 2 / 4 sub-steps", " / ".join(f"{bias[m][0]:.2f}" for m in (1, 2, 4)),
+              "shrinks with sub-steps", bias[4][0] < bias[1][0]),
+             ("8a rollout evaluations per leaf, 1 / 2 / 4 sub-steps", " / ".join(f"{bias[m][1]:.1f}" for m in (1, 2, 4)), "(info)", True)]
+    # (b) W error vs iterations, per estimator layout
+    reps = 4 if quick else 12
+    lines.append("\n8b mean_kj |W - W*| / (lambda_k / T), coarse vs fine, equal budgets, 8 groups per iteration (mean over reps)")
+    errs = {}
+    for name, spec, est in (("pairs rotate", "rotate", "pairs"), ("pairs 3,6", [3, 6], "pairs"), ("denoised rotate", "rotate", "denoised")):
+        for n_it in (1, 10, 50):
+            e = []
+            for rep in range(reps):
+                stats = None
+                gen = torch.Generator().manual_seed(1000 * rep + n_it)
+                for it in range(n_it):
+                    new, _ = credit_iteration(MIX1, rewards, spec, 8, it * 8, 2, gen, est)
+                    stats = accumulate(stats, new, 0.9 if n_it <= 10 else 0.97)
+                W = credit_W(stats, sig, est)[0]
+                e.append(np.abs(W - W_exact).mean() / 0.1)
+            errs[(name, n_it)] = np.mean(e)
+        lines.append(f"  {name:<16} 1 it: {errs[(name, 1)]:.3f}   10 its (gamma .9): {errs[(name, 10)]:.3f}   "
+                     f"50 its (gamma .97): {errs[(name, 50)]:.3f}   (uniform W: {np.abs(0.1 - W_exact).mean() / 0.1:.3f})")
+    # (c) pure noise: W stays uniform
+    noise_reps = 40 if quick else 200
+    dev = {0.0: [], 2.0: []}
+    for rep in range(noise_reps):
+        stats, gen, nrng = None, torch.Generator().manual_seed(rep), np.random.default_rng(rep)
+        for it in range(10):
+            stats = accumulate(stats, credit_iteration(MIX1, rewards, "rotate", 8, it * 8, 1, gen, noise_rng=nrng)[0], 0.9)
+        for c in dev:
+            dev[c].append(np.abs(credit_W(stats, sig, c=c)[0] / 0.1 - 1).max())
+    q95 = {c: float(np.quantile(v, 0.95)) for c, v in dev.items()}
+    lines.append(f"\n8c pure-noise rewards, 10 iterations: max_kj |W / W_unif - 1|, median / 95th percentile over {noise_reps} runs: "
+                 f"no shrinkage {np.median(dev[0.0]):.3f} / {q95[0.0]:.3f}; evidence c = 2: {np.median(dev[2.0]):.3f} / {q95[2.0]:.3f}")
+    rows += [("8b W error after the horizon, pairs rotate", errs[("pairs rotate", 50)], f"< 1 it ({errs[('pairs rotate', 1)]:.3f})",
+              errs[("pairs rotate", 50)] < errs[("pairs rotate", 1)]),
+             ("8c pure noise: 95th pct max|W/W_unif - 1|, c = 2", q95[2.0], "< 0.05", q95[2.0] < 0.05),
+             ("8c pure noise: same without shrinkage (c = 0)", q95[0.0], "> 4x the shrunk", q95[0.0] > 4 * max(q95[2.0], 0.01))]
+    # (d) plenty of samples: the shrunk W recovers the exact W
+    stats, _ = credit_iteration(MIX1, rewards, "rotate", 12000, 0, 4, torch.Generator().manual_seed(99))
+    W_big, _, _, rho = credit_W(stats, sig)
+    err_big, err_unif = np.abs(W_big - W_exact).mean() / 0.1, np.abs(0.1 - W_exact).mean() / 0.1
+    n_exact = np.full(T + 1, 1e12)  # the exact levels with negligible errors: the rule must give the exact W back
+    D_x, se_x = np.concatenate([np.zeros((2, 1)), exact[:, 1:]], 1), np.full((2, T + 1), 1e-9)
+    W_lim = recast.solve_W([1.0, 1.0], recast.credit_profiles(D_x, se_x, sig, n_exact)[2])
+    err_lim = np.abs(W_lim - W_exact).max() / 0.1
+    rows += [("8d many samples (4 sub-steps): mean|W - W*| / W_unif", err_big, f"< uniform's {err_unif:.3f} / 2 (rho {rho.round(2).tolist()})",
+              err_big < err_unif / 2),
+             ("8d exact levels, se -> 0: max|W - W*| / W_unif", err_lim, "< 1e-3", err_lim < 1e-3)]
+    print("\n".join(lines))
+    print("  exact W / 0.1:\n" + "\n".join("    " + " ".join(f"{w / 0.1:5.2f}" for w in row) for row in W_exact))
+    print("  many-sample W / 0.1:\n" + "\n".join("    " + " ".join(f"{w / 0.1:5.2f}" for w in row) for row in W_big))
+    return rows
+
+
 def cosine(a, b):
     """Cosine similarity along the last axis; 0 where either vector is exactly zero."""
     na, nb = np.linalg.norm(a, axis=-1), np.linalg.norm(b, axis=-1)
@@ -1076,7 +1216,7 @@ def check_end_to_end(quick, out=None):
 # Main
 # =============================================================================
 
-CHECKS = ("exact_mixture", "telescoping", "coarse_fine", "pairs", "sde", "rvge", "rvge_diagnosis", "end_to_end")
+CHECKS = ("exact_mixture", "telescoping", "coarse_fine", "pairs", "sde", "credit", "rvge", "rvge_diagnosis", "end_to_end")
 
 
 def main(argv=None):
