@@ -1294,10 +1294,13 @@ def plot_run(out, names):
     im = axes[0].imshow(np.array(last["recast/W"]), aspect="auto", cmap="viridis")
     axes[0].set(yticks=range(len(names)), yticklabels=names, xlabel="step j (t = sigma_j)", title="W (last iteration)")
     fig.colorbar(im, ax=axes[0])
+    D_meas, D_se = np.array(last["recast/D_measured"]), np.array(last["recast/D_se"])  # -1: level not measured
     for k, n in enumerate(names):
-        axes[1].plot(sig, np.array(last["recast/D"])[k], marker=".", label=n)
+        line, = axes[1].plot(sig, np.array(last["recast/D"])[k], label=f"{n} (evidence {last['recast/evidence'][k]:.2f})")
+        ok = D_se[k] >= 0
+        axes[1].errorbar(sig[ok], D_meas[k, ok], yerr=2 * D_se[k, ok], fmt="o", ms=3, capsize=2, color=line.get_color())
         axes[2].plot(sig[:-1], np.array(last["recast/gains"])[k], marker=".", label=n)
-    axes[1].set(xlabel="t", ylabel="D_k(t)", title="Renyi discriminability (EMA)")
+    axes[1].set(xlabel="t", ylabel="D_k(t)", title="Renyi discriminability: levels +- 2 se, monotone fit")
     axes[2].set(xlabel="t at step start", ylabel="gain", title="gains per step")
     for a in axes[1:]:
         a.invert_xaxis()

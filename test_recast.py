@@ -596,6 +596,30 @@ def test_rvge_two_iterations_log_bandwidths_directions_and_W(tiny, tmp_path, cre
     assert (out / "samples_after.png").exists() and (out / "credit.png").exists()
 
 
+def test_diffusionnft_step_counts_ema_and_ode_sampler(tiny, tmp_path):
+    """--updates-per-iter 1 is one AdamW step per iteration over all its samples; --ema keeps
+    DiffusionNFT's EMA (ema_s = d_s ema_{s-1} + (1 - d_s) default_s, d_s = min((1 + s) / (10 + s), 0.9)),
+    saved beside the raw LoRA and loadable with load_lora_weights; --sampler ode gives independent samples."""
+    from diffusers import StableDiffusion3Pipeline
+
+    out = tmp_path / "run"
+    argv = tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "1", "--save-every", "1", "--updates-per-iter", "1",
+                     "--train-steps-per-leaf", "9", "--ema", "--eval-steps", "6", "--sampler", "ode", "--n-roots", "4",
+                     "--credit", "nft", "--gain-estimator", "denoised")
+    recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+    rows = read_metrics(out)
+    assert [m["train/opt_steps"] for m in rows] == [1, 1] and [m["train/samples"] for m in rows] == [2 * 4 * 9] * 2
+    states = [torch.load(out / "checkpoints" / f"iter_00000{i}" / "state.pt", weights_only=False) for i in (0, 1)]
+    assert states[1]["opt_steps"] == 2
+    d2 = recast.ema_decay(2)
+    for key, ema in states[1]["lora"]["ema"].items():
+        expect = d2 * states[0]["lora"]["ema"][key] + (1 - d2) * states[1]["lora"]["default"][key]
+        assert torch.allclose(ema, expect, atol=1e-7)
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny / "pipe", local_files_only=True)
+    pipe.load_lora_weights(out / "checkpoints" / "iter_000001" / "ema")
+    assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+
+
 @pytest.mark.parametrize("flags", [["--frozen-batch", "48"], ["--gradient-checkpointing"]])
 def test_speed_flags_leave_the_numbers_unchanged(tiny, tmp_path, flags):
     """GPU throughput options (unmeasured on a GPU, so off by default) must not change the numerics:
