@@ -14,7 +14,8 @@ Notation map (code name -> symbol)
     beta               trajectory-KL weight (None: first order with step size eta, = 1 / beta)
     s2                 per-dimension variance of the clean latents (population model)
     kappa(t)           Cov(x0 | x_t) / I = s2 t^2 / (t^2 + (1 - t)^2 s2)
-    t_b                branch time of a group (1 for broad groups)
+    t_b                branch time of a group: local groups (the C siblings of a root) sigma at the branch step,
+                       broad groups (the R leaves of one child index, one per root) 1; split: local for t <= t_b
     v_target (N, ...)  v_old(x_t) - sum_k w_kj d_k(t) / t, d_k(t) = kappa(t) / kappa(t_b) d_B,k
     W        (K, T)    reward-by-step weights (budgets: lambda / T; --credit recast: ReCAST's W)
 
@@ -348,7 +349,9 @@ def transfer_ratio(t, t_b, s2, cap=4.0):
 
 def query_weight(t, t_b, s2):
     """Weight of a training query at t: 1 inside the group's neighbourhood (t <= t_b),
-    kappa(t_b) / kappa(t) < 1 beyond it, where the transferred direction is an extrapolation."""
+    kappa(t_b) / kappa(t) < 1 beyond it, where the transferred direction is an extrapolation.
+    Derived nowhere, and below the cap weight x transfer_ratio = 1: it undoes the transfer above t_b
+    (toy_gaussian.py 6d), so it is off by default (--query-weights)."""
     w = posterior_var(t_b, s2) / posterior_var(t, s2)
     return w.clip(max=1.0) if hasattr(w, "clip") else min(w, 1.0)
 
