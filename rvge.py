@@ -14,7 +14,8 @@ Notation map (code name -> symbol)
     beta               trajectory-KL weight (None: first order with step size eta, = 1 / beta)
     s2                 per-dimension variance of the clean latents (population model)
     kappa(t)           Cov(x0 | x_t) / I = s2 t^2 / (t^2 + (1 - t)^2 s2)
-    t_b                branch time of a group (1 for broad groups)
+    t_b                branch time of a group: local groups (the C siblings of a root) sigma at the branch step,
+                       broad groups (the R leaves of one child index, one per root) 1; split: local for t <= t_b
     v_target (N, ...)  v_old(x_t) - sum_k w_kj d_k(t) / t, d_k(t) = kappa(t) / kappa(t_b) d_B,k
     W        (K, T)    reward-by-step weights (budgets: lambda / T; --credit recast: ReCAST's W)
 
@@ -32,6 +33,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 from tqdm import tqdm
@@ -347,25 +349,32 @@ def transfer_ratio(t, t_b, s2, cap=4.0):
 
 def query_weight(t, t_b, s2):
     """Weight of a training query at t: 1 inside the group's neighbourhood (t <= t_b),
-    kappa(t_b) / kappa(t) < 1 beyond it, where the transferred direction is an extrapolation."""
+    kappa(t_b) / kappa(t) < 1 beyond it, where the transferred direction is an extrapolation.
+    Derived nowhere, and below the cap weight x transfer_ratio = 1: it undoes the transfer above t_b
+    (toy_gaussian.py 6d), so it is off by default (--query-weights)."""
     w = posterior_var(t_b, s2) / posterior_var(t, s2)
     return w.clip(max=1.0) if hasattr(w, "clip") else min(w, 1.0)
 
 
-def target_velocity(v_old, d_B, t, t_b, s2, cap=4.0):
-    """v_target = v_old(x_t) - d(t) / t with d(t) = (kappa(t) / kappa(t_b)) d_B (DESIGN §4.3).
-    v_old (N, ...); d_B (N, ...) (each query's group direction); t (N,) tensor or array."""
+def target_velocity(v_old, d_B, t, t_b, s2, cap=4.0, transfer="direct"):
+    """v_target = v_old(x_t) - d(t) / t with d(t) = (kappa(t) / kappa(t_b)) d_B (DESIGN §4.3); --transfer none
+    uses d(t) = d_B at every t (the ablation). v_old (N, ...); d_B (N, ...) (each query's group direction);
+    t (N,) tensor or array; t_b a float or (N,) like t."""
     shape = (-1, *[1] * (v_old.ndim - 1))
-    return v_old - transfer_ratio(t, t_b, s2, cap).reshape(shape) * d_B / t.reshape(shape)
+    ratio = transfer_ratio(t, t_b, s2, cap) if transfer == "direct" else t * 0 + 1
+    return v_old - ratio.reshape(shape) * d_B / t.reshape(shape)
 
 
 def regression_groups(groups, ancestry, local):
-    """Ids (N,) of the groups the directions regress over (DESIGN §4.4). Broad: the prompt group
-    (independent roots, t_b = 1). Local: the leaves that share their state at the last branch step
-    (near-copies, t_b = sigma at that step). ancestry (N, L+1) as in `split_levels`."""
-    if not local:
-        return np.asarray(groups)
-    return np.unique(np.asarray(ancestry)[:, :-1], axis=0, return_inverse=True)[1].reshape(-1)
+    """Ids (N,) of the groups the directions regress over (DESIGN §4.4), from an R roots x C children tree.
+    Local: the C siblings that share their state at the last branch step (near-copies, t_b = sigma there).
+    Broad: the R leaves of one prompt that took the same branch indices, one per root (independent, t_b = 1).
+    With R = C both hold C leaves of the same rollout, so bandwidth is the only difference. Without a branch
+    step the broad group is the prompt group. groups (N,) prompt ids; ancestry (N, L+1) as in `split_levels`
+    (column 0 the root id, unique across prompts)."""
+    A = np.asarray(ancestry)
+    keys = A[:, :-1] if local else np.column_stack([np.asarray(groups), A[:, 1:]])
+    return np.unique(keys, axis=0, return_inverse=True)[1].reshape(-1)
 
 
 def tie_counts(A, ids):
@@ -385,6 +394,55 @@ def group_directions(x0, A, ids, beta=None, eta=1.0):
     return d
 
 
+def group_variance(x0, ids):
+    """Sufficient statistics of s2, the per-dimension variance of the clean latents around their group means:
+    (sum of squared deviations, degrees of freedom (sum_g (n_g - 1)) x dims), summable across processes.
+    On broad groups (independent roots) this is unbiased; siblings would bias it low (issue 16)."""
+    total, dof = 0.0, 0
+    for g in np.unique(ids):
+        xg = x0[np.flatnonzero(ids == g)]
+        total += float((xg - xg.mean(0)).pow(2).sum())
+        dof += (len(xg) - 1) * xg[0].numel()
+    return total, dof
+
+
+def pick_bandwidth(setting, tie_share, threshold):
+    """--bandwidth per reward: local | broad | split as given; auto: broad when more than `threshold` of the
+    local groups tie (a discrete reward: near-copies give no contrast), else split (DESIGN §4.4)."""
+    if setting != "auto":
+        return setting
+    return "broad" if tie_share > threshold else "split"
+
+
+def uses_local(t, t_b, bandwidth):
+    """Which group a training query at t regresses on: True for the local group (its direction transferred
+    from t_b), False for the broad one (from t = 1). local: every query; broad: none; split: t <= t_b,
+    where the local group is a posterior sample of x0 | x_t's neighbourhood and the broad one is biased
+    (toy_gaussian.py 6d). t (B,) tensor; t_b float or (B,)."""
+    if bandwidth == "local":
+        return t >= 0
+    if bandwidth == "broad":
+        return t < 0
+    return t <= t_b
+
+
+def reward_target(v_old, t, direction, s2, cap=4.0, transfer="direct", query_weights="off"):
+    """One reward's target velocity and query weight at queries (x_t, t) of leaves whose directions are given:
+    direction = (bandwidth, d_local (B, ...) or None, d_broad (B, ...) or None, t_b (B,) local branch times).
+    Each query uses the group `uses_local` picks, transferred from that group's branch time (t_b or 1).
+    Query weight kappa(t_b) / kappa(t) capped at 1 (`query_weight`) with --query-weights on, else 1.
+    Returns (v_target (B, ...), q (B,))."""
+    bandwidth, d_local, d_broad, t_b = direction
+    local = uses_local(t, t_b, bandwidth)
+    t_used = local * t_b + ~local * 1.0  # (B,) branch time of each query's group
+    if d_local is None or d_broad is None:
+        d = d_local if d_broad is None else d_broad
+    else:
+        d = d_local.where(local.reshape(-1, *[1] * (d_local.ndim - 1)), d_broad)
+    q = query_weight(t, t_used, s2) if query_weights == "on" else t * 0 + 1
+    return target_velocity(v_old, d, t, t_used, s2, cap, transfer), q
+
+
 def split_half_cosine(x0, A, ids, beta=None):
     """Noise gauge: mean over groups of the cosine between the directions of the two halves of
     each group (alternate members); groups under 4 members or with a zero half are skipped (NaN if all)."""
@@ -398,6 +456,75 @@ def split_half_cosine(x0, A, ids, beta=None):
         if norm > 0:
             cosines.append(float((d1 * d2).sum()) / norm)
     return float(np.mean(cosines)) if cosines else float("nan")
+
+
+class RewardDirections(NamedTuple):
+    """One reward's directions for the update. bandwidth: local | broad | split (auto resolved);
+    local / broad: (N, ...) each leaf's direction from its local / broad group (None when unused);
+    t_b: (N,) tensor, the branch time of each leaf's local group (its broad group's is 1)."""
+    bandwidth: str
+    local: object
+    broad: object
+    t_b: object
+
+    def rows(self, i):
+        """The same directions for the leaves i of a micro-batch."""
+        pick = lambda d: None if d is None else d[i]  # noqa: E731
+        return RewardDirections(self.bandwidth, pick(self.local), pick(self.broad), self.t_b[i])
+
+
+def coordinate_steps(coords, branch):
+    """Sampler steps whose x0_hat --coords noisy regresses on: the first state after each group's branch
+    time, where its members differ (at the branch step itself siblings share one state): step 1 for broad
+    groups (t_b = 1; at step 0 every root's x0_hat is near E[x0]) and the last branch step + 1 for local ones."""
+    return tuple(sorted({1} | ({branch[-1] + 1} if branch else set()))) if coords == "noisy" else ()
+
+
+def denoised_coordinates(probes, step, n_leaves):
+    """Each leaf's x0_hat at sampler step `step` of its own trajectory, from the rollout's probes
+    [(step, x0_hat (n_j, ...), groups)]. Tree states are copied in place (repeat_interleave), so leaf i
+    descends from state i // (N / n_j) of that step. Returns (N, ...)."""
+    import torch
+
+    x0_hat = next(x for j, x, _ in probes if j == step)
+    return x0_hat[torch.arange(n_leaves, device=x0_hat.device) // (n_leaves // len(x0_hat))]
+
+
+def value_directions(b, A, sigmas, branch, bandwidths, names, args, reduce):
+    """Step 2 of an iteration (DESIGN §4.2-4.4), the leaves of an R x C tree b (leaves, groups, ancestry;
+    probes with --coords noisy). Per reward: its bandwidth (auto: by the share of tied local groups, summed
+    over processes), then every leaf's local and/or broad direction on the clean latents (or on x0_hat just
+    after the group's branch time, --coords noisy); s2 from the broad groups (independent roots).
+    A (N, K) normalised rewards. Returns (list of K RewardDirections, s2, metrics)."""
+    import torch
+
+    x0 = b.leaves.float()
+    N, K = len(x0), A.shape[1]
+    broad_ids = regression_groups(b.groups, b.ancestry, False)
+    local_ids = regression_groups(b.groups, b.ancestry, True) if branch else None
+    ties, n_groups = reduce(tie_counts(A, local_ids)) if branch else (np.zeros(K), np.ones(K))
+    tie_share = ties / np.maximum(n_groups, 1)
+    total, dof = group_variance(x0, broad_ids)
+    s2 = float(reduce(total) / max(reduce(dof), 1))  # per-dimension latent variance within a prompt
+    t_local = float(sigmas[branch[-1]]) if branch else 1.0
+    coords = {"local": x0, "broad": x0}
+    if args.coords == "noisy":
+        coords = {"local": denoised_coordinates(b.probes, branch[-1] + 1, N).float() if branch else None,
+                  "broad": denoised_coordinates(b.probes, 1, N).float()}
+    A_t = torch.as_tensor(A, dtype=torch.float32, device=x0.device)
+    t_b = torch.full((N,), t_local, device=x0.device)
+    directions, metrics = [], {"rvge/s2": s2}
+    for k, name in enumerate(names):
+        bandwidth = pick_bandwidth(bandwidths[k], tie_share[k], args.tie_threshold)
+        d = {kind: group_directions(coords[kind], A_t[:, k], ids, args.kl_beta, args.eta)
+             for kind, ids in (("local", local_ids), ("broad", broad_ids)) if bandwidth in (kind, "split")}
+        directions.append(RewardDirections(bandwidth, d.get("local"), d.get("broad"), t_b))
+        main, ids = ("broad", broad_ids) if bandwidth == "broad" else ("local", local_ids)  # the groups at t <= t_b
+        metrics.update({f"rvge/bandwidth/{name}": bandwidth, f"rvge/t_b/{name}": 1.0 if main == "broad" else t_local,
+                        f"rvge/group_size/{name}": float(np.bincount(ids).mean()), f"rvge/tie_share/{name}": float(tie_share[k]),
+                        f"rvge/direction_rms/{name}": float(d[main].pow(2).mean().sqrt()),
+                        f"rvge/split_cos/{name}": split_half_cosine(x0, A_t[:, k], b.groups, args.kl_beta)})
+    return directions, s2, metrics
 
 
 def rvge_loss(v_theta, v_target, v_old, x_t, x0, t, weight):
@@ -427,8 +554,11 @@ class Args:
     rewards: str = field(default="", metadata={"help": "comma-separated reward names, in budget order (default for the embedded model: its four default rewards)"})
     budgets: str = field(default="0.4,0.3,0.2,0.1", metadata={"help": "reward budgets lambda_k, one per reward (W's row sums)"})
     credit: str = field(default="budgets", metadata={"help": "budgets: reward k's direction weighted lambda_k / Lam at every step; recast: T W_kj / Lam with ReCAST's W (Renyi gains from the pairs estimator)", "choices": ["budgets", "recast"]})
-    bandwidth: str = field(default="auto", metadata={"help": "local (regress among leaves that split at the last branch step), broad (the whole prompt group, t_b = 1) or auto (broad when most local groups tie); one value or one per reward"})
-    tie_threshold: float = field(default=0.5, metadata={"help": "auto picks broad for a reward when the share of tied local groups exceeds this", "min": 0, "max": 1})
+    bandwidth: str = field(default="auto", metadata={"help": "local (regress among the C siblings of a root, t_b = sigma at the last branch step), broad (among the R leaves with the same child index, one per root, t_b = 1), split (local for training queries t <= t_b, broad above) or auto (broad when more than --tie-threshold of the local groups tie, else split); one value or one per reward"})
+    tie_threshold: float = field(default=0.2, metadata={"help": "auto picks broad for a reward when the share of tied local groups exceeds this (smooth rewards: ~0; 0/1 rewards: 0.45-0.85 in toy_gaussian.py 6d)", "min": 0, "max": 1})
+    coords: str = field(default="clean", metadata={"help": "regression coordinates: clean (final latents) or noisy (x0_hat on each trajectory one grid step after the group's branch time)", "choices": ["clean", "noisy"]})
+    transfer: str = field(default="direct", metadata={"help": "direct: d(t) = kappa(t) / kappa(t_b) d_B at query time t; none: d(t) = d_B (ablation)", "choices": ["direct", "none"]})
+    query_weights: str = field(default="off", metadata={"help": "on: weight queries at t > t_b by kappa(t_b) / kappa(t) (it cancels the transfer there: toy_gaussian.py 6d); off: weight 1", "choices": ["on", "off"]})
     eta: float = field(default=0.2, metadata={"help": "first-order step size: d = eta Cov(x0, A) (0.2 matches DiffusionNFT's implied step at b = 1)", "gt": 0})
     kl_beta: float = field(default=None, metadata={"help": "trajectory-KL weight beta > 0: softmax(A / beta) tilt instead of the first-order direction", "gt": 0})
     transfer_cap: float = field(default=4.0, metadata={"help": "cap on kappa(t) / kappa(t_b) in the direction transfer", "min": 1})
@@ -438,8 +568,8 @@ class Args:
     iterations: int = field(default=120, metadata={"help": "training iterations (rollout + update); the default run takes ~7 min on 2 CPU cores", "min": 1})
     prompts_per_iter: int = field(default=8, metadata={"help": "prompt groups per iteration and process", "min": 1})
     n_roots: int = field(default=4, metadata={"help": "independent noises per prompt (tree roots)", "min": 1})
-    n_branch: int = field(default=2, metadata={"help": "copies made of every state at each branch step", "min": 1})
-    branch_steps: str = field(default="7", metadata={"help": "sampler steps j (0 < j < T - 1) at which states branch; group size = n_roots * n_branch^len"})
+    n_branch: int = field(default=4, metadata={"help": "copies C made of every state at each branch step; local groups hold C leaves, broad ones R = --n-roots (keep R = C for like-for-like bandwidths)", "min": 1})
+    branch_steps: str = field(default="7", metadata={"help": "sampler steps j (0 < j < T - 1) at which states branch; leaves per prompt = n_roots * n_branch^len; local groups split at the last one (step 7 of 10: t_b = 0.46 on SD3's shift-3 grid)"})
     steps: int = field(default=10, metadata={"help": "sampler steps T (= columns of W = training timesteps)", "min": 3})
     sde_a: float = field(default=math.sqrt(2), metadata={"help": "SDE noise level a after the first branch, g = a sqrt(s / (1 - s)); sqrt(2) (default) is the exact reversal of the noising, so branches sample x0 | x_t (the pairs estimator and kappa transfer need it; FlowGRPO uses 0.7)", "min": 0})
     resolution: int = field(default=0, metadata={"help": "image size in pixels (0: the model's default, 512 for SD3.5-M)", "min": 0})
@@ -619,10 +749,17 @@ def validate(args: Args, extra_rewards=None):
     if any(not 0 < b < args.steps - 1 for b in branch):
         raise SystemExit(f"--branch-steps must lie strictly between 0 and T - 1 = {args.steps - 1} (T = --steps), got {branch}")
     bandwidths = parse_bandwidths(args.bandwidth, len(names))
-    if len(bandwidths) != len(names) or any(b not in ("local", "broad", "auto") for b in bandwidths):
-        raise SystemExit(f"--bandwidth {args.bandwidth!r}: give local, broad or auto, once or once per reward ({len(names)})")
+    if len(bandwidths) != len(names) or any(b not in BANDWIDTHS for b in bandwidths):
+        raise SystemExit(f"--bandwidth {args.bandwidth!r}: give {', '.join(BANDWIDTHS[:-1])} or {BANDWIDTHS[-1]}, once or once per reward ({len(names)})")
     if not branch and any(b != "broad" for b in bandwidths):
-        raise SystemExit("local (and auto) bandwidths need at least one --branch-steps entry; or use --bandwidth broad")
+        raise SystemExit("local, split and auto bandwidths need at least one --branch-steps entry; or use --bandwidth broad")
+    if args.n_roots < 2:
+        raise SystemExit(f"--n-roots {args.n_roots}: RVGE needs >= 2 independent roots per prompt (broad groups and the latent variance s2)")
+    if branch and args.n_branch < 2 and any(b != "broad" for b in bandwidths):
+        raise SystemExit(f"--n-branch {args.n_branch}: local groups need >= 2 siblings; raise --n-branch or use --bandwidth broad")
+    if args.coords == "noisy" and not ROLLOUT_RETURNS_PROBES:
+        raise SystemExit("--coords noisy regresses on the rollout's x0_hat probes, which rollout_and_score does not return yet "
+                         "(it keeps only their rewards); use --coords clean")
     if args.credit == "recast" and (args.n_roots < 2 or not branch):
         raise SystemExit("--credit recast estimates gains from branched pairs: it needs --n-roots >= 2 and a --branch-steps entry")
     if is_embedded(args.model) and args.train_prompts:
@@ -669,19 +806,20 @@ def run_folder(args):
     return out
 
 
-# Copied from recast.lock_run
-def lock_run():
-    pass
+BANDWIDTHS = ("local", "broad", "split", "auto")
+ROLLOUT_RETURNS_PROBES = False  # recast.rollout_and_score scores its x0_hat probes but does not return them (--coords noisy)
 
 
 def parse_bandwidths(text, K):
-    """--bandwidth: one of local / broad / auto for every reward, or one per reward."""
+    """--bandwidth: one of BANDWIDTHS for every reward, or one per reward."""
     values = [b.strip() for b in text.split(",")]
     return values * K if len(values) == 1 else values
 
 
 def default_name(args):
     return f"rvge-{args.credit}-{args.seed}"
+
+
 # Copied from recast.lock_run
 def lock_run(out):
     """An exclusive lock on out/.lock for this process's lifetime: a second live process on the same
@@ -913,11 +1051,11 @@ def renyi_grid(r, groups, ancestry, sigmas, branch, reduce):
 # =============================================================================
 
 
-def rvge_update(transformer, opt, leaves, groups, directions, t_b, mix, s2, emb, pooled, sigmas, args, gen, all_reduce_grads):
+def rvge_update(transformer, opt, leaves, groups, directions, mix, s2, emb, pooled, sigmas, args, gen, all_reduce_grads):
     """One pass over (leaf, timestep) samples: fresh noise, x_t = (1 - s) x0 + s eps, target
-    v_target = sum_k w_kj target_velocity(v_old, d_k, s, t_b_k) (w_kj = mix[k, j], sum_k w_kj = 1),
-    query weight sum_k w_kj query_weight(s, t_b_k), loss rvge_loss + base_reg |v_theta - v_base|^2.
-    directions (K, N, ...) each leaf's group direction per reward; t_b (K,); mix (K, T). Returns mean losses."""
+    v_target = sum_k w_kj v_k and query weight q = sum_k w_kj q_k (w_kj = mix[k, j], sum_k w_kj = 1;
+    v_k, q_k from `reward_target`), loss rvge_loss + base_reg |v_theta - v_base|^2.
+    directions: K RewardDirections (`value_directions`); mix (K, T). Returns mean losses."""
     import torch
 
     device = leaves.device
@@ -943,9 +1081,9 @@ def rvge_update(transformer, opt, leaves, groups, directions, t_b, mix, s2, emb,
             v_base = velocity(transformer, x_t, s, *cond) if args.base_reg > 0 else v_old
             transformer.enable_adapters()
             w = mix_t[:, j].to(device)  # (K, B)
-            v_target = sum(w[k].view(-1, 1, 1, 1) * target_velocity(v_old, directions[k][i], s, t_b[k], s2, args.transfer_cap)
-                           for k in range(len(t_b)))
-            q = sum(w[k] * query_weight(s, t_b[k], s2) for k in range(len(t_b)))
+            per_reward = [reward_target(v_old, s, d.rows(i), s2, args.transfer_cap, args.transfer, args.query_weights) for d in directions]
+            v_target = sum(w[k].view(-1, 1, 1, 1) * v_k for k, (v_k, _) in enumerate(per_reward))
+            q = sum(w[k] * q_k for k, (_, q_k) in enumerate(per_reward))
         transformer.set_adapter("default")
         v_theta = velocity(transformer, x_t, s, *cond)
         policy = rvge_loss(v_theta, v_target, v_old, x_t, x0, s, q).mean()
@@ -1246,7 +1384,7 @@ def train(args: Args, extra_rewards=None, judges=None):
             before, images = evaluate(run, args)
             save_grid(images, run.out / "samples_before.png")
         # 1. rollouts from the old policy, rewards
-        b = rollout_and_score(run, args, it, gen)
+        b = rollout_and_score(run, args, it, gen, coordinate_steps(args.coords, run.branch))
         t2 = time.perf_counter()
         # 2. normalised rewards (global std across processes); bandwidth, t_b and directions per reward
         n_valid, mean_R, std = global_stats(b.R, run.reduce)
@@ -1263,28 +1401,11 @@ def train(args: Args, extra_rewards=None, judges=None):
         D_ema = D_now if D_ema is None else args.gain_ema * D_ema + (1 - args.gain_ema) * D_now
         gains = np.maximum(np.diff(D_ema, axis=1), 0.0)
         W = solve_W(budgets, profiles(gains), args.tau, args.eps) if args.credit == "recast" else uniform_W(budgets, T)
-        local_ids = regression_groups(b.groups, b.ancestry, True) if run.branch else None
-        ties, n_groups = run.reduce(tie_counts(A, local_ids)) if run.branch else (np.zeros(K), np.ones(K))
-        tie_share = ties / np.maximum(n_groups, 1)
-        use_local = [bw == "local" or (bw == "auto" and tie_share[k] <= args.tie_threshold) for k, bw in enumerate(bandwidths)]
-        t_b = [float(run.sigmas[run.branch[-1]]) if loc else 1.0 for loc in use_local]
-        x0 = b.leaves.float()
-        within = torch.cat([(xg - xg.mean(0)).pow(2).flatten() for xg in (x0[b.groups == g] for g in np.unique(b.groups))])
-        s2 = float(run.reduce(within.sum().item()) / run.reduce(within.numel()))  # within-prompt variance per dimension
-        A_t = torch.as_tensor(A, dtype=torch.float32, device=x0.device)
-        directions, rvge_metrics = [], {"rvge/s2": s2}
-        for k, name in enumerate(run.names):
-            ids = local_ids if use_local[k] else b.groups
-            d = group_directions(x0, A_t[:, k], ids, args.kl_beta, args.eta)
-            directions.append(d)
-            rvge_metrics.update({f"rvge/bandwidth/{name}": "local" if use_local[k] else "broad", f"rvge/t_b/{name}": t_b[k],
-                                 f"rvge/tie_share/{name}": float(tie_share[k]),
-                                 f"rvge/direction_rms/{name}": float(d.pow(2).mean().sqrt()),
-                                 f"rvge/split_cos/{name}": split_half_cosine(x0, A_t[:, k], b.groups, args.kl_beta)})
+        directions, s2, rvge_metrics = value_directions(b, A, run.sigmas, run.branch, bandwidths, run.names, args, run.reduce)
         mix = W * T / sum(budgets)  # (K, T): each column sums to one
         t3 = time.perf_counter()
         # 3. regression update of "default", then the soft update of "old"
-        losses = rvge_update(run.transformer, run.opt, b.leaves, torch.as_tensor(b.groups), directions, t_b, mix, s2, b.emb, b.pooled,
+        losses = rvge_update(run.transformer, run.opt, b.leaves, torch.as_tensor(b.groups), directions, mix, s2, b.emb, b.pooled,
                              run.sigmas, args, gen, run.all_reduce_grads)
         copy_adapter(run.transformer, "default", "old", keep=min(0.001 * it, 0.5))
         t4 = time.perf_counter()

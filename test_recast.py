@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -458,6 +459,98 @@ def test_kappa_transfer_and_query_weights():
     assert torch.allclose(v[1], -d_B[1] / 0.3)  # at t = t_b: d(t) = d_B
 
 
+def hand_tree(P, R, C, L=1):
+    """(groups, ancestry) exactly as tree_rollout builds them: P prompts x R roots, each state copied C times
+    at each of L branch steps (repeat_interleave: leaf i descends from root i // C^L)."""
+    roots = np.arange(P * R)
+    groups, ancestry = roots // R, [roots]
+    for _ in range(L):
+        groups, ancestry = groups.repeat(C), [a.repeat(C) for a in ancestry] + [np.tile(np.arange(C), len(groups))]
+    return groups, np.stack(ancestry, 1)
+
+
+@pytest.mark.parametrize("L", [1, 2])
+def test_local_and_broad_groups_are_like_for_like(L):
+    P, R, C = 2, 3, 3
+    groups, ancestry = hand_tree(P, R, C, L)
+    local, broad = rvge.regression_groups(groups, ancestry, True), rvge.regression_groups(groups, ancestry, False)
+    assert (np.bincount(local) == C).all() and (np.bincount(broad) == R).all()  # same size, same leaves
+    for g in np.unique(local):  # the C siblings of one state at the last branch step
+        rows = ancestry[local == g]
+        assert (rows[:, :-1] == rows[0, :-1]).all() and sorted(rows[:, -1]) == list(range(C))
+    for g in np.unique(broad):  # one leaf per root of one prompt, all with the same branch indices
+        rows, members = ancestry[broad == g], np.flatnonzero(broad == g)
+        assert len(set(rows[:, 0])) == R and len(set(groups[members])) == 1 and (rows[:, 1:] == rows[0, 1:]).all()
+    # no branch step: the broad group is the prompt group
+    assert (rvge.regression_groups(groups, ancestry[:, :1], False) == groups).all()
+
+
+def test_split_bandwidth_transfer_and_query_weight_ablations_change_the_target():
+    s2, t_b, cap = 0.5, 0.4, 1e9
+    t = torch.tensor([0.2, 0.4, 0.7], dtype=torch.float64)
+    v_old, d_loc, d_br = torch.zeros(3, 2, dtype=torch.float64), torch.ones(3, 2, dtype=torch.float64), torch.full((3, 2), 2.0, dtype=torch.float64)
+    tb = torch.full((3,), t_b, dtype=torch.float64)
+    kappa = lambda x: rvge.posterior_var(x, s2)  # noqa: E731
+    shift = lambda v: (-v[:, 0] * t).numpy()  # d(t) per query  # noqa: E731
+    target = lambda bw, **kw: rvge.reward_target(v_old, t, rvge.RewardDirections(bw, d_loc, d_br, tb), s2, cap, **kw)  # noqa: E731
+    ratio_loc, ratio_br = (kappa(t) / kappa(t_b)).numpy(), (kappa(t) / kappa(1.0)).numpy()
+    v, q = target("split")
+    assert np.allclose(shift(v), [ratio_loc[0], 1.0, 2 * ratio_br[2]]) and (q == 1).all()  # local below t_b, broad above
+    assert np.allclose(shift(target("local")[0]), ratio_loc) and np.allclose(shift(target("broad")[0]), 2 * ratio_br)
+    assert np.allclose(shift(target("split", transfer="none")[0]), [1.0, 1.0, 2.0])  # no transfer: d(t) = d_B
+    v, q = target("local", query_weights="on")
+    assert np.allclose(q.numpy(), [1.0, 1.0, kappa(t_b) / kappa(0.7)])
+    assert np.isclose(q[2] * shift(v)[2], 1.0)  # weight x ratio = 1 above t_b: the weight undoes the transfer
+    assert (target("split", query_weights="on")[1] == 1).all()  # the broad group's t_b = 1: nothing to weight
+    assert (target("local", query_weights="off")[1] == 1).all()
+
+
+def test_auto_bandwidth_picks_broad_for_tied_rewards_and_split_for_smooth_ones():
+    assert rvge.pick_bandwidth("auto", 0.5, 0.2) == "broad" and rvge.pick_bandwidth("auto", 0.0, 0.2) == "split"
+    assert all(rvge.pick_bandwidth(b, 0.9, 0.2) == b for b in ("local", "broad", "split"))
+    P, R, C = 2, 4, 4
+    groups, ancestry = hand_tree(P, R, C)
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(len(groups), 3, 2, 2, generator=gen)
+    smooth = x0.flatten(1) @ torch.randn(12, generator=gen)
+    coarse = (ancestry[:, 0] % 2).astype(float)  # a 0/1 reward set by the root: siblings always tie
+    A = rvge.advantages(np.stack([smooth.numpy(), coarse], 1), groups)
+    b = SimpleNamespace(leaves=x0, groups=groups, ancestry=ancestry)
+    sigmas = torch.linspace(1, 0, 11)
+    dirs, s2, m = rvge.value_directions(b, A, sigmas, [7], ["auto", "auto"], ["smooth", "coarse"], rvge.Args(), np.asarray)
+    assert [d.bandwidth for d in dirs] == ["split", "broad"] and m["rvge/tie_share/coarse"] == 1.0
+    assert m["rvge/group_size/smooth"] == m["rvge/group_size/coarse"] == 4.0
+    assert np.isclose(m["rvge/t_b/smooth"], float(sigmas[7])) and m["rvge/t_b/coarse"] == 1.0
+    assert dirs[1].local is None and torch.allclose(dirs[1].broad, rvge.group_directions(x0, torch.tensor(A[:, 1]).float(),
+                                                                                        rvge.regression_groups(groups, ancestry, False), eta=0.2))
+    broad = rvge.regression_groups(groups, ancestry, False)  # s2: unbiased variance around the broad (independent) groups
+    dev = torch.cat([x0[broad == g] - x0[broad == g].mean(0) for g in np.unique(broad)])
+    assert np.isclose(s2, float(dev.pow(2).sum()) / ((R - 1) * len(np.unique(broad)) * 12))
+
+
+def test_noisy_coordinates_come_from_each_leafs_own_trajectory():
+    assert rvge.coordinate_steps("clean", [7]) == () and rvge.coordinate_steps("noisy", [7]) == (1, 8)
+    assert rvge.coordinate_steps("noisy", [1]) == (1, 2) and rvge.coordinate_steps("noisy", []) == (1,)
+    P, R, C = 2, 3, 2
+    groups, ancestry = hand_tree(P, R, C)
+    states = torch.arange(P * R, dtype=torch.float32).view(-1, 1) * torch.ones(1, 2)  # step 1: one state per root
+    leaves_states = torch.arange(len(groups), dtype=torch.float32).view(-1, 1) * torch.ones(1, 2)  # step 8: one per leaf
+    probes = [(1, states, None), (8, leaves_states, None)]
+    assert torch.equal(rvge.denoised_coordinates(probes, 1, len(groups))[:, 0], torch.as_tensor(ancestry[:, 0], dtype=torch.float32))
+    assert torch.equal(rvge.denoised_coordinates(probes, 8, len(groups)), leaves_states)
+    x0 = torch.randn(len(groups), 2, generator=torch.Generator().manual_seed(1))
+    b = SimpleNamespace(leaves=x0, groups=groups, ancestry=ancestry, probes=probes)
+    A = rvge.advantages(x0[:, :1].double().numpy(), groups)
+    sig = torch.linspace(1, 0, 11)
+    clean, _, _ = rvge.value_directions(b, A, sig, [7], ["split"], ["r"], rvge.Args(), np.asarray)
+    noisy, _, _ = rvge.value_directions(b, A, sig, [7], ["split"], ["r"], rvge.Args(coords="noisy"), np.asarray)
+    A_t = torch.tensor(A[:, 0]).float()
+    assert torch.allclose(clean[0].local, rvge.group_directions(x0, A_t, rvge.regression_groups(groups, ancestry, True), eta=0.2))
+    assert torch.allclose(noisy[0].local, rvge.group_directions(leaves_states, A_t, rvge.regression_groups(groups, ancestry, True), eta=0.2))
+    assert torch.allclose(noisy[0].broad, rvge.group_directions(states[ancestry[:, 0]], A_t, rvge.regression_groups(groups, ancestry, False), eta=0.2))
+    assert not torch.allclose(noisy[0].local, clean[0].local)
+
+
 # -----------------------------------------------------------------------------
 # The SDE step (DESIGN §1)
 # -----------------------------------------------------------------------------
@@ -588,8 +681,10 @@ def test_rvge_two_iterations_log_bandwidths_directions_and_W(tiny, tmp_path, cre
     for m in rows:
         W = np.array(m["recast/W"])
         assert np.abs(W.sum(1) - [0.6, 0.4]).max() < 1e-9 and np.abs(W.sum(0) - 0.1).max() < 1e-9
-        assert m["rvge/bandwidth/dark"] == "broad" and m["rvge/tie_share/dark"] > 0.5  # auto: a 0/1 reward goes broad
-        assert m["rvge/t_b/dark"] == 1.0 and 0 < m["rvge/t_b/brightness"] <= 1.0
+        assert m["rvge/bandwidth/dark"] == "broad" and m["rvge/tie_share/dark"] > 0.2  # auto: a 0/1 reward goes broad
+        assert m["rvge/bandwidth/brightness"] == "split" and m["rvge/tie_share/brightness"] == 0  # a smooth one splits
+        assert m["rvge/t_b/dark"] == 1.0 and 0 < m["rvge/t_b/brightness"] < 1.0
+        assert m["rvge/group_size/brightness"] == m["rvge/group_size/dark"] == 4.0  # R = C = 4: like for like
         assert m["rvge/direction_rms/brightness"] > 0 and np.isfinite(m["loss/policy"]) and m["rvge/s2"] > 0
     if credit == "budgets":
         assert np.allclose(np.array(rows[0]["recast/W"]), recast.uniform_W([0.6, 0.4], 10))
@@ -636,6 +731,36 @@ def test_speed_flags_leave_the_numbers_unchanged(tiny, tmp_path, flags):
         assert a["loss/policy"] == pytest.approx(b["loss/policy"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     wa, wb = (load_file(o / "checkpoints" / "iter_000001" / "pytorch_lora_weights.safetensors") for o in outs)
     assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+def test_rvge_ablation_flags_train_end_to_end(tiny, tmp_path, monkeypatch):
+    """--coords noisy --transfer none --query-weights on, local and broad: one iteration trains. The shared
+    rollout_and_score does not return its x0_hat probes yet (rvge.ROLLOUT_RETURNS_PROBES), so this test hands
+    them through from tree_rollout."""
+    kept = {}
+
+    def tree_rollout(*a, **k):
+        out = real_tree(*a, **k)
+        kept["probes"] = out[3]
+        return out
+
+    def rollout_and_score(*a, **k):
+        b = real_score(*a, **k)
+        b.probes = kept["probes"]
+        assert [j for j, _, _ in b.probes] == [1, 8]
+        return b
+
+    real_tree, real_score = rvge.tree_rollout, rvge.rollout_and_score
+    monkeypatch.setattr(rvge, "tree_rollout", tree_rollout)
+    monkeypatch.setattr(rvge, "rollout_and_score", rollout_and_score)
+    monkeypatch.setattr(rvge, "ROLLOUT_RETURNS_PROBES", True)
+    out = tmp_path / "run"
+    argv = tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0", "--coords", "noisy", "--transfer", "none",
+                     "--query-weights", "on", "--bandwidth", "local,broad", "--branch-steps", "7")
+    rvge.train(rvge.parse_args(argv), extra_rewards=TINY_REWARDS)
+    m = read_metrics(out)[0]
+    assert m["rvge/bandwidth/brightness"] == "local" and m["rvge/bandwidth/redness"] == "broad"
+    assert m["rvge/direction_rms/brightness"] > 0 and m["rvge/direction_rms/redness"] > 0 and np.isfinite(m["loss/policy"])
 
 
 KILL_SCRIPT = """
@@ -723,8 +848,9 @@ def test_nan_rewards_are_left_out_and_an_all_nan_reward_stops_with_a_checkpoint(
     out = tmp_path / "half"
     argv = tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0", "--rewards", "brightness,half")
     script.train(script.parse_args(argv), extra_rewards={**TINY_REWARDS, "half": half_nan})
-    m = read_metrics(out)[0]
-    assert m["reward_nonfinite/half"] == 8 and np.isfinite(m["reward/half"]) and np.isfinite(m["loss/policy"])
+    m, saved = read_metrics(out)[0], json.loads((out / "config.json").read_text())["args"]
+    leaves = saved["prompts_per_iter"] * saved["n_roots"] * saved["n_branch"] ** len(saved["branch_steps"].split(","))
+    assert m["reward_nonfinite/half"] == leaves // 2 and np.isfinite(m["reward/half"]) and np.isfinite(m["loss/policy"])
     out = tmp_path / "all"
     argv = tiny_argv(tiny, out, "--iterations", "3", "--eval-every", "0", "--rewards", "brightness,dead")
     with pytest.raises(SystemExit, match="NaN/inf for every image"):
@@ -928,10 +1054,19 @@ def test_recast_only_flags_are_checked(tiny, tmp_path, change):
         recast.validate(recast.parse_args(tiny_argv(tiny, tmp_path / "run", *change)), extra_rewards=TINY_REWARDS)
 
 
-@pytest.mark.parametrize("change", [["--eta", "nan"], ["--eta", "-1"], ["--transfer-cap", "nan"], ["--tie-threshold", "nan"]])
+@pytest.mark.parametrize("change", [["--eta", "nan"], ["--eta", "-1"], ["--transfer-cap", "nan"], ["--tie-threshold", "nan"],
+                                    ["--n-roots", "1"], ["--n-branch", "1"], ["--coords", "noisy"]])
 def test_rvge_only_flags_are_checked(tiny, tmp_path, change):
     with pytest.raises(SystemExit, match=re.escape(change[0])):
         rvge.validate(rvge.parse_args(tiny_argv(tiny, tmp_path / "run", *change)), extra_rewards=TINY_REWARDS)
+
+
+@pytest.mark.parametrize("field, value", [("coords", "dirty"), ("transfer", "kappa"), ("query_weights", "maybe"), ("bandwidth", "wide")])
+def test_rvge_ablation_flags_refuse_unknown_values(tiny, tmp_path, field, value):
+    """argparse refuses these at the command line; validate() refuses them too (Args built in code, --resume configs)."""
+    args = replace(rvge.parse_args(tiny_argv(tiny, tmp_path / "run")), **{field: value})
+    with pytest.raises(SystemExit, match=re.escape(f"--{field.replace('_', '-')} {value!r}")):
+        rvge.validate(args, extra_rewards=TINY_REWARDS)
 
 
 def test_rvge_tiny_kl_beta_gives_finite_directions():
@@ -995,7 +1130,7 @@ def test_helper_scripts_refuse_bad_flags(tmp_path, capsys):
     assert "results.json yet; run the benchmark first" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("change, words", [(["--bandwidth", "wide"], "local, broad or auto"),
+@pytest.mark.parametrize("change, words", [(["--bandwidth", "wide"], "local, broad, split or auto"),
                                            (["--bandwidth", "local,broad,auto"], "once per reward"),
                                            (["--branch-steps", "", "--bandwidth", "local"], "need at least one --branch-steps")])
 def test_rvge_bad_bandwidth_input(tiny, tmp_path, change, words):
