@@ -366,7 +366,7 @@ def parse_args(argv=None):
     g.add_argument("--device", default="", help="cuda or cpu (default: cuda if available; cpu with --tiny)")
     g.add_argument("--dtype", default="", help="frozen weights' dtype (default: bfloat16 on cuda, float32 on cpu); also the matmul rate's")
     g.add_argument("--matmul-size", type=int, default=0, help="n of the n x n matmul timed for the rate (default 8192; 512 with --tiny)")
-    g.add_argument("--script-args", default="", help="extra flags passed to every script, e.g. \"--grad-accum 2\" (before/after a change)")
+    g.add_argument("--script-args", default="", help="extra flags passed to every script, e.g. \"--frozen-batch 32\" (before/after a change)")
     g.add_argument("--seed", type=int, default=0, help="seed of the random pipeline and of the runs")
     r = parser.add_argument_group("recipe (default: the README's SD3.5-M recipe; --tiny: toy values)")
     for key, value in RECIPE.items():

@@ -1365,12 +1365,12 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
         prompts_for=prompts_for, encode=lambda prompts: encode(pipe, prompts, max_len, acc.device))
 
 
-def rollout_and_score(run, args, it, gen, probe=False):
+def rollout_and_score(run, args, it, gen, probe_steps=()):
     """Step 1 of an iteration: prompts, rollouts from the "old" adapter (--sampler tree: branched trees
     with this iteration's branch layout; ode: independent deterministic DPM-Solver-2 samples, as
-    DiffusionNFT), decoded leaves scored; with `probe`, x0_hat decoded and scored at each group's layout
-    steps (the denoised estimator). Returns a namespace with prompts, emb, pooled, leaves, groups,
-    ancestry, layouts, probe_R [(step, R, groups)], R (N, K)."""
+    DiffusionNFT), decoded leaves scored; x0_hat kept, decoded and scored at probe_steps (steps, or
+    "layout": each group's layout steps, the denoised estimator). Returns a namespace with prompts, emb,
+    pooled, leaves, groups, ancestry, layouts, probes [(step, x0_hat, groups)], probe_R [(step, R, groups)], R (N, K)."""
     prompts = run.prompts_for(it)
     emb, pooled = run.encode(prompts)
     P = len(prompts)
@@ -1379,13 +1379,14 @@ def rollout_and_score(run, args, it, gen, probe=False):
     run.transformer.set_adapter("old")
     leaves, groups, ancestry, probes = tree_rollout(run.transformer, emb, pooled, run.sigmas, args.n_roots, args.n_branch,
                                                     layouts if tree else [], args.sde_a, gen, run.shape, args.rollout_batch,
-                                                    layouts if probe else (), args.sde_substeps, "euler" if tree else "dpm2")
+                                                    layouts if probe_steps == "layout" else probe_steps, args.sde_substeps,
+                                                    "euler" if tree else "dpm2")
     run.transformer.set_adapter("default")
     t_rollout = time.perf_counter()
     R = score(run.rewards, decode(run.pipe, leaves), [prompts[g] for g in groups])
     probe_R = [(j, score(run.rewards, decode(run.pipe, x0h), [prompts[g] for g in gp]), gp) for j, x0h, gp in probes]
     return SimpleNamespace(prompts=prompts, emb=emb, pooled=pooled, leaves=leaves, groups=groups, ancestry=ancestry,
-                           layouts=layouts if tree else [[]] * P, R=R, probe_R=probe_R, t_rollout=t_rollout)
+                           layouts=layouts if tree else [[]] * P, R=R, probes=probes, probe_R=probe_R, t_rollout=t_rollout)
 
 
 def global_stats(R, reduce):
@@ -1454,7 +1455,7 @@ def train(args: Args, extra_rewards=None, judges=None):
             before, images = evaluate(run, args)
             save_grid(images, run.out / "samples_before.png")
         # 1. rollouts from the old policy, rewards
-        b = rollout_and_score(run, args, it, gen, probe=args.gain_estimator == "denoised")
+        b = rollout_and_score(run, args, it, gen, "layout" if args.gain_estimator == "denoised" else ())
         t2 = time.perf_counter()
         # 2. per-reward optimality (global std across processes), Renyi curves with errors, W
         n_valid, mean_R, std = global_stats(b.R, run.reduce)

@@ -110,159 +110,43 @@ def optimality(rewards, groups, std=None, clip=5.0, eps=1e-4):
     return 0.5 + 0.5 * advantages(rewards, groups, std, clip, eps) / clip
 
 
-# Copied from recast.split_levels
-def split_levels(ancestry):
-    """Level at which two leaves' trajectories split, from their ancestry codes.
-
-    ancestry (N, L+1) ints: column 0 the root id, column l the branch index taken
-    at branch time l (l = 1..L). Returns S (N, N): the number of leading columns
-    two leaves share. S = 0: different roots (independent, t = 1); S = l: split at
-    branch time l; S = L+1: the same leaf (t = 0)."""
-    A = np.asarray(ancestry)
-    same = A[:, None, :] == A[None, :, :]  # (N, N, L+1)
-    return np.cumprod(same, axis=-1).sum(-1)
-
-
-# Copied from recast.pair_moments
-def pair_moments(r, groups, ancestry):
-    """Sufficient statistics of the `pairs` estimator (alpha = 2), summable across processes.
-
-    For leaves a, b of one prompt group whose trajectories split at level l,
-    E[r_a r_b] = E[h_{t_l}^2] (they are independent given x_{t_l}, and sample x0 | x_{t_l}
-    when the continuation is the exact reverse SDE, a = sqrt(2): derivations.ipynb §7); different
-    roots give Z^2 (level 0), a leaf with itself gives E[r^2] (t = 0).
-    r (N, K); groups (N,); ancestry (N, L+1).
-    Returns (sums (K, L+2), counts (L+2,)): sum of r_a r_b and number of ordered
-    pairs a != b (a == b for the last level) per level, within groups only."""
-    r = np.asarray(r, dtype=np.float64)
-    r = r[:, None] if r.ndim == 1 else r
-    S = split_levels(ancestry)
-    n_levels = np.asarray(ancestry).shape[1] + 1
-    same_group = np.asarray(groups)[:, None] == np.asarray(groups)[None, :]
-    prods = np.einsum("ak,bk->kab", r, r)  # (K, N, N)
-    sums = np.zeros((r.shape[1], n_levels))
-    counts = np.zeros(n_levels)
-    for level in range(n_levels):
-        mask = same_group & (S == level)
-        sums[:, level] = (prods * mask).sum((1, 2))
-        counts[level] = mask.sum()
-    return sums, counts
-
-
-# Copied from recast.pairs_curve
-def pairs_curve(sums, counts):
-    """D_2 at every level from pair statistics: D(t_l) = log(mean_l r_a r_b / mean_0 r_a r_b).
-    Level 0 (different roots) is t = 1, so D = 0 there by construction. Levels with
-    no pairs are NaN (dropped by `gains_on_grid`). Returns (K, L+2)."""
-    with np.errstate(invalid="ignore", divide="ignore"):
-        means = sums / counts
-        return np.log(np.maximum(means, 1e-300) / np.maximum(means[:, :1], 1e-300))
-
-
-# Copied from recast.monotone_curve
-def monotone_curve(t_levels, D_levels, weights=None):
-    """Project level estimates onto curves that are 0 at t = 1 and non-increasing in t.
-
-    Isotonic (least-squares, weighted) regression of D on decreasing t, then
-    clipped at 0 (D >= 0 for alpha > 0). NaN levels are dropped; t = 1 and t = 0
-    must be among the levels. Returns (t ascending (M,), D (M,))."""
-    t = np.asarray(t_levels, dtype=np.float64)
-    D = np.asarray(D_levels, dtype=np.float64)
-    w = np.ones_like(t) if weights is None else np.asarray(weights, dtype=np.float64)
-    keep = np.isfinite(D) & (w > 0)
-    t, D, w = t[keep], D[keep], w[keep]
-    if not (np.isclose(t, 0).any() and np.isclose(t, 1).any()):
-        raise ValueError("Renyi levels must include t = 0 (final rewards) and t = 1 (independent roots)")
-    order = np.argsort(-t, kind="stable")  # from t = 1 down to t = 0: D non-decreasing along this
-    from scipy.optimize import isotonic_regression
-
-    fit = np.maximum(isotonic_regression(D[order], weights=w[order], increasing=True).x, 0.0)
-    t_sorted = t[order]
-    fit[t_sorted == 1.0] = 0.0
-    t_u, first = np.unique(t_sorted[::-1], return_index=True)  # ascending t, duplicates merged
-    return t_u, fit[::-1][first]
-
-
-# Copied from recast.gains_on_grid
-def gains_on_grid(t_levels, D_levels, sigmas, weights=None):
-    """Renyi curves on the sampler grid and their per-step gains (DESIGN §3.3).
-
-    t_levels (L,); D_levels (K, L) raw estimates; sigmas (T+1,) from 1 down to 0.
-    Monotone projection, then monotone (PCHIP) interpolation to the grid, then
-    g_kj = D_k(s_j) - D_k(s_{j-1}). PCHIP reproduces the end points, so each row
-    of gains sums to D_k(0) (telescoping, derivations.ipynb §6).
-    Returns (D_grid (K, T+1), gains (K, T))."""
-    from scipy.interpolate import PchipInterpolator
-
-    D_levels = np.atleast_2d(np.asarray(D_levels, dtype=np.float64))
-    sigmas = np.asarray(sigmas, dtype=np.float64)
-    D_grid = np.zeros((D_levels.shape[0], len(sigmas)))
-    for k, row in enumerate(D_levels):
-        t_u, D_u = monotone_curve(t_levels, row, weights)
-        D_grid[k] = PchipInterpolator(t_u, D_u)(np.clip(sigmas, 0.0, 1.0))
-    D_grid = np.maximum(D_grid, 0.0)  # PCHIP is monotone on monotone data: this only removes rounding
-    return D_grid, np.maximum(np.diff(D_grid, axis=1), 0.0)
-
-
-# Copied from recast.profiles
-def profiles(gains):
-    """P_kj = g_kj / sum_j g_kj, uniform 1/T for a reward whose total gain is 0. (K, T) -> (K, T)."""
-    gains = np.asarray(gains, dtype=np.float64)
-    total = gains.sum(1, keepdims=True)
-    return np.where(total > 0, gains / np.where(total > 0, total, 1.0), 1.0 / gains.shape[1])
-
-
 # =============================================================================
 # Math: the W solver (DESIGN §3.4)
 # =============================================================================
-
-
-# Copied from recast.solve_W
-def solve_W(budgets, profile, tau=1.0, eps=1e-3, tol=1e-12, max_iter=20000):
-    """Credit matrix W (K, T): the KL (I-)projection of K_kj = lambda_k P~_kj^tau onto
-    {row sums = lambda, column sums = Lam / T}, with P~ = (1 - eps) P + eps / T.
-
-    The solution has the form W = diag(a) K diag(b) and is found by Sinkhorn
-    iterations in the log domain (derivations.ipynb §8). Rewards with budget 0
-    get a zero row. eps > 0 keeps K positive so a unique solution exists; eps = 0
-    is allowed when the profile is strictly positive. tau = 0 gives the uniform
-    W_kj = lambda_k / T; identical profiles give it too.
-    """
-    lam = np.asarray(budgets, dtype=np.float64)
-    P = np.asarray(profile, dtype=np.float64)
-    if P.ndim != 2 or P.shape[0] != lam.shape[0]:
-        raise ValueError(f"profile must have shape (K, T) with K = {lam.shape[0]} budgets, got {P.shape}")
-    if (lam < 0).any() or not np.isfinite(lam).all() or lam.sum() <= 0:
-        raise ValueError(f"budgets must be finite, non-negative and not all zero, got {lam}")
-    if (P < 0).any() or not np.isfinite(P).all():
-        raise ValueError("profile must be finite and non-negative")
-    if not 0 <= eps <= 1 or tau < 0:
-        raise ValueError(f"need 0 <= eps <= 1 and tau >= 0, got eps={eps}, tau={tau}")
-    T = P.shape[1]
-    P_tilde = (1 - eps) * P + eps / T
-    active = lam > 0
-    if (P_tilde[active] <= 0).any() and tau > 0:
-        raise ValueError("profile has zeros: use eps > 0 so that a solution with these marginals exists")
-    logK = np.log(lam[active])[:, None] + tau * np.log(np.where(P_tilde[active] > 0, P_tilde[active], 1.0))
-    log_row, log_col = np.log(lam[active]), np.full(T, np.log(lam.sum() / T))
-    f, g = np.zeros(active.sum()), np.zeros(T)
-    from scipy.special import logsumexp
-
-    for _ in range(max_iter):
-        f = log_row - logsumexp(logK + g[None, :], axis=1)
-        g = log_col - logsumexp(logK + f[:, None], axis=0)
-        Wa = np.exp(logK + f[:, None] + g[None, :])
-        if np.abs(Wa.sum(1) - lam[active]).max() < tol * lam.sum():
-            break
-    W = np.zeros((lam.shape[0], T))
-    W[active] = Wa
-    return W
 
 
 # Copied from recast.uniform_W
 def uniform_W(budgets, T):
     """W_kj = lambda_k / T: DiffusionNFT with per-reward normalisation (--credit uniform)."""
     return np.repeat(np.asarray(budgets, dtype=np.float64)[:, None] / T, T, axis=1)
+
+
+# Copied from recast.branch_layout
+def branch_layout(n_groups, T, branch_steps, offset=0):
+    """Branch steps of each prompt group (DESIGN §3.3, §5). branch_steps: a list of steps shared by
+    every group, or "rotate": group p branches once, at step 1 + (offset + p) mod (T - 2), so that
+    consecutive groups (and iterations, through `offset`) cover every step 1..T-2 in turn and each
+    sampler level gets a measured D. Returns a list of n_groups sorted lists."""
+    if branch_steps == "rotate":
+        return [[1 + (offset + p) % (T - 2)] for p in range(n_groups)]
+    return [list(branch_steps) for _ in range(n_groups)]
+
+
+# Copied from recast.old_decay
+def old_decay(step, decay_type):
+    """DiffusionNFT's `return_decay`: the weight kept by the sampling ("old") adapter in
+    old <- decay old + (1 - decay) default, after `step` optimizer steps in all.
+    Type 0: always 0 (old = the trained policy); 1: min(0.001 step, 0.5) (GenEval, PickScore,
+    multi-reward); 2: 0 for 75 steps, then 0.0075 per step up to 0.999 (OCR)."""
+    flat, rate, cap = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}[decay_type]
+    return 0.0 if step < flat else min((step - flat) * rate, cap)
+
+
+# Copied from recast.ema_decay
+def ema_decay(step):
+    """Decay of DiffusionNFT's EMA of the trained LoRA after optimizer step `step` (1, 2, ...):
+    min((1 + step) / (10 + step), 0.9) (flow_grpo/ema.py); the evaluation uses the EMA weights."""
+    return min((1 + step) / (10 + step), 0.9)
 
 
 # =============================================================================
@@ -290,6 +174,27 @@ def sde_step(x, v, s, s_next, a, s_first, noise):
 def ode_step(x, v, s, s_next):
     """Euler step of dx/dt = v from sigma s to s_next."""
     return x + (s_next - s) * v
+
+
+# Copied from recast.dpm2_step
+def dpm2_step(x, x0_hat, x0_hat_prev, s_prev, s, s_next):
+    """One step of DPM-Solver++(2M) (Lu et al. 2022, multistep, data prediction) for rectified flow,
+    alpha_t = 1 - t, sigma_t = t, lambda = log(alpha / sigma): from sigma s to s_next < s,
+      h = lambda(s_next) - lambda(s),  D = x0_hat + (x0_hat - x0_hat_prev) / (2 r),  r = h_prev / h,
+      x' = (s_next / s) x - alpha(s_next) (exp(-h) - 1) D.
+    First order (D = x0_hat, DDIM) at the first step (x0_hat_prev None) and at the last (s_next = 0,
+    where x' = x0_hat), as diffusers' DPMSolverMultistepScheduler with lower_order_final and
+    DiffusionNFT's deterministic "dpm2" rollouts do. x0_hat = x - s v. Works on floats, arrays, tensors."""
+    if s_next <= 0:
+        return x0_hat
+    if s >= 1:  # lambda(1) = -inf: h = inf, the DDIM step from pure noise
+        return s_next * x + (1 - s_next) * x0_hat
+    lam = lambda u: math.log((1 - u) / u)  # noqa: E731
+    h = lam(s_next) - lam(s)
+    D = x0_hat
+    if x0_hat_prev is not None and s_prev < 1:  # s_prev = 1: lambda = -inf, r = inf, no correction
+        D = x0_hat + (x0_hat - x0_hat_prev) * h / (2 * (lam(s) - lam(s_prev)))
+    return (s_next / s) * x - (1 - s_next) * math.expm1(-h) * D
 
 
 # Copied from recast.shifted_sigmas
@@ -564,12 +469,15 @@ class Args:
     transfer_cap: float = field(default=4.0, metadata={"help": "cap on kappa(t) / kappa(t_b) in the direction transfer", "min": 1})
     tau: float = field(default=1.0, metadata={"help": "temperature of the profile in W's kernel lambda_k P~^tau (0: uniform W)", "min": 0})
     eps: float = field(default=1e-3, metadata={"help": "profile smoothing P~ = (1 - eps) P + eps / T (> 0 keeps W unique)", "min": 0, "max": 1})
-    gain_ema: float = field(default=0.9, metadata={"help": "EMA decay of the D curves across iterations", "min": 0, "lt": 1})
+    gain_ema: float = field(default=0.9, metadata={"help": "discount of the level statistics across iterations (horizon ~ 1 / (1 - gain_ema) iterations)", "min": 0, "lt": 1})
+    evidence: float = field(default=2.0, metadata={"help": "shrink each reward's profile towards uniform by rho = max(0, 1 - c p / Q), Q the chi^2 of its curve against uniform gains (0: no shrinkage)", "min": 0})
     iterations: int = field(default=120, metadata={"help": "training iterations (rollout + update); the default run takes ~7 min on 2 CPU cores", "min": 1})
-    prompts_per_iter: int = field(default=8, metadata={"help": "prompt groups per iteration and process", "min": 1})
+    prompts_per_iter: int = field(default=4, metadata={"help": "prompt groups per iteration and process (4 x 16 leaves: the 64 images of recast.py's default)", "min": 1})
     n_roots: int = field(default=4, metadata={"help": "independent noises per prompt (tree roots)", "min": 1})
     n_branch: int = field(default=4, metadata={"help": "copies C made of every state at each branch step; local groups hold C leaves, broad ones R = --n-roots (keep R = C for like-for-like bandwidths)", "min": 1})
     branch_steps: str = field(default="7", metadata={"help": "sampler steps j (0 < j < T - 1) at which states branch; leaves per prompt = n_roots * n_branch^len; local groups split at the last one (step 7 of 10: t_b = 0.46 on SD3's shift-3 grid)"})
+    sde_substeps: int = field(default=2, metadata={"help": "Euler-Maruyama sub-steps per grid interval after a branch (1: the grid itself; more: siblings closer to exact x0 | x_t samples, rollout cost grows)", "min": 1})
+    sampler: str = field(default="tree", metadata={"help": "tree: branched trees (ReCAST's pairs estimator needs them); ode: DiffusionNFT's independent deterministic DPM-Solver-2 rollouts, n_roots per prompt", "choices": ["tree", "ode"]})
     steps: int = field(default=10, metadata={"help": "sampler steps T (= columns of W = training timesteps)", "min": 3})
     sde_a: float = field(default=math.sqrt(2), metadata={"help": "SDE noise level a after the first branch, g = a sqrt(s / (1 - s)); sqrt(2) (default) is the exact reversal of the noising, so branches sample x0 | x_t (the pairs estimator and kappa transfer need it; FlowGRPO uses 0.7)", "min": 0})
     resolution: int = field(default=0, metadata={"help": "image size in pixels (0: the model's default, 512 for SD3.5-M)", "min": 0})
@@ -577,7 +485,11 @@ class Args:
     base_reg: float = field(default=1e-4, metadata={"help": "weight of the velocity MSE to the frozen base model", "min": 0})
     train_steps_per_leaf: int = field(default=4, metadata={"help": "training timesteps drawn (without replacement) from the T grid steps per leaf and iteration", "min": 1})
     train_batch: int = field(default=32, metadata={"help": "micro-batch of (leaf, timestep) samples per optimizer step", "min": 1})
-    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step", "min": 1})
+    frozen_batch: int = field(default=0, metadata={"help": "compute the no-grad v_old / v_base forwards of each optimizer step ahead, in batches of this size (0: with each gradient micro-batch); same numbers, unmeasured on GPU", "min": 0})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute the transformer's activations in backward (diffusers' gradient checkpointing): less memory for a larger --train-batch, same gradients"})
+    updates_per_iter: int = field(default=8, metadata={"help": "optimizer steps per iteration, each on the mean loss over its share of the iteration's samples (1: DiffusionNFT's one step per epoch)", "min": 1})
+    old_decay: int = field(default=1, metadata={"help": "DiffusionNFT's old-policy schedule on optimizer steps: 0 none, 1 min(0.001 s, 0.5), 2 OCR's (0 for 75 steps, then +0.0075 up to 0.999)", "choices": [0, 1, 2]})
+    ema: bool = field(default=False, metadata={"help": "keep DiffusionNFT's EMA of the trained LoRA (decay min((1 + s) / (10 + s), 0.9)), evaluate it and save it beside the raw LoRA"})
     rollout_batch: int = field(default=64, metadata={"help": "chunk size for transformer calls during rollouts", "min": 1})
     lr: float = field(default=1e-4, metadata={"help": "AdamW learning rate (DiffusionNFT uses 3e-4 on SD3.5-M with ~1k images per step; 1e-4 suits the embedded model's 256-sample steps)", "gt": 0})
     weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay", "min": 0})
@@ -585,6 +497,7 @@ class Args:
     lora_rank: int = field(default=32, metadata={"help": "LoRA rank", "min": 1})
     lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha", "min": 1})
     eval_every: int = field(default=20, metadata={"help": "evaluate every N iterations (and at start and end); 0: never", "min": 0})
+    eval_steps: int = field(default=0, metadata={"help": "Euler steps of the evaluation sampler (0: --steps; DiffusionNFT evaluates with 40)", "min": 0})
     eval_prompts: str = field(default="", metadata={"help": "file with evaluation prompts, one per line (embedded model: its held-out prompts)"})
     train_prompts: str = field(default="", metadata={"help": "file with training prompts, one per line (embedded model: its train split)"})
     save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)", "min": 1})
@@ -742,24 +655,21 @@ def validate(args: Args, extra_rewards=None):
         raise SystemExit(f"unknown or repeated reward(s) in {names}; known rewards: {sorted(known)}. Fix --rewards.")
     if len(budgets) != len(names):
         raise SystemExit(f"{len(budgets)} budgets for {len(names)} rewards ({','.join(names)}): give one budget per reward with --budgets")
-    try:
-        branch = sorted({int(b) for b in args.branch_steps.split(",") if b.strip()})
-    except ValueError:
-        raise SystemExit(f"--branch-steps {args.branch_steps!r}: give step indices such as 3,6") from None
-    if any(not 0 < b < args.steps - 1 for b in branch):
-        raise SystemExit(f"--branch-steps must lie strictly between 0 and T - 1 = {args.steps - 1} (T = --steps), got {branch}")
+    branch = parse_branch_steps(args.branch_steps, args.steps)
+    if branch == "rotate":
+        raise SystemExit("--branch-steps rotate: RVGE's local groups split at one fixed step; give it, e.g. --branch-steps 7")
+    if args.sampler == "ode":
+        branch = []  # independent samples: the broad groups are the prompt groups
     bandwidths = parse_bandwidths(args.bandwidth, len(names))
     if len(bandwidths) != len(names) or any(b not in BANDWIDTHS for b in bandwidths):
         raise SystemExit(f"--bandwidth {args.bandwidth!r}: give {', '.join(BANDWIDTHS[:-1])} or {BANDWIDTHS[-1]}, once or once per reward ({len(names)})")
     if not branch and any(b != "broad" for b in bandwidths):
-        raise SystemExit("local, split and auto bandwidths need at least one --branch-steps entry; or use --bandwidth broad")
+        raise SystemExit("local, split and auto bandwidths need branched rollouts (--sampler tree and a --branch-steps entry); "
+                         "or use --bandwidth broad")
     if args.n_roots < 2:
         raise SystemExit(f"--n-roots {args.n_roots}: RVGE needs >= 2 independent roots per prompt (broad groups and the latent variance s2)")
     if branch and args.n_branch < 2 and any(b != "broad" for b in bandwidths):
         raise SystemExit(f"--n-branch {args.n_branch}: local groups need >= 2 siblings; raise --n-branch or use --bandwidth broad")
-    if args.coords == "noisy" and not ROLLOUT_RETURNS_PROBES:
-        raise SystemExit("--coords noisy regresses on the rollout's x0_hat probes, which rollout_and_score does not return yet "
-                         "(it keeps only their rewards); use --coords clean")
     if args.credit == "recast" and (args.n_roots < 2 or not branch):
         raise SystemExit("--credit recast estimates gains from branched pairs: it needs --n-roots >= 2 and a --branch-steps entry")
     if is_embedded(args.model) and args.train_prompts:
@@ -773,6 +683,20 @@ def validate(args: Args, extra_rewards=None):
         raise SystemExit(f"--eval-prompts {args.eval_prompts}: give at least 2 prompts (the held-out set is judged as a set)")
     args.out = str(run_folder(args))
     return names, budgets, branch
+
+
+# Copied from recast.parse_branch_steps
+def parse_branch_steps(text, T):
+    """--branch-steps: "rotate" or sorted distinct steps strictly between 0 and T - 1."""
+    if text.strip() == "rotate":
+        return "rotate"
+    try:
+        branch = sorted({int(b) for b in text.split(",") if b.strip()})
+    except ValueError:
+        raise SystemExit(f"--branch-steps {text!r}: give rotate, or step indices such as 3,6") from None
+    if any(not 0 < b < T - 1 for b in branch):
+        raise SystemExit(f"--branch-steps must lie strictly between 0 and T - 1 = {T - 1} (T = --steps), got {branch}")
+    return branch
 
 
 # Copied from recast.holds_run
@@ -807,7 +731,6 @@ def run_folder(args):
 
 
 BANDWIDTHS = ("local", "broad", "split", "auto")
-ROLLOUT_RETURNS_PROBES = False  # recast.rollout_and_score scores its x0_hat probes but does not return them (--coords noisy)
 
 
 def parse_bandwidths(text, K):
@@ -850,8 +773,8 @@ def is_embedded(model):
 # Copied from recast.load_pipeline
 def load_pipeline(args, device, dtype):
     """StableDiffusion3Pipeline (the real SD3.5-M or the embedded tiny one, same classes) with
-    frozen VAE and text encoders, and two LoRA adapters on the transformer: "default" (trained)
-    and "old" (sampling policy, a copy). Disabling adapters gives the frozen base."""
+    frozen VAE and text encoders, and LoRA adapters on the transformer: "default" (trained), "old"
+    (sampling policy, a copy) and with --ema "ema". Disabling adapters gives the frozen base."""
     import torch
     from diffusers import StableDiffusion3Pipeline
     from peft import LoraConfig
@@ -868,12 +791,24 @@ def load_pipeline(args, device, dtype):
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian", target_modules=LORA_TARGETS)
     torch.manual_seed(args.seed)
     transformer.add_adapter(config, adapter_name="default")
-    transformer.add_adapter(config, adapter_name="old")
-    copy_adapter(transformer, "default", "old")
-    for p in lora_params(transformer, "default") + lora_params(transformer, "old"):
+    adapters = ["default", "old"] + (["ema"] if args.ema else [])
+    for name in adapters[1:]:  # "old" and "ema" start as copies of "default"
+        transformer.add_adapter(config, adapter_name=name)
+        copy_adapter(transformer, "default", name)
+    for p in [p for name in adapters for p in lora_params(transformer, name)]:
         p.data = p.data.float()  # LoRA weights and their optimizer state in float32
     transformer.set_adapter("default")
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
     return pipe
+
+
+# Copied from recast.scheduler_sigmas
+def scheduler_sigmas(pipe, steps):
+    """The pipeline scheduler's sigma grid (steps + 1,) for `steps` steps, from a copy (the pipeline's own stays as set)."""
+    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+    scheduler.set_timesteps(steps)
+    return scheduler.sigmas.float().cpu()
 
 
 # Copied from recast.lora_params
@@ -983,37 +918,72 @@ def velocity(transformer, x, s, emb, pooled, chunk=64):
 
 
 # Copied from recast.tree_rollout
-def tree_rollout(transformer, emb, pooled, sigmas, n_roots, n_branch, branch, sde_a, gen, shape, chunk=64, probe_steps=()):
-    """One tree per prompt: n_roots noises, ODE to the first branch step, then at each branch step
-    every state is copied n_branch times and continued with the SDE (the last step is an Euler
-    step, so leaves are clean). sigmas (T+1,) float tensor from 1 to 0.
+def tree_rollout(transformer, emb, pooled, sigmas, n_roots, n_branch, branch, sde_a, gen, shape, chunk=64, probe_steps=(),
+                 substeps=1, solver="euler"):
+    """One tree per prompt (DESIGN §5): n_roots noises run with the ODE to the group's first branch
+    step; at each of its branch steps every state is copied n_branch times; after the first branch the
+    SDE continues (`substeps` Euler-Maruyama sub-steps per grid interval, so that siblings sample
+    x0 | x_t closely: derivations.ipynb §7); the last step is an Euler step, so leaves are clean.
+    branch / probe_steps: a list of steps shared by every prompt, or one list per prompt (`branch_layout`);
+    every prompt must have the same number of branch steps. solver: the ODE before branching, "euler"
+    or "dpm2" (`dpm2_step`, DiffusionNFT's deterministic sampler). sigmas (T+1,) float tensor, 1 -> 0.
 
-    Returns leaves (N, C, h, w) with N = P n_roots n_branch^len(branch), groups (N,) prompt index,
-    ancestry (N, 1 + len(branch)) codes for `split_levels`, and probes: a list of
-    (step, x0_hat = x - s v, groups) at `probe_steps` for the denoised estimator."""
+    Returns leaves (N, C, h, w), groups (N,) prompt index, ancestry (N, 1 + L) codes for
+    `split_levels`, and probes: a list of (step, x0_hat = x - s v, groups) for the denoised estimator."""
     import torch
 
     device = emb.device
     P, T = len(emb), len(sigmas) - 1
+    per_group = lambda steps: [list(x) for x in steps] if steps and isinstance(steps[0], (list, tuple)) else [list(steps)] * P  # noqa: E731
+    branch, probe_steps = per_group(branch), per_group(probe_steps)
+    L = len(branch[0])
+    first = np.array([min(b) if b else T for b in branch])
     x = torch.randn((P * n_roots, *shape), generator=gen).to(device)
-    groups = torch.arange(P).repeat_interleave(n_roots)
-    ancestry = [np.arange(P * n_roots)]
-    probes = []
+    groups = np.arange(P).repeat(n_roots)
+    ancestry = np.zeros((len(x), 1 + L), dtype=np.int64)
+    ancestry[:, 0] = np.arange(len(x))
+    x0_prev, probes = None, []
     with torch.no_grad():
         for j in range(T):
-            if j in branch:
-                x, groups = x.repeat_interleave(n_branch, 0), groups.repeat_interleave(n_branch)
-                ancestry = [a.repeat(n_branch) for a in ancestry] + [np.tile(np.arange(n_branch), len(x) // n_branch)]
+            column = np.array([branch[g].index(j) + 1 if j in branch[g] else 0 for g in groups])
+            if column.any():  # copy the branching states n_branch times, recording the branch index taken
+                copies = np.where(column > 0, n_branch, 1)
+                child = np.concatenate([np.arange(c) for c in copies])
+                x, groups, column = x.repeat_interleave(torch.as_tensor(copies, device=device), 0), groups.repeat(copies), column.repeat(copies)
+                ancestry = ancestry.repeat(copies, 0)
+                ancestry[column > 0, column[column > 0]] = child[column > 0]
+                x0_prev = None if x0_prev is None else x0_prev.repeat_interleave(torch.as_tensor(copies, device=device), 0)
             s, s_next = float(sigmas[j]), float(sigmas[j + 1])
             v = velocity(transformer, x, torch.full((len(x),), s, device=device), emb[groups], pooled[groups], chunk)
-            if j in probe_steps:
-                probes.append((j, x - s * v, groups.clone()))
-            if branch and j >= min(branch) and j < T - 1:
-                noise = torch.randn(x.shape, generator=gen).to(device)
-                x = sde_step(x, v, s, s_next, sde_a, float(sigmas[1]), noise)
+            x0_hat = x - s * v
+            probing = np.array([j in probe_steps[g] for g in groups])
+            if probing.any():
+                probes.append((j, x0_hat[torch.as_tensor(probing)], groups[probing]))
+            sde = torch.as_tensor((first[groups] <= j) & (j < T - 1), device=device)  # after the group's first branch
+            if solver == "dpm2":
+                x_ode = dpm2_step(x, x0_hat, x0_prev, float(sigmas[j - 1]) if j else 1.0, s, s_next)
             else:
-                x = ode_step(x, v, s, s_next)
-    return x, groups.numpy(), np.stack(ancestry, 1), probes
+                x_ode = ode_step(x, v, s, s_next)
+            if sde.any():
+                on = sde.cpu().numpy()
+                x_ode = x_ode.clone()
+                x_ode[sde] = sde_continue(transformer, x[sde], v[sde], s, s_next, emb[groups[on]], pooled[groups[on]], sde_a,
+                                          float(sigmas[1]), substeps, gen, chunk)
+            x, x0_prev = x_ode, x0_hat
+    return x, groups, ancestry, probes
+
+
+# Copied from recast.sde_continue
+def sde_continue(transformer, x, v, s, s_next, emb, pooled, sde_a, s_first, substeps, gen, chunk):
+    """`substeps` SDE steps from s to s_next on an even sub-grid; v is the velocity already taken at s."""
+    import torch
+
+    grid = np.linspace(s, s_next, substeps + 1)
+    for i, (u, u_next) in enumerate(zip(grid[:-1], grid[1:])):
+        if i:
+            v = velocity(transformer, x, torch.full((len(x),), float(u), device=x.device), emb, pooled, chunk)
+        x = sde_step(x, v, float(u), float(u_next), sde_a, s_first, torch.randn(x.shape, generator=gen).to(x.device))
+    return x
 
 
 
@@ -1037,67 +1007,112 @@ def decode(pipe, latents, chunk=8):
 # =============================================================================
 
 
-def renyi_grid(r, groups, ancestry, sigmas, branch, reduce):
-    """D_2 on the sampler grid (K, T+1) from branched pair products summed over processes:
-    levels t = 1, sigma at each branch step, 0 (the pairs estimator; recast.py also has `denoised`)."""
-    sums, counts = pair_moments(r, groups, ancestry)
-    sums, counts = reduce(sums), reduce(counts)
-    t_levels = [1.0] + [float(sigmas[b]) for b in branch] + [0.0]
-    return gains_on_grid(t_levels, pairs_curve(sums, counts), sigmas, weights=counts)[0]
-
-
 # =============================================================================
 # Update: regression to the transferred target over the sampler's timesteps (DESIGN §4.3)
 # =============================================================================
 
 
-def rvge_update(transformer, opt, leaves, groups, directions, mix, s2, emb, pooled, sigmas, args, gen, all_reduce_grads):
-    """One pass over (leaf, timestep) samples: fresh noise, x_t = (1 - s) x0 + s eps, target
-    v_target = sum_k w_kj v_k and query weight q = sum_k w_kj q_k (w_kj = mix[k, j], sum_k w_kj = 1;
-    v_k, q_k from `reward_target`), loss rvge_loss + base_reg |v_theta - v_base|^2.
-    directions: K RewardDirections (`value_directions`); mix (K, T). Returns mean losses."""
+def rvge_update(transformer, opt, leaves, groups, directions, mix, s2, emb, pooled, sigmas, args, gen, all_reduce_grads, on_step):
+    """The iteration's (leaf, timestep) samples in --updates-per-iter equal chunks, one AdamW step per
+    chunk on the mean loss over its samples (as `recast.nft_update`). Per sample: fresh noise,
+    x_t = (1 - s) x0 + s eps, target v_target = sum_k w_kj v_k and query weight q = sum_k w_kj q_k
+    (w_kj = mix[k, j], sum_k w_kj = 1; v_k, q_k from `reward_target`), loss rvge_loss + base_reg
+    |v_theta - v_base|^2. directions: K RewardDirections (`value_directions`); mix (K, T).
+    `on_step()` runs after every optimizer step. Returns mean losses, the last gradient norm and the counts."""
     import torch
 
     device = leaves.device
-    N, T = len(leaves), len(sigmas) - 1
-    n_steps = min(args.train_steps_per_leaf, T)
-    steps = torch.stack([torch.randperm(T, generator=gen)[:n_steps] for _ in range(N)])  # (N, n_steps)
-    pairs = torch.stack([torch.arange(N).repeat_interleave(n_steps), steps.reshape(-1)], 1)
-    pairs = pairs[torch.randperm(len(pairs), generator=gen)]
+    pairs = training_pairs(len(leaves), len(sigmas) - 1, args.train_steps_per_leaf, gen)
     mix_t = torch.as_tensor(mix, dtype=torch.float32)
     params = lora_params(transformer, "default")
-    totals = {"loss/policy": 0.0, "loss/base_reg": 0.0}
-    batches = pairs.split(args.train_batch)
-    for b_idx, batch in enumerate(tqdm(batches, desc="update", leave=False)):
-        i, j = batch[:, 0], batch[:, 1]
-        x0, s = leaves[i], sigmas[j].to(device)
-        eps = torch.randn(x0.shape, generator=gen).to(device)
-        x_t = (1 - s.view(-1, 1, 1, 1)) * x0 + s.view(-1, 1, 1, 1) * eps
-        cond = (emb[groups[i]], pooled[groups[i]])
-        with torch.no_grad():
-            transformer.set_adapter("old")
-            v_old = velocity(transformer, x_t, s, *cond)
-            transformer.disable_adapters()
-            v_base = velocity(transformer, x_t, s, *cond) if args.base_reg > 0 else v_old
-            transformer.enable_adapters()
-            w = mix_t[:, j].to(device)  # (K, B)
-            per_reward = [reward_target(v_old, s, d.rows(i), s2, args.transfer_cap, args.transfer, args.query_weights) for d in directions]
-            v_target = sum(w[k].view(-1, 1, 1, 1) * v_k for k, (v_k, _) in enumerate(per_reward))
-            q = sum(w[k] * q_k for k, (_, q_k) in enumerate(per_reward))
-        transformer.set_adapter("default")
-        v_theta = velocity(transformer, x_t, s, *cond)
-        policy = rvge_loss(v_theta, v_target, v_old, x_t, x0, s, q).mean()
-        base = ((v_theta - v_base) ** 2).mean()
-        ((policy + args.base_reg * base) / args.grad_accum).backward()
-        totals["loss/policy"] += policy.item() / len(batches)
-        totals["loss/base_reg"] += base.item() / len(batches)
-        if (b_idx + 1) % args.grad_accum == 0 or b_idx == len(batches) - 1:
-            all_reduce_grads(params)
-            totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
-            check_finite(totals)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    totals = {"loss/policy": 0.0, "loss/base_reg": 0.0, "train/opt_steps": 0, "train/samples": len(pairs)}
+    for chunk in pairs.tensor_split(args.updates_per_iter):
+        batches = [noised_batch(batch, leaves, groups, emb, pooled, sigmas, gen) for batch in chunk.split(args.train_batch)]
+        frozen = frozen_velocities_ahead(transformer, batches, args.frozen_batch, args.base_reg > 0) if args.frozen_batch else None
+        for b_idx, (batch, i, j, x0, s, x_t, cond) in enumerate(batches):
+            v_old, v_base = frozen[b_idx] if frozen else frozen_velocities(transformer, x_t, s, cond, args.base_reg > 0)
+            with torch.no_grad():
+                w = mix_t[:, j].to(device)  # (K, B)
+                per_reward = [reward_target(v_old, s, d.rows(i), s2, args.transfer_cap, args.transfer, args.query_weights) for d in directions]
+                v_target = sum(w[k].view(-1, *[1] * (x0.dim() - 1)) * v_k for k, (v_k, _) in enumerate(per_reward))
+                q = sum(w[k] * q_k for k, (_, q_k) in enumerate(per_reward))
+            v_theta = velocity(transformer, x_t, s, *cond)
+            policy = rvge_loss(v_theta, v_target, v_old, x_t, x0, s, q).mean()
+            base = ((v_theta - v_base) ** 2).mean()
+            ((policy + args.base_reg * base) * (len(batch) / len(chunk))).backward()
+            totals["loss/policy"] += policy.item() * len(batch) / len(pairs)
+            totals["loss/base_reg"] += base.item() * len(batch) / len(pairs)
+        optimizer_step(opt, params, totals, args.grad_clip, all_reduce_grads)
+        on_step()
     return totals
+
+
+# Copied from recast.training_pairs
+def training_pairs(N, T, per_leaf, gen):
+    """(N * per_leaf, 2) (leaf, grid step) pairs in random order: each leaf trains on `per_leaf`
+    distinct sampler steps, the first of a random permutation of the T (DiffusionNFT: 9 of 10)."""
+    import torch
+
+    steps = torch.stack([torch.randperm(T, generator=gen)[:min(per_leaf, T)] for _ in range(N)])
+    pairs = torch.stack([torch.arange(N).repeat_interleave(steps.shape[1]), steps.reshape(-1)], 1)
+    return pairs[torch.randperm(len(pairs), generator=gen)]
+
+
+# Copied from recast.noised_batch
+def noised_batch(batch, leaves, groups, emb, pooled, sigmas, gen):
+    """One micro-batch of (leaf, step) pairs -> (batch, i, j, x0, s, x_t = (1 - s) x0 + s eps with fresh eps, cond)."""
+    import torch
+
+    i, j = batch[:, 0], batch[:, 1]
+    x0, s = leaves[i], sigmas[j].to(leaves.device)
+    eps = torch.randn(x0.shape, generator=gen).to(leaves.device)
+    x_t = (1 - s.view(-1, *[1] * (x0.dim() - 1))) * x0 + s.view(-1, *[1] * (x0.dim() - 1)) * eps
+    return batch, i, j, x0, s, x_t, (emb[groups[i]], pooled[groups[i]])
+
+
+# Copied from recast.frozen_velocities_ahead
+def frozen_velocities_ahead(transformer, batches, size, with_base):
+    """--frozen-batch: the no-grad v_old / v_base of every micro-batch of an optimizer step, computed
+    ahead in chunks of `size` (larger than the gradient micro-batch: no activations are kept), then
+    split back per micro-batch. The same numbers as `frozen_velocities` per micro-batch."""
+    import torch
+
+    cat = lambda k: torch.cat([b[k] for b in batches])  # noqa: E731
+    x_t, s = cat(5), cat(4)
+    cond = (torch.cat([b[6][0] for b in batches]), torch.cat([b[6][1] for b in batches]))
+    v_old, v_base = zip(*(frozen_velocities(transformer, x_t[k:k + size], s[k:k + size], (cond[0][k:k + size], cond[1][k:k + size]), with_base)
+                          for k in range(0, len(x_t), size)))
+    sizes = [len(b[0]) for b in batches]
+    return list(zip(torch.cat(v_old).split(sizes), torch.cat(v_base).split(sizes)))
+
+
+# Copied from recast.frozen_velocities
+def frozen_velocities(transformer, x_t, s, cond, with_base):
+    """No-grad velocities of the "old" (sampling) adapter and of the frozen base (adapters off; v_old
+    again when the base term is off); leaves the "default" adapter active."""
+    import torch
+
+    with torch.no_grad():
+        transformer.set_adapter("old")
+        v_old = velocity(transformer, x_t, s, *cond)
+        transformer.disable_adapters()
+        v_base = velocity(transformer, x_t, s, *cond) if with_base else v_old
+        transformer.enable_adapters()
+    transformer.set_adapter("default")
+    return v_old, v_base
+
+
+# Copied from recast.optimizer_step
+def optimizer_step(opt, params, totals, grad_clip, all_reduce_grads):
+    """Average the gradients over processes, clip their norm, refuse a non-finite step, step AdamW."""
+    import torch
+
+    all_reduce_grads(params)
+    totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    check_finite({k: v for k, v in totals.items() if k.startswith(("loss/", "grad_norm"))})
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    totals["train/opt_steps"] += 1
 
 
 # Copied from recast.check_finite
@@ -1118,14 +1133,15 @@ def check_finite(values):
 # Copied from recast.save_checkpoint
 def save_checkpoint(out, iteration, transformer, opt, state):
     """checkpoints/iter_N/: the "default" LoRA in diffusers' format (pipe.load_lora_weights(dir)
-    loads it) and state.pt (both adapters, optimizer, D EMA, iteration). Written to a .tmp folder,
+    loads it; iter_N/ema the EMA with --ema) and state.pt (every adapter, optimizer, level statistics,
+    optimizer-step count, iteration). Written to a .tmp folder,
     renamed, then `latest` is replaced atomically: a kill at any moment leaves the last good one.
     Keeps this checkpoint and the newest earlier one. Refuses to write non-finite weights."""
     import torch
     from diffusers import StableDiffusion3Pipeline
     from peft.utils import get_peft_model_state_dict
 
-    lora = {a: get_peft_model_state_dict(transformer, adapter_name=a) for a in ("default", "old")}
+    lora = {a: get_peft_model_state_dict(transformer, adapter_name=a) for a in transformer.peft_config}
     bad = [k for sd in lora.values() for k, v in sd.items() if not torch.isfinite(v).all()]
     if bad:
         raise SystemExit(f"non-finite LoRA weights ({bad[0]}, {len(bad)} tensors) at iteration {iteration}: not saved; "
@@ -1136,6 +1152,8 @@ def save_checkpoint(out, iteration, transformer, opt, state):
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         StableDiffusion3Pipeline.save_lora_weights(tmp, transformer_lora_layers=lora["default"])
+        if "ema" in lora:  # DiffusionNFT's evaluation weights, loadable the same way from iter_N/ema
+            StableDiffusion3Pipeline.save_lora_weights(tmp / "ema", transformer_lora_layers=lora["ema"])
         torch.save({"iteration": iteration, "lora": lora, "optimizer": opt.state_dict(), **state}, tmp / "state.pt")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -1170,8 +1188,12 @@ def load_checkpoint(out, transformer, opt):
             continue
         if ckpt != named:
             tqdm.write(f"resuming from {ckpt.name}, the newest intact checkpoint")
-        for adapter, sd in state.pop("lora").items():
-            set_peft_model_state_dict(transformer, sd, adapter_name=adapter)
+        lora = state.pop("lora")
+        for adapter, sd in lora.items():
+            if adapter in transformer.peft_config:
+                set_peft_model_state_dict(transformer, sd, adapter_name=adapter)
+        if "ema" in transformer.peft_config and "ema" not in lora:  # --ema switched on at resume: start it here
+            copy_adapter(transformer, "default", "ema")
         opt.load_state_dict(state.pop("optimizer"))
         transformer.set_adapter("default")
         return state
@@ -1180,14 +1202,16 @@ def load_checkpoint(out, transformer, opt):
 
 # Copied from recast.evaluate
 def evaluate(run, args):
-    """Held-out evaluation of the trained ("default") adapter: ODE sampling on fixed prompts and
-    seeds, training rewards and held-out judges. Returns (metrics, images)."""
+    """Held-out evaluation of the trained adapter (its EMA with --ema, as DiffusionNFT evaluates):
+    Euler ODE sampling with --eval-steps on fixed prompts and seeds, training rewards and held-out
+    judges. Returns (metrics, images)."""
     import torch
 
     emb, pooled = run.encode(run.eval_prompts)
+    run.transformer.set_adapter("ema" if args.ema else "default")
+    latents, _, _, _ = tree_rollout(run.transformer, emb, pooled, run.eval_sigmas, n_roots=1, n_branch=1, branch=[], sde_a=0.0,
+                                    gen=torch.Generator().manual_seed(12345), shape=run.shape, chunk=args.rollout_batch)
     run.transformer.set_adapter("default")
-    latents, _, _, _ = tree_rollout(run.transformer, emb, pooled, run.sigmas, 1, 1, [], 0.0, torch.Generator().manual_seed(12345),
-                                    run.shape, args.rollout_batch)
     images = decode(run.pipe, latents)
     R = score(run.rewards, images, run.eval_prompts)
     metrics = {f"eval/{n}": float(np.nanmean(R[:, k])) for k, n in enumerate(run.names)}
@@ -1234,10 +1258,13 @@ def plot_run(out, names):
     im = axes[0].imshow(np.array(last["recast/W"]), aspect="auto", cmap="viridis")
     axes[0].set(yticks=range(len(names)), yticklabels=names, xlabel="step j (t = sigma_j)", title="W (last iteration)")
     fig.colorbar(im, ax=axes[0])
+    D_meas, D_se = np.array(last["recast/D_measured"]), np.array(last["recast/D_se"])  # -1: level not measured
     for k, n in enumerate(names):
-        axes[1].plot(sig, np.array(last["recast/D"])[k], marker=".", label=n)
+        line, = axes[1].plot(sig, np.array(last["recast/D"])[k], label=f"{n} (evidence {last['recast/evidence'][k]:.2f})")
+        ok = D_se[k] >= 0
+        axes[1].errorbar(sig[ok], D_meas[k, ok], yerr=2 * D_se[k, ok], fmt="o", ms=3, capsize=2, color=line.get_color())
         axes[2].plot(sig[:-1], np.array(last["recast/gains"])[k], marker=".", label=n)
-    axes[1].set(xlabel="t", ylabel="D_k(t)", title="Renyi discriminability (EMA)")
+    axes[1].set(xlabel="t", ylabel="D_k(t)", title="Renyi discriminability: levels +- 2 se, monotone fit")
     axes[2].set(xlabel="t at step start", ylabel="gain", title="gains per step")
     for a in axes[1:]:
         a.invert_xaxis()
@@ -1295,6 +1322,7 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
         judges=judges if judges is not None or world is None else world.JUDGES,
         frechet=world.frechet_distance if world else None,  # held-out drift judge (set level)
         sigmas=pipe.scheduler.sigmas.float().cpu(),  # (T+1,), 1 -> 0: the W columns and training timesteps
+        eval_sigmas=scheduler_sigmas(pipe, args.eval_steps or args.steps),
         shape=(pipe.transformer.config.in_channels, res // pipe.vae_scale_factor, res // pipe.vae_scale_factor),
         opt=torch.optim.AdamW(lora_params(pipe.transformer, "default"), lr=args.lr, weight_decay=args.weight_decay),
         eval_prompts=read_prompts(args.eval_prompts, "--eval-prompts") if args.eval_prompts else (world.sample_prompts(16, "heldout", 0) if world else []),
@@ -1304,19 +1332,27 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
 
 # Copied from recast.rollout_and_score
 def rollout_and_score(run, args, it, gen, probe_steps=()):
-    """Step 1 of an iteration: prompts, tree rollouts from the "old" adapter, decoded leaves scored.
-    Returns a namespace with prompts, emb, pooled, leaves, groups, ancestry, probes, R (N, K)."""
+    """Step 1 of an iteration: prompts, rollouts from the "old" adapter (--sampler tree: branched trees
+    with this iteration's branch layout; ode: independent deterministic DPM-Solver-2 samples, as
+    DiffusionNFT), decoded leaves scored; x0_hat kept, decoded and scored at probe_steps (steps, or
+    "layout": each group's layout steps, the denoised estimator). Returns a namespace with prompts, emb,
+    pooled, leaves, groups, ancestry, layouts, probes [(step, x0_hat, groups)], probe_R [(step, R, groups)], R (N, K)."""
     prompts = run.prompts_for(it)
     emb, pooled = run.encode(prompts)
+    P = len(prompts)
+    layouts = branch_layout(P, args.steps, run.branch, offset=(it * run.acc.num_processes + run.acc.process_index) * P)
+    tree = args.sampler == "tree"
     run.transformer.set_adapter("old")
-    leaves, groups, ancestry, probes = tree_rollout(run.transformer, emb, pooled, run.sigmas, args.n_roots, args.n_branch, run.branch,
-                                                    args.sde_a, gen, run.shape, args.rollout_batch, probe_steps)
+    leaves, groups, ancestry, probes = tree_rollout(run.transformer, emb, pooled, run.sigmas, args.n_roots, args.n_branch,
+                                                    layouts if tree else [], args.sde_a, gen, run.shape, args.rollout_batch,
+                                                    layouts if probe_steps == "layout" else probe_steps, args.sde_substeps,
+                                                    "euler" if tree else "dpm2")
     run.transformer.set_adapter("default")
     t_rollout = time.perf_counter()
     R = score(run.rewards, decode(run.pipe, leaves), [prompts[g] for g in groups])
-    probe_R = [(j, score(run.rewards, decode(run.pipe, x0h), [prompts[g] for g in gp.numpy()]), gp.numpy()) for j, x0h, gp in probes]
+    probe_R = [(j, score(run.rewards, decode(run.pipe, x0h), [prompts[g] for g in gp]), gp) for j, x0h, gp in probes]
     return SimpleNamespace(prompts=prompts, emb=emb, pooled=pooled, leaves=leaves, groups=groups, ancestry=ancestry,
-                           R=R, probe_R=probe_R, t_rollout=t_rollout)
+                           layouts=layouts if tree else [[]] * P, R=R, probes=probes, probe_R=probe_R, t_rollout=t_rollout)
 
 
 # Copied from recast.global_stats
@@ -1364,7 +1400,7 @@ def start_or_resume(run, args):
         config = {"args": asdict(args), "script": Path(__file__).stem, "rewards": run.names, "git_sha": git_sha()}
         write_atomic(run.out / "config.json", json.dumps(config, indent=2))
         keep_metrics_until(run.out / "metrics.jsonl", start)
-    return start, state or {}
+    return start, {"opt_steps": 0, "level_stats": None, **(state or {})}
 
 
 def train(args: Args, extra_rewards=None, judges=None):
@@ -1375,8 +1411,14 @@ def train(args: Args, extra_rewards=None, judges=None):
 
     run = setup_run(args, extra_rewards, judges)
     start, state = start_or_resume(run, args)
-    D_ema, T, budgets, K = state.get("D_ema"), args.steps, run.budgets, len(run.names)
+    T, budgets, K = args.steps, run.budgets, len(run.names)
     bandwidths = parse_bandwidths(args.bandwidth, K)
+
+    def on_step():  # after every optimizer step: the EMA of the trained LoRA (DiffusionNFT's evaluation weights)
+        state["opt_steps"] += 1
+        if args.ema:
+            copy_adapter(run.transformer, "default", "ema", keep=ema_decay(state["opt_steps"]))
+
     for it in tqdm(range(start, args.iterations), desc="rvge", initial=start, total=args.iterations, disable=not run.acc.is_main_process):
         gen, t0 = iteration_generator(args.seed, it), time.perf_counter()
         before = None
@@ -1390,33 +1432,32 @@ def train(args: Args, extra_rewards=None, judges=None):
         n_valid, mean_R, std = global_stats(b.R, run.reduce)
         if (n_valid == 0).any():
             if run.acc.is_main_process:
-                save_checkpoint(run.out, max(it - 1, 0), run.transformer, run.opt, {"D_ema": D_ema})
+                save_checkpoint(run.out, max(it - 1, 0), run.transformer, run.opt, state)
             bad = [n for n, c in zip(run.names, n_valid) if c == 0]
             raise SystemExit(f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; checkpoint saved in {run.out}. "
                              f"Fix the reward, then continue with --resume {run.out}")
         A = advantages(b.R, b.groups, std=std)  # clipped, in global-std units (NaN rewards: 0)
         r = optimality(b.R, b.groups, std=std)  # for the pairs estimator of --credit recast
-        D_now = (renyi_grid(r, b.groups, b.ancestry, run.sigmas.double().numpy(), run.branch, run.reduce)
-                 if run.branch and args.n_roots > 1 else np.zeros((K, T + 1)))
-        D_ema = D_now if D_ema is None else args.gain_ema * D_ema + (1 - args.gain_ema) * D_now
-        gains = np.maximum(np.diff(D_ema, axis=1), 0.0)
-        W = solve_W(budgets, profiles(gains), args.tau, args.eps) if args.credit == "recast" else uniform_W(budgets, T)
+        from recast import credit  # ReCAST's credit (pairs estimator, alpha = 2) lives in recast.py; budgets: uniform W
+
+        state["level_stats"], credit_info, W = credit(SimpleNamespace(**asdict(args), gain_estimator="pairs", alpha=2.0),
+                                                      state.get("level_stats"), r, std, b, budgets, run.sigmas.double().numpy(), run.reduce)
         directions, s2, rvge_metrics = value_directions(b, A, run.sigmas, run.branch, bandwidths, run.names, args, run.reduce)
         mix = W * T / sum(budgets)  # (K, T): each column sums to one
         t3 = time.perf_counter()
         # 3. regression update of "default", then the soft update of "old"
         losses = rvge_update(run.transformer, run.opt, b.leaves, torch.as_tensor(b.groups), directions, mix, s2, b.emb, b.pooled,
-                             run.sigmas, args, gen, run.all_reduce_grads)
-        copy_adapter(run.transformer, "default", "old", keep=min(0.001 * it, 0.5))
+                             run.sigmas, args, gen, run.all_reduce_grads, on_step)
+        copy_adapter(run.transformer, "default", "old", keep=old_decay(state["opt_steps"], args.old_decay))
         t4 = time.perf_counter()
         # 4. log, evaluate, checkpoint
         metrics = {"iteration": it, **{f"reward/{n}": float(mean_R[k]) for k, n in enumerate(run.names)},
                    "reward/weighted": float(np.asarray(budgets) @ mean_R / sum(budgets)),
                    **dict(zip([f"reward_nonfinite/{n}" for n in run.names], (run.reduce(len(b.R)) - n_valid).astype(int).tolist())),
-                   **losses, **rvge_metrics, "recast/W": W.tolist(), "recast/D": D_ema.tolist(), "recast/D_iter": D_now.tolist(),
-                   "recast/gains": gains.tolist(), "recast/sigmas": run.sigmas.tolist(),
+                   **losses, "train/samples": int(run.reduce(losses["train/samples"])), **rvge_metrics, **credit_info,
+                   "recast/sigmas": run.sigmas.tolist(),
                    "time/rollout": b.t_rollout - t0, "time/reward": t2 - b.t_rollout, "time/regression": t3 - t2, "time/update": t4 - t3}
-        finish_iteration(run, args, it, metrics, {"D_ema": D_ema}, before)
+        finish_iteration(run, args, it, metrics, state, before)
     if run.acc.is_main_process:
         plot_run(run.out, run.names)
     return run.out

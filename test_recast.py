@@ -800,15 +800,15 @@ def test_resume_after_sigkill_loses_nothing_and_same_seed_repeats(tiny, tmp_path
 TWO_PROC_SCRIPT = """
 import sys, numpy as np
 sys.path.insert(0, {repo!r})
-import {module} as script, test_recast
+import {module} as script, recast, test_recast
 from accelerate import PartialState
-solve = script.solve_W
+solve = recast.solve_W  # both scripts build W in recast.credit
 def recorded(*a, **k):
     W = solve(*a, **k)
     with open({out!r} + f"/W_rank{{PartialState().process_index}}.txt", "a") as f:
         f.write(repr(W.tolist()) + "\\n")
     return W
-script.solve_W = recorded
+recast.solve_W = recorded
 script.train(script.parse_args({argv!r}), extra_rewards=test_recast.TINY_REWARDS)
 """
 
@@ -1032,7 +1032,7 @@ def test_budgets_are_scale_free(tiny, tmp_path, module):
 
 
 BAD_FLAGS = [["--iterations", "0"], ["--iterations", "-1"], ["--train-batch", "0"], ["--prompts-per-iter", "0"], ["--n-branch", "0"],
-             ["--n-roots", "0"], ["--resolution", "7"], ["--lora-rank", "0"], ["--grad-accum", "0"], ["--rollout-batch", "0"],
+             ["--n-roots", "0"], ["--resolution", "7"], ["--lora-rank", "0"], ["--updates-per-iter", "0"], ["--rollout-batch", "0"],
              ["--train-steps-per-leaf", "0"], ["--save-every", "0"], ["--seed", "-1"], ["--lr", "-1"], ["--lr", "nan"],
              ["--sde-a", "nan"], ["--grad-clip", "nan"], ["--gain-ema", "nan"], ["--gain-ema", "5"], ["--steps", "2"],
              ["--device", "bogus"], ["--weight-decay", "inf"]]
