@@ -20,7 +20,7 @@ experiment keeps every finished run; running the command again skips runs whose 
 --out/<experiment>/table.md and the figures from whatever results exist (marked partial when
 runs are missing). Runs are ordered seed by seed, so a partial experiment holds complete pairs.
 --jobs N runs N runs at once, each in its own process (`python recast.py ...`, one thread each:
-OMP/MKL threads = 1); --jobs 1 runs them one after the other in this process.
+OMP/MKL threads = 1); --jobs 1 runs them one after the other in this process, also on one thread.
 
 Sizing (each full experiment <= ~60 min on 2 cores with --jobs 2). Measured once on the embedded
 model, one thread per process (`recast.py --iterations 3 --prompts-per-iter 4`, tree 4 x 2 at
@@ -234,12 +234,22 @@ def argv_of(run: Run):
 
 
 def run_in_process(run: Run):
+    """module.train in this process, on one thread like every worker (restored after): the time/*
+    numbers then compare across --jobs, and a shared machine is not oversubscribed (OpenMP threads
+    spin-waiting on a busy core made a 2-thread run ~8x slower here)."""
     import importlib
 
+    import torch
+
     module = importlib.import_module(run.cell.script)
-    t0 = time.perf_counter()
-    module.train(module.parse_args(argv_of(run)))
-    return write_result(run, time.perf_counter() - t0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t0 = time.perf_counter()
+        module.train(module.parse_args(argv_of(run)))
+        return write_result(run, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_in_subprocess(run: Run):
@@ -690,7 +700,32 @@ def report_protocol(res: Results, out: Path):
             lines.append(f"- ReCAST improves {what} over {other} in {n} of {total} cells (significant in {sig})"
                          + (f"; {total - cells} cell(s) without results" if cells < total else ""))
     curve_figure(res, out / "reward_vs_time.png")
-    return lines + ["", "![](reward_vs_time.png)", ""]
+    w_figure(res, out / "W_final.png")
+    return lines + ["", "![](reward_vs_time.png)", "", "ReCAST's final W per cell (first seed): ![](W_final.png)", ""]
+
+
+def w_figure(res: Results, path: Path, label="recast"):
+    """The credit matrix W at the last iteration of each group's `label` run (first seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    found = [(g, by[label][min(by[label])]) for g, by in res.runs.items() if by.get(label)]
+    if not found:
+        return
+    cols = min(len(found), 5)
+    fig, axes = plt.subplots((len(found) + cols - 1) // cols, cols, figsize=(3.4 * cols, 2.6 * ((len(found) + cols - 1) // cols)), squeeze=False)
+    for ax, (group, rows) in zip(axes.flat, found):
+        names = flag_value(res.cells[(group, label)].flags, "--rewards").split(",")
+        im = ax.imshow(np.array(rows[-1]["recast/W"]), aspect="auto", cmap="viridis")
+        ax.set(title=group, xlabel="step j (t from 1 to 0)", yticks=range(len(names)), yticklabels=names)
+        fig.colorbar(im, ax=ax)
+    for ax in list(axes.flat)[len(found):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def report_nft_steps(res: Results, out: Path):
@@ -737,7 +772,7 @@ def main(argv=None):
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:3]))
     parser.add_argument("experiment", choices=list(EXPERIMENTS), help="which experiment")
     parser.add_argument("--quick", action="store_true", help="seconds, not an hour: 1-2 iterations, 1 prompt, 1-2 seeds, fewer cells (what the tests run)")
-    parser.add_argument("--jobs", type=int, default=1, help="runs at once, one process (one thread) each; 1: one after the other in this process")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, one process (one thread) each; 1: one after the other in this process (one thread)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per cell (default: the experiment's)")
     parser.add_argument("--iterations", type=int, default=None, help="iterations per run (default: the experiment's; a GPU affords ~30x)")
     parser.add_argument("--prompts-per-iter", type=int, default=None, help="prompt groups per iteration (default: the experiment's)")
