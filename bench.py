@@ -22,26 +22,29 @@ runs are missing). Runs are ordered seed by seed, so a partial experiment holds 
 --jobs N runs N runs at once, each in its own process (`python recast.py ...`, one thread each:
 OMP/MKL threads = 1); --jobs 1 runs them one after the other in this process, also on one thread.
 
-Sizing (each full experiment <= ~60 min on 2 cores with --jobs 2). Measured once on the embedded
-model, one thread per process (`recast.py --iterations 3 --prompts-per-iter 4`, tree 4 x 2 at
-step 7): 2.5 s per iteration at 4 prompt groups (rollout 0.66 s, rewards 0.16 s, credit/regression
-0.01 s, update 1.7 s; recast.py and rvge.py within 3% of each other), i.e. 0.62 s per prompt
-group (8 leaves) and iteration; one held-out evaluation (16 prompts, ODE, rewards, CNN judge,
-Fréchet) ~0.8 s; start-up ~7 s plus ~5 s of imports in a fresh process. `estimate_minutes` uses
-0.7 s (two processes share one memory bus), 1 s and 12 s, and packs the runs in their order on
---jobs workers (printed at start; `test_bench.py` checks each full size stays under 60 min):
+Sizing (each full experiment <= ~60 min on 2 cores with --jobs 2). Measured on the embedded
+model, one thread per process (`recast.py --iterations 3 --prompts-per-iter 4 --eval-every 0`, tree
+4 x 2 at step 7), recast.py at 7e7c243: 2.5 s per iteration at 4 prompt groups (rollout 0.66 s,
+rewards 0.16 s, credit 0.01 s, update 1.7 s; rvge.py within 3%), i.e. 0.62 s per prompt group
+(8 leaves) and iteration; one held-out evaluation (16 prompts, ODE, rewards, CNN judge, Fréchet)
+~0.8 s; start-up ~7 s plus ~5 s of imports in a fresh process. recast.py at c650ea9 (DiffusionNFT's
+step, gains at every step), side by side with 7e7c243 on the same loaded machine: 1.1x that with
+the 4 x 2 tree and 1.35x with its own default tree (SDE sub-steps after each branch). So
+`estimate_minutes` uses 0.75 s per prompt group-iteration (0.85 s for the experiments on recast.py's
+own tree), 1 s per evaluation and 12 s per start, and packs the runs in their order on --jobs
+workers (printed at start; `test_bench.py` checks each full size stays under 60 min):
 
-    experiment       cells  seeds  iterations x prompts  eval every  runs  estimate (2 cores, --jobs 2)
-    multi               12      3       30 x 4              30         36   ~30 min
-    rvge-single          4      5      100 x 4               5         20   ~52 min
-    rvge-joint           3      5      200 x 4 (RVGE 1/5: 40)  10      15   ~55 min
-    recast-protocol     30      3       30 x 3              10         90   ~59 min
-    nft-steps            2      4      150 x 8              10          8   ~58 min
+    experiment       cells  seeds  iterations x prompts     eval every  runs  estimate (2 cores, --jobs 2)
+    multi               12      3       30 x 4                 30         36   ~31 min
+    rvge-single          4      5      100 x 4                  5         20   ~56 min
+    rvge-joint           3      5      180 x 4 (RVGE 1/5: 36)  10         15   ~53 min
+    recast-protocol     30      3       24 x 3                  8         90   ~58 min
+    nft-steps            2      4      120 x 8                 10          8   ~56 min
 
 On a GPU machine the same command runs many processes at once: one H200 ran the embedded model at
 9 iterations/s in aggregate with 16 processes, ~31x the 2-core rate, so `--jobs 16` finishes each
 experiment in ~2 min, or buys ~30x the work in the hour (e.g. recast-protocol --seeds 6
---iterations 450, rvge-single --seeds 10 --iterations 1500). Start-up (~12 s per run) does not
+--iterations 360, rvge-single --seeds 10 --iterations 1500: 30x each). Start-up (~12 s per run) does not
 shrink on a GPU: prefer more iterations per run over many short runs there.
 """
 from __future__ import annotations
@@ -90,6 +93,7 @@ class Experiment:
     common: tuple[str, ...] = ()                 # flags every cell gets (the rollout tree)
     baseline: str = "nft"                        # the label others are compared to
     quick_keep: tuple[str, ...] = ()             # groups --quick keeps (empty: all)
+    seconds_per_prompt_iter: float = 0.75        # sizing: measured cost of one prompt group-iteration, one thread (docstring)
     quick: dict = field(default_factory=lambda: {"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2})
 
 
@@ -144,12 +148,13 @@ EXPERIMENTS = {e.name: e for e in [
     Experiment("rvge-joint", tuple(Cell(script, ("--rewards", ",".join(JOINT_REWARDS), "--budgets", ",".join(["0.2"] * len(JOINT_REWARDS)), *flags),
                                         label, "joint", compute) for script, flags, label, compute in [
                    ("recast", ("--credit", "nft"), "nft", 1.0), ("rvge", (), "rvge", 1.0), ("rvge", (), "rvge_fifth", 0.2)]),
-               iterations=200, prompts_per_iter=4, eval_every=10, seeds=5, report="report_rvge_joint", common=TREE),
-    Experiment("recast-protocol", _protocol_cells(), iterations=30, prompts_per_iter=3, eval_every=10, seeds=3,
-               report="report_protocol", quick_keep=("A-uniform",)),
+               iterations=180, prompts_per_iter=4, eval_every=10, seeds=5, report="report_rvge_joint", common=TREE),
+    Experiment("recast-protocol", _protocol_cells(), iterations=24, prompts_per_iter=3, eval_every=8, seeds=3,
+               report="report_protocol", quick_keep=("A-uniform",), seconds_per_prompt_iter=0.85),  # recast.py's own tree
     Experiment("nft-steps", tuple(Cell("recast", ("--credit", "nft", "--updates-per-iter", str(n)), f"updates_{n}", "nft")
                                   for n in (1, 8)),
-               iterations=150, prompts_per_iter=8, eval_every=10, seeds=4, report="report_nft_steps", baseline="updates_1"),
+               iterations=120, prompts_per_iter=8, eval_every=10, seeds=4, report="report_nft_steps", baseline="updates_1",
+               seconds_per_prompt_iter=0.85),
 ]}
 
 
@@ -292,8 +297,8 @@ def execute(runs, jobs):
     return failed
 
 
-# Measured on 2 cores (module docstring): seconds per prompt group and iteration, per evaluation, per start.
-SECONDS_PER_PROMPT_ITER, SECONDS_PER_EVAL, SECONDS_PER_START = 0.7, 1.0, 12.0
+# Measured on 2 cores (module docstring): seconds per evaluation and per start of a run.
+SECONDS_PER_EVAL, SECONDS_PER_START = 1.0, 12.0
 
 
 def estimate_minutes(exp: Experiment, jobs=2):
@@ -303,7 +308,7 @@ def estimate_minutes(exp: Experiment, jobs=2):
     for run in plan_runs(exp, Path(".")):
         its = cell_iterations(exp, run.cell)
         evals = 1 + (its // exp.eval_every + (its % exp.eval_every > 0) if exp.eval_every else 0)
-        workers[workers.argmin()] += its * exp.prompts_per_iter * SECONDS_PER_PROMPT_ITER + evals * SECONDS_PER_EVAL + SECONDS_PER_START
+        workers[workers.argmin()] += its * exp.prompts_per_iter * exp.seconds_per_prompt_iter + evals * SECONDS_PER_EVAL + SECONDS_PER_START
     return workers.max() / 60
 
 
