@@ -1,50 +1,320 @@
-"""Side-by-side benchmark on the embedded model: DiffusionNFT vs ReCAST vs DiffusionRVGE.
+"""Experiments on the embedded model, one command each: DiffusionNFT vs ReCAST vs DiffusionRVGE.
 
-    python bench.py                 # the full comparison (sized for ~40 min on 2 CPU cores)
-    python bench.py --quick         # seconds; what the tests run so that this script cannot rot
+    python bench.py multi            # today's side-by-side benchmark: 6 methods x 2 budget vectors
+    python bench.py rvge-single      # single reward (one smooth, one discrete): RVGE vs DiffusionNFT, speed-up
+    python bench.py rvge-joint       # all five world rewards: RVGE vs NFT at equal compute and at 1/5 of it
+    python bench.py recast-protocol  # 2 settings x 5 budget vectors x {nft, uniform, recast} (issue 11)
+    python bench.py nft-steps        # DiffusionNFT with 1 vs 8 optimizer steps per iteration
+    options: [--quick] [--jobs N] [--seeds N] [--out DIR] [--tables-only] [--iterations N] [--prompts-per-iter N]
 
-Every method runs with the same seeds, prompts, rollout budget (same trees: n_roots x n_branch^L
-leaves per prompt, same prompts per iteration) and iteration count, one after the other in this
-process, so their wall-clock numbers come from the same machine state. Writes to --out:
-results.json (every run's metrics), table.md (the tables below, also printed), reward_vs_time.png,
-W_final.png. Nothing in the tables is typed in: it is all computed from the runs' metrics.jsonl.
+An experiment is data (`EXPERIMENTS`): a list of cells, each (script, extra flags, label, group),
+plus iterations, prompt groups per iteration, held-out evaluation cadence and seeds. Every cell
+runs once per seed; the seed alone fixes the prompts and the noise, so runs with the same seed
+are paired across cells, and every interval below is over seeds of paired differences (t, 95%).
+
+Runs and results. Each (cell, seed) is one run of `recast.py` or `rvge.py` (with --overwrite) in
+its run folder --out/<experiment>/work/<run>/; once it finishes, its result is written to
+--out/<experiment>/runs/<run>.json (the command, every metrics line, wall seconds). A killed
+experiment keeps every finished run; running the command again skips runs whose result exists
+(a result made with other settings, e.g. by --quick, is redone), and --tables-only rebuilds
+--out/<experiment>/table.md and the figures from whatever results exist (marked partial when
+runs are missing). Runs are ordered seed by seed, so a partial experiment holds complete pairs.
+--jobs N runs N runs at once, each in its own process (`python recast.py ...`, one thread each:
+OMP/MKL threads = 1); --jobs 1 runs them one after the other in this process, also on one thread.
+
+Sizing (each full experiment <= ~60 min on 2 cores with --jobs 2). Measured on the embedded
+model, one thread per process (`recast.py --iterations 3 --prompts-per-iter 4 --eval-every 0`, tree
+4 x 2 at step 7), recast.py at 7e7c243: 2.5 s per iteration at 4 prompt groups (rollout 0.66 s,
+rewards 0.16 s, credit 0.01 s, update 1.7 s; rvge.py within 3%), i.e. 0.62 s per prompt group
+(8 leaves) and iteration; one held-out evaluation (16 prompts, ODE, rewards, CNN judge, Fréchet)
+~0.8 s; start-up ~7 s plus ~5 s of imports in a fresh process. recast.py at c650ea9 (DiffusionNFT's
+step, gains at every step), side by side with 7e7c243 on the same loaded machine: 1.1x that with
+the 4 x 2 tree and 1.35x with its own default tree (SDE sub-steps after each branch). So
+`estimate_minutes` uses 0.75 s per prompt group-iteration (0.85 s for the experiments on recast.py's
+own tree), 1 s per evaluation and 12 s per start, and packs the runs in their order on --jobs
+workers (printed at start; `test_bench.py` checks each full size stays under 60 min):
+
+    experiment       cells  seeds  iterations x prompts     eval every  runs  estimate (2 cores, --jobs 2)
+    multi               12      3       30 x 4                 30         36   ~31 min
+    rvge-single          4      5      100 x 4                  5         20   ~56 min
+    rvge-joint           3      5      180 x 4 (RVGE 1/5: 36)  10         15   ~53 min
+    recast-protocol     30      3       24 x 3                  8         90   ~58 min
+    nft-steps            2      4      120 x 8                 10          8   ~56 min
+
+On a GPU machine the same command runs many processes at once: one H200 ran the embedded model at
+9 iterations/s in aggregate with 16 processes, ~31x the 2-core rate, so `--jobs 16` finishes each
+experiment in ~2 min, or buys ~30x the work in the hour (e.g. recast-protocol --seeds 6
+--iterations 360, rvge-single --seeds 10 --iterations 1500: 30x each). Start-up (~12 s per run) does not
+shrink on a GPU: prefer more iterations per run over many short runs there.
 """
+from __future__ import annotations
+
 import argparse
 import json
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-import recast
-import rvge
+import shapes_world
 
-METHODS = {  # name -> (module, extra flags)
-    "nft": (recast, ["--credit", "nft"]),
-    "uniform": (recast, ["--credit", "uniform"]),
-    "recast": (recast, ["--credit", "recast"]),
-    "rvge": (rvge, []),
-    "rvge_kl": (rvge, ["--kl-beta", "5"]),
-    "rvge_recast": (rvge, ["--credit", "recast"]),
+HERE = Path(__file__).resolve().parent
+PHASES = ["time/rollout", "time/reward", "time/gains_W", "time/regression", "time/update"]  # training time; eval excluded
+
+# =============================================================================
+# Experiments as data
+# =============================================================================
+
+
+@dataclass(frozen=True)
+class Cell:
+    script: str                # "recast" or "rvge": the module whose train() runs
+    flags: tuple[str, ...]     # extra CLI flags of this cell (rewards, budgets, method)
+    label: str                 # the method's name in tables and figures
+    group: str = ""            # cells of one group are compared with each other (a budget vector, a reward)
+    compute: float = 1.0       # share of the experiment's iterations this cell trains for
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    cells: tuple[Cell, ...]
+    iterations: int
+    prompts_per_iter: int
+    eval_every: int
+    seeds: int
+    report: str                                  # name of the function that writes table.md
+    common: tuple[str, ...] = ()                 # flags every cell gets (the rollout tree)
+    baseline: str = "nft"                        # the label others are compared to
+    quick_keep: tuple[str, ...] = ()             # groups --quick keeps (empty: all)
+    seconds_per_prompt_iter: float = 0.75        # sizing: measured cost of one prompt group-iteration, one thread (docstring)
+    quick: dict = field(default_factory=lambda: {"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2})
+
+
+TREE = ("--n-roots", "4", "--n-branch", "2", "--branch-steps", "7")  # 8 leaves per prompt: rvge.py's default tree
+MULTI_METHODS = {  # label -> (script, flags): today's benchmark
+    "nft": ("recast", ("--credit", "nft")),
+    "uniform": ("recast", ("--credit", "uniform")),
+    "recast": ("recast", ("--credit", "recast")),
+    "rvge": ("rvge", ()),
+    "rvge_kl": ("rvge", ("--kl-beta", "5")),
+    "rvge_recast": ("rvge", ("--credit", "recast")),
 }
-PHASES = ["time/rollout", "time/reward", "time/gains_W", "time/regression", "time/update"]
+MULTI_BUDGETS = ("0.4,0.3,0.2,0.1", "0.1,0.2,0.3,0.4")
+SMOOTH_REWARD = "saturation"
+DISCRETE_REWARD = "geneval_strict" if "geneval_strict" in shapes_world.REWARDS else "geneval"  # the checker's 0/1 verdict
+JOINT_REWARDS = tuple(shapes_world.REWARDS)  # all five world rewards
+SETTINGS = {  # setting -> its four training rewards, in budget order
+    "A": tuple(shapes_world.DEFAULT_REWARDS),
+    # PLACEHOLDER until issue 11's second setting (rewards chosen from measured D_k(t) curves) lands:
+    # the strict checker instead of partial credit, so the layout reward turns 0/1 (informative later).
+    "B": ("geneval_strict", "saturation", "sharpness", "jpeg"),
+}
 
 
-def run_all(args):
-    """Train every (budgets, method, seed); returns {budgets: {method: [metrics rows per seed]}}."""
-    results = {}
-    for budgets in args.budgets:
-        results[budgets] = {}
-        for method in args.methods:
-            module, flags = METHODS[method]
-            results[budgets][method] = []
-            for seed in range(args.seeds):
-                out = Path(args.out) / "runs" / f"{budgets.replace(',', '_')}-{method}-{seed}"
-                argv = ["--budgets", budgets, "--seed", str(seed), "--iterations", str(args.iterations), "--out", str(out),
-                        "--prompts-per-iter", str(args.prompts_per_iter), "--eval-every", str(args.iterations),
-                        "--save-every", str(args.iterations), "--overwrite", "--n-roots", "4", "--n-branch", "2", "--branch-steps", "7", *flags]
-                module.train(module.parse_args(argv))
-                results[budgets][method].append([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()])
-    return results
+def budget_vectors(k=4, high=0.55):
+    """Five budget vectors for k = 4 rewards: uniform, and one emphasising each reward in turn
+    (high on it, the rest shared equally). Returns {name: "l1,l2,l3,l4"}."""
+    low = (1 - high) / (k - 1)
+    out = {"uniform": ",".join(["0.25"] * k)}
+    for i in range(k):
+        out[f"emph{i + 1}"] = ",".join(f"{high if j == i else low:.4g}" for j in range(k))
+    return out
+
+
+def _protocol_cells():
+    methods = {"nft": ("--credit", "nft"), "uniform": ("--credit", "uniform"), "recast": ("--credit", "recast")}
+    return tuple(Cell("recast", ("--rewards", ",".join(rewards), "--budgets", budgets, *flags), label, f"{setting}-{bname}")
+                 for setting, rewards in SETTINGS.items() for bname, budgets in budget_vectors(len(rewards)).items()
+                 for label, flags in methods.items())
+
+
+EXPERIMENTS = {e.name: e for e in [
+    Experiment("multi", tuple(Cell(script, ("--budgets", b, *flags), label, b)
+                              for b in MULTI_BUDGETS for label, (script, flags) in MULTI_METHODS.items()),
+               iterations=30, prompts_per_iter=4, eval_every=30, seeds=3, report="report_multi", common=TREE,
+               quick_keep=MULTI_BUDGETS[:1]),
+    Experiment("rvge-single", tuple(c for reward in (SMOOTH_REWARD, DISCRETE_REWARD) for c in (
+                   Cell("recast", ("--credit", "nft", "--rewards", reward, "--budgets", "1"), "nft", reward),
+                   Cell("rvge", ("--rewards", reward, "--budgets", "1"), "rvge", reward))),
+               iterations=100, prompts_per_iter=4, eval_every=5, seeds=5, report="report_rvge_single", common=TREE,
+               quick_keep=(DISCRETE_REWARD,), quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 2, "eval_every": 1}),
+    Experiment("rvge-joint", tuple(Cell(script, ("--rewards", ",".join(JOINT_REWARDS), "--budgets", ",".join(["0.2"] * len(JOINT_REWARDS)), *flags),
+                                        label, "joint", compute) for script, flags, label, compute in [
+                   ("recast", ("--credit", "nft"), "nft", 1.0), ("rvge", (), "rvge", 1.0), ("rvge", (), "rvge_fifth", 0.2)]),
+               iterations=180, prompts_per_iter=4, eval_every=10, seeds=5, report="report_rvge_joint", common=TREE),
+    Experiment("recast-protocol", _protocol_cells(), iterations=24, prompts_per_iter=3, eval_every=8, seeds=3,
+               report="report_protocol", quick_keep=("A-uniform",), seconds_per_prompt_iter=0.85),  # recast.py's own tree
+    Experiment("nft-steps", tuple(Cell("recast", ("--credit", "nft", "--updates-per-iter", str(n)), f"updates_{n}", "nft")
+                                  for n in (1, 8)),
+               iterations=120, prompts_per_iter=8, eval_every=10, seeds=4, report="report_nft_steps", baseline="updates_1",
+               seconds_per_prompt_iter=0.85),
+]}
+
+
+def quick_version(exp: Experiment) -> Experiment:
+    """Seconds instead of an hour: the quick overrides, and only the groups in quick_keep."""
+    cells = tuple(c for c in exp.cells if not exp.quick_keep or c.group in exp.quick_keep)
+    return replace(exp, cells=cells, **exp.quick)
+
+
+# =============================================================================
+# Runs: one per (cell, seed); results written as they finish
+# =============================================================================
+
+
+@dataclass(frozen=True)
+class Run:
+    run_id: str
+    cell: Cell
+    seed: int
+    settings: tuple[str, ...]  # the script's flags without --out / --overwrite (what a result must match)
+    work: Path                 # the script's run folder
+    result: Path               # runs/<run_id>.json
+
+
+def slug(text):
+    return re.sub(r"[^A-Za-z0-9.]+", "_", text).strip("_")
+
+
+def cell_iterations(exp, cell):
+    return max(1, round(exp.iterations * cell.compute))
+
+
+def plan_runs(exp: Experiment, exp_dir: Path) -> list[Run]:
+    """Every run of the experiment, seed by seed (a stopped experiment holds complete pairs)."""
+    runs = []
+    for seed in range(exp.seeds):
+        for cell in exp.cells:
+            its = cell_iterations(exp, cell)
+            run_id = slug(f"{cell.group}-{cell.label}") + f"-seed{seed}"
+            settings = (*exp.common, "--seed", str(seed), "--iterations", str(its), "--prompts-per-iter", str(exp.prompts_per_iter),
+                        "--eval-every", str(exp.eval_every), "--save-every", str(its), *cell.flags)
+            runs.append(Run(run_id, cell, seed, settings, exp_dir / "work" / run_id, exp_dir / "runs" / f"{run_id}.json"))
+    return runs
+
+
+def check_flags(runs):
+    """Parse every cell's flags with its script's own parser before anything runs."""
+    import importlib
+
+    for run in {r.cell: r for r in runs}.values():
+        module = importlib.import_module(run.cell.script)
+        try:
+            module.check_ranges(module.parse_args(list(run.settings)))
+        except SystemExit as err:
+            raise SystemExit(f"cell {run.cell.label} ({run.cell.group}): {run.cell.script}.py refuses {' '.join(run.settings)}"
+                             f"{f' ({err.code})' if isinstance(err.code, str) else ''}") from None
+
+
+def load_result(run: Run):
+    """The run's result if it exists, is intact and was made with the same settings; else None."""
+    try:
+        record = json.loads(run.result.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if record.get("settings") == list(run.settings) and record.get("rows") else None
+
+
+def write_result(run: Run, wall_s: float):
+    rows = [json.loads(line) for line in (run.work / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    record = {"run_id": run.run_id, "script": run.cell.script, "label": run.cell.label, "group": run.cell.group, "seed": run.seed,
+              "settings": list(run.settings), "command": f"python {run.cell.script}.py {' '.join(run.settings)} --out {run.work} --overwrite",
+              "wall_s": wall_s, "rows": rows}
+    run.result.parent.mkdir(parents=True, exist_ok=True)
+    tmp = run.result.with_name(run.result.name + ".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, run.result)  # atomic: a kill leaves the old state or the whole result
+    return record
+
+
+def argv_of(run: Run):
+    return [*run.settings, "--out", str(run.work), "--overwrite"]
+
+
+def run_in_process(run: Run):
+    """module.train in this process, on one thread like every worker (restored after): the time/*
+    numbers then compare across --jobs, and a shared machine is not oversubscribed (OpenMP threads
+    spin-waiting on a busy core made a 2-thread run ~8x slower here)."""
+    import importlib
+
+    import torch
+
+    module = importlib.import_module(run.cell.script)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t0 = time.perf_counter()
+        module.train(module.parse_args(argv_of(run)))
+        return write_result(run, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_in_subprocess(run: Run):
+    """`python <script>.py ...` with one thread (set before torch is imported); log in work/../<run>.log."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    run.work.mkdir(parents=True, exist_ok=True)
+    log = run.work.with_name(run.run_id + ".log")
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, str(HERE / f"{run.cell.script}.py"), *argv_of(run)], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=HERE)
+    if proc.returncode:
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        raise RuntimeError(f"exit {proc.returncode}: {' | '.join(tail)} (log: {log})")
+    return write_result(run, time.perf_counter() - t0)
+
+
+def execute(runs, jobs):
+    """Run what has no result yet; returns {run_id: error} of the runs that failed."""
+    from tqdm import tqdm
+
+    todo = [r for r in runs if load_result(r) is None]
+    failed = {}
+    bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc="runs", unit="run")
+    if jobs == 1:
+        for run in todo:
+            try:
+                run_in_process(run)
+            except (Exception, SystemExit) as err:
+                failed[run.run_id] = f"{type(err).__name__}: {err}"
+            bar.update()
+    else:
+        with ThreadPoolExecutor(jobs) as pool:  # threads only wait; each run is its own process
+            futures = {pool.submit(run_in_subprocess, run): run for run in todo}
+            for fut in as_completed(futures):
+                if fut.exception():
+                    failed[futures[fut].run_id] = str(fut.exception())
+                bar.set_postfix_str(futures[fut].run_id)
+                bar.update()
+    bar.close()
+    return failed
+
+
+# Measured on 2 cores (module docstring): seconds per evaluation and per start of a run.
+SECONDS_PER_EVAL, SECONDS_PER_START = 1.0, 12.0
+
+
+def estimate_minutes(exp: Experiment, jobs=2):
+    """Wall-clock estimate on a 2-core machine: each run's time from the measured rates, runs handed
+    in their order to whichever of the `jobs` workers frees first."""
+    workers = np.zeros(jobs)
+    for run in plan_runs(exp, Path(".")):
+        its = cell_iterations(exp, run.cell)
+        evals = 1 + (its // exp.eval_every + (its % exp.eval_every > 0) if exp.eval_every else 0)
+        workers[workers.argmin()] += its * exp.prompts_per_iter * exp.seconds_per_prompt_iter + evals * SECONDS_PER_EVAL + SECONDS_PER_START
+    return workers.max() / 60
+
+
+# =============================================================================
+# Statistics on runs
+# =============================================================================
 
 
 def elapsed(rows):
@@ -57,116 +327,489 @@ def smooth(y, k=3):
     return np.array([y[max(0, i - k + 1): i + 1].mean() for i in range(len(y))])
 
 
-def first_reach(rows, target):
-    """(seconds, iterations) at which the smoothed budget-weighted reward first reaches target; NaN if never."""
-    y, t = smooth([m["reward/weighted"] for m in rows]), elapsed(rows)
-    hit = np.flatnonzero(y >= target)
-    return (t[hit[0]], hit[0] + 1) if len(hit) else (np.nan, np.nan)
+def eval_curve(rows, metric="eval/weighted"):
+    """Held-out curve of one run: (iterations, training seconds, values); the pretrained value
+    (eval_before/..., logged with iteration 0) at iteration 0 and 0 s when present."""
+    name = metric.split("/", 1)[1]
+    t = elapsed(rows)
+    pts = [(0, 0.0, rows[0][f"eval_before/{name}"])] if rows and f"eval_before/{name}" in rows[0] else []
+    pts += [(m["iteration"] + 1, t[i], m[metric]) for i, m in enumerate(rows) if metric in m]
+    return tuple(np.array(col, dtype=float) for col in zip(*pts)) if pts else (np.zeros(0),) * 3
 
 
-def mean_std(values):
+def final(rows, metric):
+    """The metric at the last evaluation of the run (NaN if never evaluated)."""
+    return next((m[metric] for m in reversed(rows) if metric in m), np.nan)
+
+
+def first_crossing(x, y, level):
+    """First x at which y reaches level, linearly interpolated between evaluations; NaN if never."""
+    hit = np.flatnonzero(y >= level)
+    if not len(hit):
+        return np.nan
+    i = hit[0]
+    if i == 0 or y[i] == y[i - 1]:
+        return x[i]
+    return x[i - 1] + (level - y[i - 1]) / (y[i] - y[i - 1]) * (x[i] - x[i - 1])
+
+
+def mean_ci(values):
+    """(mean, low, high, n) of the finite values; a t interval at 95% (NaN bounds below 2 values)."""
+    from scipy import stats
+
     v = np.asarray(values, dtype=float)
-    return f"{np.nanmean(v):.4f} ± {np.nanstd(v):.4f}" if np.isfinite(v).any() else "n/a"
+    v = v[np.isfinite(v)]
+    if len(v) == 0:
+        return np.nan, np.nan, np.nan, 0
+    if len(v) < 2:
+        return v.mean(), np.nan, np.nan, 1
+    half = stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / np.sqrt(len(v))
+    return v.mean(), v.mean() - half, v.mean() + half, len(v)
 
 
-def tables(results):
-    """Markdown tables: final rewards and judges at equal iterations and at equal wall-clock, the
-    time to reach DiffusionNFT's final reward, and the share of each phase."""
-    lines = []
-    for budgets, by_method in results.items():
-        first = next(iter(by_method.values()))[0][-1]
-        names = [k[len("reward/"):] for k in first if k.startswith("reward/")]
-        evals = sorted(k for k in first if k.startswith("eval/"))
-        lines += [f"## budgets {budgets}", "", "Equal iterations (final iteration; training rewards of the rollouts, "
-                  "then held-out evaluation: ODE sampler, fixed prompts and seeds):", "",
-                  "| method | " + " | ".join(names + evals) + " |", "|---" * (1 + len(names) + len(evals)) + "|"]
-        for method, runs in by_method.items():
-            cells = [mean_std([smooth([m[f"reward/{n}"] for m in rows])[-1] for rows in runs]) for n in names]
-            cells += [mean_std([rows[-1].get(e, np.nan) for rows in runs]) for e in evals]
-            lines.append(f"| {method} | " + " | ".join(cells) + " |")
-        budget_s = min(min(elapsed(rows)[-1] for rows in runs) for runs in by_method.values())
-        lines += ["", f"Equal wall-clock ({budget_s:.1f} s of training, the shortest run): smoothed training rewards", "",
-                  "| method | " + " | ".join(names) + " |", "|---" * (1 + len(names)) + "|"]
-        for method, runs in by_method.items():
-            cells = []
-            for n in names:
-                vals = [np.interp(budget_s, elapsed(rows), smooth([m[f"reward/{n}"] for m in rows])) for rows in runs]
-                cells.append(mean_std(vals))
-            lines.append(f"| {method} | " + " | ".join(cells) + " |")
-        if "nft" in by_method:
-            target = np.mean([smooth([m["reward/weighted"] for m in rows])[-1] for rows in by_method["nft"]])
-            lines += ["", f"Time to reach DiffusionNFT's final budget-weighted reward ({target:.4f}, smoothed over 3 iterations); "
-                      "speed-up = NFT's time / the method's time, paired by seed (n/a: not reached within the run):", "",
-                      "| method | seconds | iterations | speed-up vs nft | runs that reached it |", "|---|---|---|---|---|"]
-            nft_t = np.array([first_reach(rows, target)[0] for rows in by_method["nft"]])
-            for method, runs in by_method.items():
-                reach = np.array([first_reach(rows, target) for rows in runs])
-                ratio = nft_t / reach[:, 0]  # paired by seed: same prompts and noise, measured in the same invocation
-                lines.append(f"| {method} | {mean_std(reach[:, 0])} | {mean_std(reach[:, 1])} | {mean_std(ratio)} | "
-                             f"{int(np.isfinite(reach[:, 0]).sum())}/{len(runs)} |")
-        lines += ["", "Share of an iteration's time per phase:", "", "| method | " + " | ".join(p[5:] for p in PHASES) + " |",
-                  "|---" * (1 + len(PHASES)) + "|"]
-        for method, runs in by_method.items():
-            totals = np.array([[sum(m.get(p, 0.0) for m in rows) for p in PHASES] for rows in runs]).sum(0)
-            lines.append(f"| {method} | " + " | ".join(f"{100 * x / totals.sum():.1f}%" for x in totals) + " |")
-        lines.append("")
-    return "\n".join(lines)
+def paired(a: dict, b: dict):
+    """Per-seed values a[s] - b[s] over the seeds both have."""
+    return [a[s] - b[s] for s in sorted(set(a) & set(b))]
 
 
-def figures(results, out):
+def fmt_ci(m, lo, hi, n, digits=4):
+    if not np.isfinite(m):
+        return "n/a"
+    if not np.isfinite(lo):
+        return f"{m:+.{digits}f} (n={n})"
+    return f"{m:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
+
+
+def mean_std(values, digits=4):
+    v = np.asarray(values, dtype=float)
+    return f"{np.nanmean(v):.{digits}f} ± {np.nanstd(v):.{digits}f}" if np.isfinite(v).any() else "n/a"
+
+
+def flag_value(flags, name):
+    return flags[flags.index(name) + 1] if name in flags else None
+
+
+class Results:
+    """The finished runs of one experiment: runs[group][label] = {seed: metrics rows}."""
+
+    def __init__(self, exp: Experiment, records: list[dict], planned: list[Run]):
+        self.exp, self.records = exp, records
+        self.runs: dict[str, dict[str, dict[int, list]]] = {}
+        for cell in exp.cells:  # spec order, whatever has finished
+            self.runs.setdefault(cell.group, {}).setdefault(cell.label, {})
+        for r in records:
+            self.runs[r["group"]][r["label"]][r["seed"]] = r["rows"]
+        self.missing = [run.run_id for run in planned if not any(r["run_id"] == run.run_id for r in records)]
+        self.cells = {(c.group, c.label): c for c in exp.cells}
+
+    def values(self, group, label, fn):
+        return {s: fn(rows) for s, rows in self.runs[group][label].items()}
+
+    def banner(self):
+        n = len(self.records) + len(self.missing)
+        head = [f"# {self.exp.name}", "", f"{len(self.records)} of {n} runs; seeds paired across methods (same prompts and noise); "
+                f"{self.exp.iterations} iterations x {self.exp.prompts_per_iter} prompt groups, held-out eval every {self.exp.eval_every}; "
+                "intervals: t, 95%, over seeds of paired differences.", ""]
+        if self.missing:
+            head += [f"**PARTIAL: {len(self.missing)} run(s) missing** ({', '.join(self.missing[:8])}"
+                     f"{', ...' if len(self.missing) > 8 else ''}); rerun the command to complete them.", ""]
+        return head
+
+
+# =============================================================================
+# Reports: table.md and figures, regenerated from the results alone
+# =============================================================================
+
+
+def curve_figure(res: Results, path: Path, metric="eval/weighted", x="seconds"):
+    """Held-out metric vs training seconds (or iterations) per group: mean over seeds, band +- 1 sd."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for budgets, by_method in results.items():
-        tag = budgets.replace(",", "_")
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for method, runs in by_method.items():
-            grid = np.linspace(0, min(elapsed(rows)[-1] for rows in runs), 50)
-            curves = [np.interp(grid, elapsed(rows), smooth([m["reward/weighted"] for m in rows])) for rows in runs]
-            ax.plot(grid, np.mean(curves, 0), label=method)
-        ax.set(xlabel="training seconds", ylabel="budget-weighted reward (smoothed)", title=f"budgets {budgets}")
+    groups = [g for g, by in res.runs.items() if any(by.values())]
+    if not groups:
+        return
+    cols = min(len(groups), 5)
+    rows_n = (len(groups) + cols - 1) // cols
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4 * cols, 3 * rows_n), squeeze=False)
+    for ax, group in zip(axes.flat, groups):
+        for label, by_seed in res.runs[group].items():
+            curves = [eval_curve(rows, metric) for rows in by_seed.values()]
+            curves = [c for c in curves if len(c[0])]
+            if not curves:
+                continue
+            if x == "seconds":
+                grid = np.linspace(0, min(c[1][-1] for c in curves), 40)
+                ys = np.array([np.interp(grid, c[1], c[2]) for c in curves])
+            else:
+                n = min(len(c[0]) for c in curves)
+                grid, ys = curves[0][0][:n], np.array([c[2][:n] for c in curves])
+            mean, sd = ys.mean(0), ys.std(0)
+            ax.plot(grid, mean, marker="." if x != "seconds" else None, label=f"{label} (n={len(ys)})")
+            ax.fill_between(grid, mean - sd, mean + sd, alpha=0.2)
+        ax.set(title=group, xlabel="training seconds" if x == "seconds" else "iteration", ylabel=f"held-out {metric[5:]}")
         ax.legend(fontsize=7)
-        fig.savefig(out / f"reward_vs_time_{tag}.png", dpi=120, bbox_inches="tight")
-        fig, axes = plt.subplots(1, len(by_method), figsize=(3.2 * len(by_method), 2.6), squeeze=False)
-        for ax, (method, runs) in zip(axes[0], by_method.items()):
-            ax.imshow(np.array(runs[0][-1]["recast/W"]), aspect="auto", cmap="viridis")
-            ax.set(title=method, xlabel="step j", ylabel="reward k")
-        fig.savefig(out / f"W_final_{tag}.png", dpi=120, bbox_inches="tight")
-        plt.close("all")
+    for ax in list(axes.flat)[len(groups):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report_multi(res: Results, out: Path):
+    """Today's tables per budget vector: final rewards and judges at equal iterations and at equal
+    wall-clock, the time to reach DiffusionNFT's final training reward, the share of each phase."""
+    lines = res.banner()
+    for budgets, by_label in res.runs.items():
+        by_label = {k: v for k, v in by_label.items() if v}
+        if not by_label:
+            continue
+        first = next(iter(next(iter(by_label.values())).values()))[-1]
+        names = [k[len("reward/"):] for k in first if k.startswith("reward/")]
+        evals = sorted(k for k in first if k.startswith("eval/"))
+        lines += [f"## budgets {budgets}", "", "Equal iterations (final iteration; training rewards of the rollouts smoothed over 3 "
+                  "iterations, then held-out evaluation: ODE sampler, fixed prompts and seeds), mean ± sd over seeds:", "",
+                  "| method | n | " + " | ".join(names + evals) + " |", "|---" * (2 + len(names) + len(evals)) + "|"]
+        for label, runs in by_label.items():
+            cells = [mean_std([smooth([m[f"reward/{n}"] for m in rows])[-1] for rows in runs.values()]) for n in names]
+            cells += [mean_std([final(rows, e) for rows in runs.values()]) for e in evals]
+            lines.append(f"| {label} | {len(runs)} | " + " | ".join(cells) + " |")
+        budget_s = min(elapsed(rows)[-1] for runs in by_label.values() for rows in runs.values())
+        lines += ["", f"Equal wall-clock ({budget_s:.1f} s of training, the shortest run): smoothed training rewards", "",
+                  "| method | " + " | ".join(names) + " |", "|---" * (1 + len(names)) + "|"]
+        for label, runs in by_label.items():
+            cells = [mean_std([np.interp(budget_s, elapsed(rows), smooth([m[f"reward/{n}"] for m in rows])) for rows in runs.values()])
+                     for n in names]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        if "nft" in by_label:
+            target = np.mean([smooth([m["reward/weighted"] for m in rows])[-1] for rows in by_label["nft"].values()])
+
+            def reach(rows):
+                return first_crossing(elapsed(rows), smooth([m["reward/weighted"] for m in rows]), target)
+
+            nft_t = {s: reach(rows) for s, rows in by_label["nft"].items()}
+            lines += ["", f"Time to reach DiffusionNFT's final budget-weighted training reward ({target:.4f}, smoothed over 3 "
+                      "iterations); speed-up = NFT's time / the method's time, paired by seed, geometric mean [95%] "
+                      "(n/a: not reached within the run):", "",
+                      "| method | seconds | speed-up vs nft | runs that reached it |", "|---|---|---|---|"]
+            for label, runs in by_label.items():
+                t = {s: reach(rows) for s, rows in runs.items()}
+                lines.append(f"| {label} | {mean_std(list(t.values()), 1)} | {fmt_ratio(nft_t, t)} | "
+                             f"{int(np.isfinite(list(t.values())).sum())}/{len(runs)} |")
+        lines += ["", "Share of an iteration's time per phase:", "", "| method | " + " | ".join(p[5:] for p in PHASES) + " |",
+                  "|---" * (1 + len(PHASES)) + "|"]
+        for label, runs in by_label.items():
+            totals = np.array([[sum(m.get(p, 0.0) for m in rows) for p in PHASES] for rows in runs.values()]).sum(0)
+            lines.append(f"| {label} | " + " | ".join(f"{100 * x / totals.sum():.1f}%" for x in totals) + " |")
+        lines.append("")
+        multi_figures(budgets, by_label, out)
+    return lines
+
+
+def multi_figures(budgets, by_label, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tag = slug(budgets)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, runs in by_label.items():
+        grid = np.linspace(0, min(elapsed(rows)[-1] for rows in runs.values()), 50)
+        curves = np.array([np.interp(grid, elapsed(rows), smooth([m["reward/weighted"] for m in rows])) for rows in runs.values()])
+        ax.plot(grid, curves.mean(0), label=label)
+        ax.fill_between(grid, curves.mean(0) - curves.std(0), curves.mean(0) + curves.std(0), alpha=0.15)
+    ax.set(xlabel="training seconds", ylabel="budget-weighted training reward (smoothed)", title=f"budgets {budgets}")
+    ax.legend(fontsize=7)
+    fig.savefig(out / f"reward_vs_time_{tag}.png", dpi=120, bbox_inches="tight")
+    fig, axes = plt.subplots(1, len(by_label), figsize=(3.2 * len(by_label), 2.6), squeeze=False)
+    for ax, (label, runs) in zip(axes[0], by_label.items()):
+        ax.imshow(np.array(next(iter(runs.values()))[-1]["recast/W"]), aspect="auto", cmap="viridis")
+        ax.set(title=label, xlabel="step j", ylabel="reward k")
+    fig.savefig(out / f"W_final_{tag}.png", dpi=120, bbox_inches="tight")
+    plt.close("all")
+
+
+def fmt_ratio(num: dict, den: dict):
+    """Paired ratio num[s] / den[s]: geometric mean with a 95% t interval on the log ratio."""
+    logs = [np.log(num[s] / den[s]) for s in sorted(set(num) & set(den)) if num[s] > 0 and den[s] > 0 and np.isfinite(num[s] / den[s])]
+    m, lo, hi, n = mean_ci(logs)
+    if n == 0:
+        return "n/a"
+    return f"{np.exp(m):.2f}x" + (f" [{np.exp(lo):.2f}, {np.exp(hi):.2f}]" if n > 1 else "") + f" (n={n})"
+
+
+THRESHOLD_SHARES = (1 / 3, 2 / 3, 1.0)  # matched levels: pretrained + share x (NFT's final - pretrained)
+
+
+def report_rvge_single(res: Results, out: Path):
+    """Per reward: final held-out reward, then the time and iterations each method needs to reach
+    matched thresholds (NFT's final value and two intermediate levels) and the paired speed-up."""
+    lines = res.banner() + ["Single-reward training (budget 1, so `eval/weighted` is the reward itself); thresholds on the held-out "
+                            "curve (evaluations linearly interpolated; training seconds exclude evaluation).", ""]
+    base = res.exp.baseline
+    for reward, by_label in res.runs.items():
+        if not by_label.get(base):
+            lines += [f"## {reward}", "", f"no {base} run finished yet", ""]
+            continue
+        pre = np.nanmean([eval_curve(rows)[2][0] for rows in by_label[base].values()])
+        top = np.nanmean([final(rows, "eval/weighted") for rows in by_label[base].values()])
+        lines += [f"## {reward}", "", f"Pretrained {pre:.4f}; {base}'s final {top:.4f}.", "",
+                  "| method | n | final held-out | training seconds | final − " + base + " [95%] |", "|---|---|---|---|---|"]
+        for label, runs in by_label.items():
+            fin = res.values(reward, label, lambda r: final(r, "eval/weighted"))
+            secs = [elapsed(rows)[-1] for rows in runs.values()]
+            diff = fmt_ci(*mean_ci(paired(fin, res.values(reward, base, lambda r: final(r, "eval/weighted"))))) if label != base else "—"
+            lines.append(f"| {label} | {len(runs)} | {mean_std(list(fin.values()))} | {mean_std(secs, 1)} | {diff} |")
+        if top <= pre:
+            lines += ["", f"{base} did not improve on the pretrained model here, so no threshold is meaningful.", ""]
+            continue
+        lines += ["", "| threshold | method | seconds | iterations | reached | speed-up in time [95%] | in iterations [95%] |",
+                  "|---|---|---|---|---|---|---|"]
+        for share in THRESHOLD_SHARES:
+            level = pre + share * (top - pre)
+            reach = {label: {s: (first_crossing(eval_curve(rows)[1], eval_curve(rows)[2], level),
+                                 first_crossing(eval_curve(rows)[0], eval_curve(rows)[2], level)) for s, rows in runs.items()}
+                     for label, runs in by_label.items()}
+            for label, r in reach.items():
+                secs, its = ({s: v[i] for s, v in r.items()} for i in (0, 1))
+                base_secs, base_its = ({s: v[i] for s, v in reach[base].items()} for i in (0, 1))
+                lines.append(f"| {share:.0%} ({level:.4f}) | {label} | {mean_std(list(secs.values()), 1)} | {mean_std(list(its.values()), 1)} | "
+                             f"{int(np.isfinite(list(secs.values())).sum())}/{len(r)} | "
+                             f"{fmt_ratio(base_secs, secs) if label != base else '1'} | {fmt_ratio(base_its, its) if label != base else '1'} |")
+        lines.append("")
+    curve_figure(res, out / "reward_vs_time.png")
+    return lines + ["Speed-up = the baseline's time / the method's time per seed (geometric mean; runs that never reach a "
+                    "level are left out of its ratio and counted in `reached`).", "", "![](reward_vs_time.png)", ""]
+
+
+LOWER_IS_BETTER = ("eval/judge/frechet",)
+
+
+def better_sign(metric):
+    return -1.0 if metric in LOWER_IS_BETTER else 1.0
+
+
+def verdict(metric, lo, hi):
+    """+1: the interval lies wholly on the better side of 0; -1: wholly on the worse side; 0: it
+    holds 0, or there is no interval (fewer than 2 paired seeds)."""
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return 0
+    lo, hi = sorted((better_sign(metric) * lo, better_sign(metric) * hi))
+    return 1 if lo > 0 else -1 if hi < 0 else 0
+
+
+def report_rvge_joint(res: Results, out: Path):
+    """Every held-out metric at the end of each run; RVGE (full and 1/5 compute) minus NFT, paired."""
+    lines = res.banner()
+    base = res.exp.baseline
+    for group, by_label in res.runs.items():
+        any_rows = next((rows for runs in by_label.values() for rows in runs.values()), None)
+        if any_rows is None:
+            continue
+        metrics = sorted(k for k in any_rows[-1] if k.startswith("eval/"))
+        lines += [f"## {group}: final held-out metrics (mean ± sd over seeds; frechet: lower is better)", "",
+                  "| method | n | iterations | training seconds | " + " | ".join(m[5:] for m in metrics) + " |", "|---" * (4 + len(metrics)) + "|"]
+        for label, runs in by_label.items():
+            cell = res.cells[(group, label)]
+            lines.append(f"| {label} | {len(runs)} | {cell_iterations(res.exp, cell)} | {mean_std([elapsed(r)[-1] for r in runs.values()], 1)} | "
+                         + " | ".join(mean_std([final(r, m) for r in runs.values()]) for m in metrics) + " |")
+        lines += ["", f"Paired differences method − {base} [95%]:", "", "| method | " + " | ".join(m[5:] for m in metrics) + " |",
+                  "|---" * (1 + len(metrics)) + "|"]
+        summary = []
+        for label in by_label:
+            if label == base:
+                continue
+            diffs = {m: mean_ci(paired(res.values(group, label, lambda r, m=m: final(r, m)), res.values(group, base, lambda r, m=m: final(r, m))))
+                     for m in metrics}
+            lines.append(f"| {label} | " + " | ".join(fmt_ci(*diffs[m]) for m in metrics) + " |")
+            better = sum(better_sign(m) * d[0] > 0 for m, d in diffs.items() if np.isfinite(d[0]))
+            sig = [verdict(m, d[1], d[2]) for m, d in diffs.items()]
+            with_ci = sum(np.isfinite(d[1]) for d in diffs.values())
+            summary.append(f"- {label} vs {base}: better on average on {better} of {len(metrics)} held-out metrics; "
+                           + (f"significantly better on {sig.count(1)}, significantly worse on {sig.count(-1)} "
+                              f"(matches or beats on {len(metrics) - sig.count(-1)} of {len(metrics)})." if with_ci
+                              else "no intervals (fewer than 2 paired seeds)."))
+        lines += [""] + summary + [""]
+    curve_figure(res, out / "reward_vs_time.png")
+    return lines + ["![](reward_vs_time.png)", ""]
+
+
+def pretrained_spread(names, exp_dir: Path, n=64):
+    """Per-image standard deviation of each reward under the pretrained model (held-out prompts,
+    ODE sampler as in the runs' evaluation): the unit of the scale-free summary. Cached in
+    runs/pretrained_spread.json."""
+    path = exp_dir / "runs" / "pretrained_spread.json"
+    cached = json.loads(path.read_text()) if path.is_file() else {}
+    if all(k in cached for k in names) and cached.get("_n") == n:
+        return cached
+    pipe = shapes_world.load_pipeline()
+    prompts = shapes_world.sample_prompts(n, "heldout", 1)
+    images = shapes_world.generate(pipe, prompts, seed=1)
+    spread = {k: float(np.std(shapes_world.REWARDS[k](images, prompts))) for k in names} | {"_n": n}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(spread, indent=1))
+    return spread
+
+
+def scale_free(rows, names, budgets, spread):
+    """sum_k lambda_k (final_k - pretrained_k) / sd_k / sum_k lambda_k: each held-out reward's
+    change in units of its pretrained per-image spread, budget-weighted."""
+    lam = np.asarray(budgets, dtype=float)
+    z = [(final(rows, f"eval/{k}") - rows[0].get(f"eval_before/{k}", np.nan)) / max(spread.get(k, np.nan), 1e-12) for k in names]
+    return float(lam @ np.asarray(z) / lam.sum())
+
+
+def report_protocol(res: Results, out: Path):
+    """Issue 11: per (setting, budget) cell, recast minus each other method, paired, on every training
+    reward and judge, raw and scale-free; then how often ReCAST improves each judge."""
+    lines = res.banner()
+    spread_path = res.exp_dir / "runs" / "pretrained_spread.json"
+    spread = json.loads(spread_path.read_text()) if spread_path.is_file() else {}
+    lines += ["Scale-free: each held-out reward's change from the pretrained model in units of its pretrained per-image "
+              f"spread, budget-weighted ({'sd: ' + ', '.join(f'{k} {v:.4f}' for k, v in spread.items() if k != '_n') if spread else 'n/a: no runs/pretrained_spread.json'}). "
+              "Raw: `eval/weighted`. Judges are never trained on; frechet: lower is better, so its difference is shown as is "
+              "and counts as an improvement when negative.", ""]
+    counts = {}  # (other, metric) -> [n improved, n significant, n cells]
+    for group, by_label in res.runs.items():
+        cell = next(c for c in res.exp.cells if c.group == group)
+        names, budgets = flag_value(cell.flags, "--rewards").split(","), [float(b) for b in flag_value(cell.flags, "--budgets").split(",")]
+        metrics = [f"eval/{k}" for k in names] + ["eval/weighted", "scale_free", "eval/judge/cnn", "eval/judge/frechet"]
+
+        def value(rows, m):
+            return scale_free(rows, names, budgets, spread) if m == "scale_free" else final(rows, m)
+
+        lines += [f"## setting {group.split('-')[0]} ({', '.join(names)}), budgets {','.join(f'{b:g}' for b in budgets)}", "",
+                  "| recast − | n | " + " | ".join(m.replace("eval/", "") for m in metrics) + " |", "|---" * (2 + len(metrics)) + "|"]
+        for other in by_label:
+            if other == "recast":
+                continue
+            diffs = {m: mean_ci(paired(res.values(group, "recast", lambda r, m=m: value(r, m)), res.values(group, other, lambda r, m=m: value(r, m))))
+                     for m in metrics}
+            lines.append(f"| {other} | {max(d[3] for d in diffs.values())} | " + " | ".join(fmt_ci(*diffs[m]) for m in metrics) + " |")
+            for m, (mean, lo, hi, n) in diffs.items():
+                if n == 0:
+                    continue
+                c = counts.setdefault((other, m), [0, 0, 0])
+                c[2] += 1
+                c[0] += better_sign(m) * mean > 0
+                c[1] += verdict(m, lo, hi) == 1
+        lines.append("")
+    total = len(res.runs)
+    lines += ["## Summary", ""]
+    for (other, m), (n, sig, cells) in sorted(counts.items()):
+        if m.startswith("eval/judge/") or m in ("scale_free", "eval/weighted"):
+            what = f"judge {m[len('eval/judge/'):]}" if m.startswith("eval/judge/") else m.replace("eval/", "")
+            lines.append(f"- ReCAST improves {what} over {other} in {n} of {total} cells (significant in {sig})"
+                         + (f"; {total - cells} cell(s) without results" if cells < total else ""))
+    curve_figure(res, out / "reward_vs_time.png")
+    w_figure(res, out / "W_final.png")
+    return lines + ["", "![](reward_vs_time.png)", "", "ReCAST's final W per cell (first seed): ![](W_final.png)", ""]
+
+
+def w_figure(res: Results, path: Path, label="recast"):
+    """The credit matrix W at the last iteration of each group's `label` run (first seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    found = [(g, by[label][min(by[label])]) for g, by in res.runs.items() if by.get(label)]
+    if not found:
+        return
+    cols = min(len(found), 5)
+    fig, axes = plt.subplots((len(found) + cols - 1) // cols, cols, figsize=(3.4 * cols, 2.6 * ((len(found) + cols - 1) // cols)), squeeze=False)
+    for ax, (group, rows) in zip(axes.flat, found):
+        names = flag_value(res.cells[(group, label)].flags, "--rewards").split(",")
+        im = ax.imshow(np.array(rows[-1]["recast/W"]), aspect="auto", cmap="viridis")
+        ax.set(title=group, xlabel="step j (t from 1 to 0)", yticks=range(len(names)), yticklabels=names)
+        fig.colorbar(im, ax=ax)
+    for ax in list(axes.flat)[len(found):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report_nft_steps(res: Results, out: Path):
+    """Held-out eval/weighted vs iteration for each number of optimizer steps per iteration."""
+    lines = res.banner()
+    base = res.exp.baseline
+    for group, by_label in res.runs.items():
+        labels = [label for label, runs in by_label.items() if runs]
+        if not labels:
+            continue
+        curves = {label: {s: dict(zip(*eval_curve(rows)[::2])) for s, rows in by_label[label].items()} for label in labels}
+        its = sorted({i for c in curves.values() for per_seed in c.values() for i in per_seed})
+        others = [lbl for lbl in labels if lbl != base]
+        lines += ["Held-out `eval/weighted` (mean ± sd over seeds) and the paired difference to " + base + " [95%]:", "",
+                  "| iteration | " + " | ".join(labels) + " | " + " | ".join(f"{o} − {base}" for o in others) + " |",
+                  "|---" * (1 + len(labels) + len(others)) + "|"]
+        for i in its:
+            at = {label: {s: c[i] for s, c in curves[label].items() if i in c} for label in labels}
+            row = [mean_std(list(at[label].values())) for label in labels]
+            row += [fmt_ci(*mean_ci(paired(at[o], at.get(base, {})))) for o in others]
+            lines.append(f"| {int(i)} | " + " | ".join(row) + " |")
+        lines.append("")
+    curve_figure(res, out / "eval_vs_iteration.png", x="iteration")
+    curve_figure(res, out / "eval_vs_time.png")
+    return lines + ["![](eval_vs_iteration.png) ![](eval_vs_time.png)", ""]
+
+
+# =============================================================================
+# Main
+# =============================================================================
+
+
+def build_report(exp: Experiment, exp_dir: Path, planned: list[Run]) -> tuple[str, Results]:
+    records = [rec for rec in (load_result(run) for run in planned) if rec is not None]
+    res = Results(exp, records, planned)
+    res.exp_dir = exp_dir
+    text = "\n".join(globals()[exp.report](res, exp_dir)) if records else "\n".join(res.banner() + ["No finished runs yet.", ""])
+    (exp_dir / "table.md").write_text(text)
+    return text, res
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="runs/bench", help="output folder")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per method")
-    parser.add_argument("--iterations", type=int, default=30, help="iterations per run")
-    parser.add_argument("--prompts-per-iter", type=int, default=4, help="prompt groups per iteration (8 leaves each)")
-    parser.add_argument("--budgets", nargs="+", default=["0.4,0.3,0.2,0.1", "0.1,0.2,0.3,0.4"], help="budget vectors")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), help="methods to run")
-    parser.add_argument("--quick", action="store_true", help="1 seed, 2 iterations, 1 prompt, first budget vector only")
-    parser.add_argument("--tables-only", action="store_true", help="recompute table.md and figures from --out's results.json")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n\n".join(__doc__.split("\n\n")[1:3]))
+    parser.add_argument("experiment", choices=list(EXPERIMENTS), help="which experiment")
+    parser.add_argument("--quick", action="store_true", help="seconds, not an hour: 1-2 iterations, 1 prompt, 1-2 seeds, fewer cells (what the tests run)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, one process (one thread) each; 1: one after the other in this process (one thread)")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per cell (default: the experiment's)")
+    parser.add_argument("--iterations", type=int, default=None, help="iterations per run (default: the experiment's; a GPU affords ~30x)")
+    parser.add_argument("--prompts-per-iter", type=int, default=None, help="prompt groups per iteration (default: the experiment's)")
+    parser.add_argument("--out", default="runs/bench", help="results go to OUT/<experiment>/")
+    parser.add_argument("--tables-only", action="store_true", help="rebuild table.md and figures from the results that exist; run nothing")
     args = parser.parse_args(argv)
-    for flag in ("seeds", "iterations", "prompts_per_iter"):
-        if getattr(args, flag) < 1:
+    for flag in ("jobs", "seeds", "iterations", "prompts_per_iter"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give at least 1")
-    if args.quick:
-        args.seeds, args.iterations, args.prompts_per_iter, args.budgets = 1, 2, 1, args.budgets[:1]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    exp = quick_version(EXPERIMENTS[args.experiment]) if args.quick else EXPERIMENTS[args.experiment]
+    exp = replace(exp, **{k: getattr(args, k) for k in ("seeds", "iterations", "prompts_per_iter") if getattr(args, k) is not None})
+    exp_dir = Path(args.out) / exp.name
+    planned = plan_runs(exp, exp_dir)
+    failed = {}
     if args.tables_only:
-        if not (out / "results.json").is_file():
-            parser.error(f"--tables-only: no {out / 'results.json'} yet; run the benchmark first (without --tables-only)")
-        results = json.loads((out / "results.json").read_text())
+        if not any(load_result(run) for run in planned):
+            parser.error(f"--tables-only: no results of these settings under {exp_dir / 'runs'} yet; run the experiment first "
+                         f"(without --tables-only{', with --quick' if args.quick else ''})")
     else:
-        results = run_all(args)
-        (out / "results.json").write_text(json.dumps(results))
-    table = tables(results)
-    (out / "table.md").write_text(table)
-    figures(results, out)
-    print(table)
-    return results
+        check_flags(planned)
+        print(f"{exp.name}: {len(planned)} runs ({len(exp.cells)} cells x {exp.seeds} seeds), ~{estimate_minutes(exp, args.jobs):.0f} min "
+              f"with --jobs {args.jobs} at 2-core CPU speed; results in {exp_dir / 'runs'}", flush=True)
+        exp_dir.mkdir(parents=True, exist_ok=True)
+        if args.experiment == "recast-protocol":
+            pretrained_spread(sorted({n for c in exp.cells for n in flag_value(c.flags, "--rewards").split(",")}), exp_dir, n=16 if args.quick else 64)
+        failed = execute(planned, args.jobs)
+    text, res = build_report(exp, exp_dir, planned)
+    print(text)
+    if failed:
+        raise SystemExit(f"{len(failed)} run(s) failed (the tables hold the others; rerun to retry):\n"
+                         + "\n".join(f"  {k}: {v}" for k, v in failed.items()))
+    return res
 
 
 if __name__ == "__main__":
