@@ -97,11 +97,12 @@ class Experiment:
     quick: dict = field(default_factory=lambda: {"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2})
 
 
-TREE = ("--n-roots", "4", "--n-branch", "2", "--branch-steps", "7")  # 8 leaves per prompt: rvge.py's default tree
-MULTI_METHODS = {  # label -> (script, flags): today's benchmark
-    "nft": ("recast", ("--credit", "nft")),
-    "uniform": ("recast", ("--credit", "uniform")),
-    "recast": ("recast", ("--credit", "recast")),
+TREE = ("--n-roots", "4", "--n-branch", "4", "--branch-steps", "7")  # rvge.py's default R = C = 4 tree: 16 leaves per prompt
+SAME_IMAGES = ("--prompts-per-iter", "8")  # recast.py's own tree (2 roots x 4, rotated) at 8 prompts: the 64 images of 4 x 16
+MULTI_METHODS = {  # label -> (script, flags): each script's own default tree, 64 images per iteration
+    "nft": ("recast", ("--credit", "nft", *SAME_IMAGES)),
+    "uniform": ("recast", ("--credit", "uniform", *SAME_IMAGES)),
+    "recast": ("recast", ("--credit", "recast", *SAME_IMAGES)),
     "rvge": ("rvge", ()),
     "rvge_kl": ("rvge", ("--kl-beta", "5")),
     "rvge_recast": ("rvge", ("--credit", "recast")),
@@ -138,7 +139,7 @@ def _protocol_cells():
 EXPERIMENTS = {e.name: e for e in [
     Experiment("multi", tuple(Cell(script, ("--budgets", b, *flags), label, b)
                               for b in MULTI_BUDGETS for label, (script, flags) in MULTI_METHODS.items()),
-               iterations=30, prompts_per_iter=4, eval_every=30, seeds=3, report="report_multi", common=TREE,
+               iterations=30, prompts_per_iter=4, eval_every=30, seeds=3, report="report_multi",
                quick_keep=MULTI_BUDGETS[:1]),
     Experiment("rvge-single", tuple(c for reward in (SMOOTH_REWARD, DISCRETE_REWARD) for c in (
                    Cell("recast", ("--credit", "nft", "--rewards", reward, "--budgets", "1"), "nft", reward),

@@ -734,26 +734,16 @@ def test_speed_flags_leave_the_numbers_unchanged(tiny, tmp_path, flags):
 
 
 def test_rvge_ablation_flags_train_end_to_end(tiny, tmp_path, monkeypatch):
-    """--coords noisy --transfer none --query-weights on, local and broad: one iteration trains. The shared
-    rollout_and_score does not return its x0_hat probes yet (rvge.ROLLOUT_RETURNS_PROBES), so this test hands
-    them through from tree_rollout."""
-    kept = {}
-
-    def tree_rollout(*a, **k):
-        out = real_tree(*a, **k)
-        kept["probes"] = out[3]
-        return out
+    """--coords noisy --transfer none --query-weights on, local and broad: one iteration trains, regressing on
+    the x0_hat probes the shared rollout returns at step 1 (broad) and the branch step + 1 (local)."""
+    real_score = rvge.rollout_and_score
 
     def rollout_and_score(*a, **k):
         b = real_score(*a, **k)
-        b.probes = kept["probes"]
         assert [j for j, _, _ in b.probes] == [1, 8]
         return b
 
-    real_tree, real_score = rvge.tree_rollout, rvge.rollout_and_score
-    monkeypatch.setattr(rvge, "tree_rollout", tree_rollout)
     monkeypatch.setattr(rvge, "rollout_and_score", rollout_and_score)
-    monkeypatch.setattr(rvge, "ROLLOUT_RETURNS_PROBES", True)
     out = tmp_path / "run"
     argv = tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0", "--coords", "noisy", "--transfer", "none",
                      "--query-weights", "on", "--bandwidth", "local,broad", "--branch-steps", "7")
@@ -1055,7 +1045,7 @@ def test_recast_only_flags_are_checked(tiny, tmp_path, change):
 
 
 @pytest.mark.parametrize("change", [["--eta", "nan"], ["--eta", "-1"], ["--transfer-cap", "nan"], ["--tie-threshold", "nan"],
-                                    ["--n-roots", "1"], ["--n-branch", "1"], ["--coords", "noisy"]])
+                                    ["--n-roots", "1"], ["--n-branch", "1"]])
 def test_rvge_only_flags_are_checked(tiny, tmp_path, change):
     with pytest.raises(SystemExit, match=re.escape(change[0])):
         rvge.validate(rvge.parse_args(tiny_argv(tiny, tmp_path / "run", *change)), extra_rewards=TINY_REWARDS)
@@ -1116,23 +1106,17 @@ def test_checkpoint_write_failure_says_disk_and_keeps_the_last_good_one(finished
 
 
 def test_helper_scripts_refuse_bad_flags(tmp_path, capsys):
-    import bench
     import toy_gaussian
 
     with pytest.raises(SystemExit):
         toy_gaussian.main(["--only", "bogus", "--out", str(tmp_path)])
     assert "unknown check(s) ['bogus']" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bench.main(["--seeds", "0", "--out", str(tmp_path)])
-    assert "--seeds 0: give at least 1" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bench.main(["--tables-only", "--out", str(tmp_path / "empty")])
-    assert "results.json yet; run the benchmark first" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("change, words", [(["--bandwidth", "wide"], "local, broad, split or auto"),
                                            (["--bandwidth", "local,broad,auto"], "once per reward"),
-                                           (["--branch-steps", "", "--bandwidth", "local"], "need at least one --branch-steps")])
+                                           (["--branch-steps", "", "--bandwidth", "local"], "need branched rollouts"),
+                                           (["--branch-steps", "rotate"], "split at one fixed step")])
 def test_rvge_bad_bandwidth_input(tiny, tmp_path, change, words):
     with pytest.raises(SystemExit, match=words):
         rvge.validate(rvge.parse_args(tiny_argv(tiny, tmp_path / "run") + change), extra_rewards=TINY_REWARDS)
