@@ -4,6 +4,7 @@
     python bench.py rvge-single      # single reward (one smooth, one discrete): RVGE vs DiffusionNFT, speed-up
     python bench.py rvge-joint       # all five world rewards: RVGE vs NFT at equal compute and at 1/5 of it
     python bench.py recast-protocol  # 2 settings x 5 budget vectors x {nft, uniform, recast} (issue 11)
+    python bench.py recast-100       # the embedded default for 100 iterations: DiffusionNFT vs uniform W vs ReCAST
     python bench.py nft-steps        # DiffusionNFT with 1 vs 8 optimizer steps per iteration
     options: [--quick] [--jobs N] [--seeds N] [--out DIR] [--tables-only] [--iterations N] [--prompts-per-iter N]
 
@@ -39,7 +40,8 @@ workers (printed at start; `test_bench.py` checks each full size stays under 60 
     rvge-single          4      5      100 x 4                  5         20   ~56 min
     rvge-joint           3      5      180 x 4 (RVGE 1/5: 36)  10         15   ~53 min
     recast-protocol     30      3       24 x 3                  8         90   ~58 min
-    nft-steps            2      4      120 x 8                 10          8   ~56 min
+    recast-100           3      3      100 x 8                 10          9   ~59 min
+    nft-steps            2      3      100 x 8                 10          6   ~35 min
 
 On a GPU machine the same command runs many processes at once: one H200 ran the embedded model at
 9 iterations/s in aggregate with 16 processes, ~31x the 2-core rate, so `--jobs 16` finishes each
@@ -94,6 +96,7 @@ class Experiment:
     baseline: str = "nft"                        # the label others are compared to
     quick_keep: tuple[str, ...] = ()             # groups --quick keeps (empty: all)
     seconds_per_prompt_iter: float = 0.75        # sizing: measured cost of one prompt group-iteration, one thread (docstring)
+    save_every: int = 0                          # checkpoint cadence (0: only at the end)
     quick: dict = field(default_factory=lambda: {"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2})
 
 
@@ -152,10 +155,15 @@ EXPERIMENTS = {e.name: e for e in [
                iterations=180, prompts_per_iter=4, eval_every=10, seeds=5, report="report_rvge_joint", common=TREE),
     Experiment("recast-protocol", _protocol_cells(), iterations=24, prompts_per_iter=3, eval_every=8, seeds=3,
                report="report_protocol", quick_keep=("A-uniform",), seconds_per_prompt_iter=0.85),  # recast.py's own tree
+    Experiment("recast-100", tuple(Cell("recast", flags, label, "A") for label, flags in (
+                   ("nft", ("--credit", "nft", "--updates-per-iter", "8")), ("uniform", ("--credit", "uniform")),
+                   ("recast", ("--credit", "recast")))),
+               iterations=100, prompts_per_iter=8, eval_every=10, seeds=3, report="report_recast_100", save_every=50,
+               seconds_per_prompt_iter=0.85),
     Experiment("nft-steps", tuple(Cell("recast", ("--credit", "nft", "--updates-per-iter", str(n)), f"updates_{n}", "nft")
                                   for n in (1, 8)),
-               iterations=120, prompts_per_iter=8, eval_every=10, seeds=4, report="report_nft_steps", baseline="updates_1",
-               seconds_per_prompt_iter=0.85),
+               iterations=100, prompts_per_iter=8, eval_every=10, seeds=3, report="report_nft_steps", baseline="updates_1",
+               save_every=50, seconds_per_prompt_iter=0.85),
 ]}
 
 
@@ -196,7 +204,7 @@ def plan_runs(exp: Experiment, exp_dir: Path) -> list[Run]:
             its = cell_iterations(exp, cell)
             run_id = slug(f"{cell.group}-{cell.label}") + f"-seed{seed}"
             settings = (*exp.common, "--seed", str(seed), "--iterations", str(its), "--prompts-per-iter", str(exp.prompts_per_iter),
-                        "--eval-every", str(exp.eval_every), "--save-every", str(its), *cell.flags)
+                        "--eval-every", str(exp.eval_every), "--save-every", str(exp.save_every or its), *cell.flags)
             runs.append(Run(run_id, cell, seed, settings, exp_dir / "work" / run_id, exp_dir / "runs" / f"{run_id}.json"))
     return runs
 
@@ -732,6 +740,47 @@ def w_figure(res: Results, path: Path, label="recast"):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+JUDGES = ("eval/judge/cnn", "eval/judge/frechet")
+
+
+def report_recast_100(res: Results, out: Path):
+    """The embedded default, 100 iterations: final held-out metrics per method, paired differences with
+    95% intervals, the noise floor of one evaluation, and how far ReCAST's W left uniform."""
+    lines = res.banner()
+    by_label = res.runs["A"]
+    labels = [lbl for lbl, runs in by_label.items() if runs]
+    rows0 = next(iter(by_label[labels[0]].values()))
+    metrics = ["eval/weighted"] + sorted(k for k in rows0[-1] if k.startswith("eval/") and k != "eval/weighted" and k not in JUDGES) + list(JUDGES)
+    before = {m: rows0[0].get(m.replace("eval/", "eval_before/")) for m in metrics}
+    lines += ["Final held-out evaluation (iteration 100; 16 held-out prompts, fixed seeds; mean ± sd over seeds). "
+              "`frechet` is lower-is-better (drift from the data).", "",
+              "| method | " + " | ".join(m[5:] for m in metrics) + " |", "|---" * (1 + len(metrics)) + "|",
+              "| pretrained | " + " | ".join(f"{before[m]:.4f}" if before[m] is not None else "" for m in metrics) + " |"]
+    for label in labels:
+        lines.append(f"| {label} (n={len(by_label[label])}) | " + " | ".join(mean_std(list(res.values('A', label, lambda r, m=m: final(r, m)).values()))
+                                                                          for m in metrics) + " |")
+    pairs = [(a, b) for a, b in (("recast", "nft"), ("recast", "uniform"), ("uniform", "nft")) if a in labels and b in labels]
+    lines += ["", "Paired differences at the final evaluation (same seeds: same prompts and noise), mean [95% t interval]:", "",
+              "| difference | " + " | ".join(m[5:] for m in metrics) + " |", "|---" * (1 + len(metrics)) + "|"]
+    for a, b in pairs:
+        lines.append(f"| {a} − {b} | " + " | ".join(fmt_ci(*mean_ci(paired(res.values('A', a, lambda r, m=m: final(r, m)),
+                                                                          res.values('A', b, lambda r, m=m: final(r, m))))) for m in metrics) + " |")
+    floor = [np.std([m["eval/weighted"] for m in rows if "eval/weighted" in m][-3:], ddof=1)
+             for lbl in labels for rows in by_label[lbl].values()]
+    lines += ["", f"Noise floor of one evaluation: the sd of `eval/weighted` over each run's last three evaluations "
+              f"(iterations 80, 90, 100; the weights move little there) is {np.mean(floor):.4f} on average over the {len(floor)} runs.", ""]
+    if "recast" in labels:
+        dev = [np.abs(np.array(rows[-1]["recast/W"]) / (np.array(rows[-1]["recast/W"]).sum(1, keepdims=True) / 10) - 1).max()
+               for rows in by_label["recast"].values()]
+        rho = [rows[-1]["recast/evidence"] for rows in by_label["recast"].values()]
+        lines += [f"ReCAST's final W: max_kj |W / (lambda_k / T) - 1| = {', '.join(f'{d:.3f}' for d in dev)} (per seed); "
+                  f"evidence rho per reward: {'; '.join(str([round(v, 2) for v in r]) for r in rho)}.", ""]
+    curve_figure(res, out / "eval_vs_iteration.png", x="iteration")
+    for judge in JUDGES:
+        curve_figure(res, out / f"{judge.split('/')[-1]}_vs_iteration.png", metric=judge, x="iteration")
+    return lines + ["![](eval_vs_iteration.png) ![](cnn_vs_iteration.png) ![](frechet_vs_iteration.png)", ""]
 
 
 def report_nft_steps(res: Results, out: Path):

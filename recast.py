@@ -728,8 +728,9 @@ def validate(args: Args, extra_rewards=None):
     if len(budgets) != len(names):
         raise SystemExit(f"{len(budgets)} budgets for {len(names)} rewards ({','.join(names)}): give one budget per reward with --budgets")
     branch = parse_branch_steps(args.branch_steps, args.steps)
-    if args.gain_estimator == "pairs" and args.sampler == "ode":
-        raise SystemExit("--gain-estimator pairs needs branched rollouts: use --sampler tree, or --gain-estimator denoised with --sampler ode")
+    if args.credit == "recast" and args.gain_estimator == "pairs" and args.sampler == "ode":
+        raise SystemExit("--credit recast with --gain-estimator pairs needs branched rollouts: use --sampler tree, "
+                         "or --gain-estimator denoised with --sampler ode")
     if args.gain_estimator == "pairs":
         if args.alpha != 2:
             raise SystemExit("--gain-estimator pairs estimates the order-2 Renyi divergence only: use --alpha 2, or --gain-estimator denoised for other orders")
@@ -1449,11 +1450,11 @@ def train(args: Args, extra_rewards=None, judges=None):
             copy_adapter(run.transformer, "default", "ema", keep=ema_decay(state["opt_steps"]))
 
     for it in tqdm(range(start, args.iterations), desc="recast", initial=start, total=args.iterations, disable=not run.acc.is_main_process):
-        gen, t0 = iteration_generator(args.seed, it), time.perf_counter()
-        before = None
+        gen, before = iteration_generator(args.seed, it), None
         if it == 0 and args.eval_every and run.eval_prompts and run.acc.is_main_process:
             before, images = evaluate(run, args)
             save_grid(images, run.out / "samples_before.png")
+        t0 = time.perf_counter()  # training time: the evaluation above is not part of it
         # 1. rollouts from the old policy, rewards
         b = rollout_and_score(run, args, it, gen, "layout" if args.gain_estimator == "denoised" else ())
         t2 = time.perf_counter()

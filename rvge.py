@@ -1420,11 +1420,11 @@ def train(args: Args, extra_rewards=None, judges=None):
             copy_adapter(run.transformer, "default", "ema", keep=ema_decay(state["opt_steps"]))
 
     for it in tqdm(range(start, args.iterations), desc="rvge", initial=start, total=args.iterations, disable=not run.acc.is_main_process):
-        gen, t0 = iteration_generator(args.seed, it), time.perf_counter()
-        before = None
+        gen, before = iteration_generator(args.seed, it), None
         if it == 0 and args.eval_every and run.eval_prompts and run.acc.is_main_process:
             before, images = evaluate(run, args)
             save_grid(images, run.out / "samples_before.png")
+        t0 = time.perf_counter()  # training time: the evaluation above is not part of it
         # 1. rollouts from the old policy, rewards
         b = rollout_and_score(run, args, it, gen, coordinate_steps(args.coords, run.branch))
         t2 = time.perf_counter()
