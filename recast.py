@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -162,8 +163,9 @@ def pair_moments(r, groups, ancestry):
     """Sufficient statistics of the `pairs` estimator (alpha = 2), summable across processes.
 
     For leaves a, b of one prompt group whose trajectories split at level l,
-    E[r_a r_b] = E[h_{t_l}^2] (they are independent given x_{t_l}, and sample x0 | x_{t_l}
-    when the continuation is the exact reverse SDE, a = sqrt(2): derivations.ipynb §7); different
+    E[r_a r_b] = E[h_{t_l}^2] (they are independent given x_{t_l}, and sample x0 | x_{t_l} when the
+    continuation reverses the noising: a = sqrt(2), exactly as the SDE steps shrink, closely with
+    --sde-substeps; derivations.ipynb §7, toy_gaussian.py check 8a); different
     roots give Z^2 (level 0), a leaf with itself gives E[r^2] (t = 0).
     r (N, K); groups (N,); ancestry (N, L+1).
     Returns (sums (K, L+2), counts (L+2,)): sum of r_a r_b and number of ordered
@@ -840,7 +842,9 @@ def load_pipeline(args, device, dtype):
     transformer.add_adapter(config, adapter_name="default")
     adapters = ["default", "old"] + (["ema"] if args.ema else [])
     for name in adapters[1:]:  # "old" and "ema" start as copies of "default"
-        transformer.add_adapter(config, adapter_name=name)
+        with warnings.catch_warnings():  # several adapters on one model are the design here, not a slip
+            warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+            transformer.add_adapter(config, adapter_name=name)
         copy_adapter(transformer, "default", name)
     for p in [p for name in adapters for p in lora_params(transformer, name)]:
         p.data = p.data.float()  # LoRA weights and their optimizer state in float32

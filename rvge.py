@@ -30,6 +30,7 @@ import os
 import shutil
 import subprocess
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -793,7 +794,9 @@ def load_pipeline(args, device, dtype):
     transformer.add_adapter(config, adapter_name="default")
     adapters = ["default", "old"] + (["ema"] if args.ema else [])
     for name in adapters[1:]:  # "old" and "ema" start as copies of "default"
-        transformer.add_adapter(config, adapter_name=name)
+        with warnings.catch_warnings():  # several adapters on one model are the design here, not a slip
+            warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+            transformer.add_adapter(config, adapter_name=name)
         copy_adapter(transformer, "default", name)
     for p in [p for name in adapters for p in lora_params(transformer, name)]:
         p.data = p.data.float()  # LoRA weights and their optimizer state in float32
