@@ -775,8 +775,13 @@ def report_recast_100(res: Results, out: Path):
         dev = [np.abs(np.array(rows[-1]["recast/W"]) / (np.array(rows[-1]["recast/W"]).sum(1, keepdims=True) / 10) - 1).max()
                for rows in by_label["recast"].values()]
         rho = [rows[-1]["recast/evidence"] for rows in by_label["recast"].values()]
+        moved = [np.mean([max(m["recast/evidence"]) > 0 for m in rows]) for rows in by_label["recast"].values()]
+        mean_dev = [np.mean([np.abs(np.array(m["recast/W"]) / (np.array(m["recast/W"]).sum(1, keepdims=True) / 10) - 1).max()
+                             for m in rows]) for rows in by_label["recast"].values()]
         lines += [f"ReCAST's final W: max_kj |W / (lambda_k / T) - 1| = {', '.join(f'{d:.3f}' for d in dev)} (per seed); "
-                  f"evidence rho per reward: {'; '.join(str([round(v, 2) for v in r]) for r in rho)}.", ""]
+                  f"evidence rho per reward: {'; '.join(str([round(v, 2) for v in r]) for r in rho)}. Over the run, W left "
+                  f"uniform (some rho > 0) in {', '.join(f'{v:.0%}' for v in moved)} of iterations; the mean over iterations of "
+                  f"that max deviation: {', '.join(f'{v:.3f}' for v in mean_dev)}.", ""]
     curve_figure(res, out / "eval_vs_iteration.png", x="iteration")
     for judge in JUDGES:
         curve_figure(res, out / f"{judge.split('/')[-1]}_vs_iteration.png", metric=judge, x="iteration")
