@@ -808,6 +808,12 @@ def report_nft_steps(res: Results, out: Path):
             row += [fmt_ci(*mean_ci(paired(at[o], at.get(base, {})))) for o in others]
             lines.append(f"| {int(i)} | " + " | ".join(row) + " |")
         lines.append("")
+        judges = [j for j in JUDGES if any(j in rows[-1] for by in by_label.values() for rows in by.values())]
+        lines += ["Held-out judges at the final evaluation (mean ± sd over seeds; `frechet`: lower is closer to the data):", "",
+                  "| method | " + " | ".join(j[11:] for j in judges) + " |", "|---" * (1 + len(judges)) + "|"]
+        lines += [f"| {label} (n={len(by_label[label])}) | " + " | ".join(mean_std(list(res.values(group, label, lambda r, j=j: final(r, j)).values()))
+                                                                        for j in judges) + " |" for label in labels]
+        lines.append("")
     curve_figure(res, out / "eval_vs_iteration.png", x="iteration")
     curve_figure(res, out / "eval_vs_time.png")
     return lines + ["![](eval_vs_iteration.png) ![](eval_vs_time.png)", ""]
