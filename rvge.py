@@ -472,7 +472,7 @@ class Args:
     eps: float = field(default=1e-3, metadata={"help": "profile smoothing P~ = (1 - eps) P + eps / T (> 0 keeps W unique)", "min": 0, "max": 1})
     gain_ema: float = field(default=0.9, metadata={"help": "discount of the level statistics across iterations (horizon ~ 1 / (1 - gain_ema) iterations)", "min": 0, "lt": 1})
     evidence: float = field(default=2.0, metadata={"help": "shrink each reward's profile towards uniform by rho = max(0, 1 - c p / Q), Q the chi^2 of its curve against uniform gains (0: no shrinkage)", "min": 0})
-    iterations: int = field(default=120, metadata={"help": "training iterations (rollout + update); the default run takes ~7 min on 2 CPU cores", "min": 1})
+    iterations: int = field(default=120, metadata={"help": "training iterations (rollout + update); an iteration costs about as much as recast.py's (64 images)", "min": 1})
     prompts_per_iter: int = field(default=4, metadata={"help": "prompt groups per iteration and process (4 x 16 leaves: the 64 images of recast.py's default)", "min": 1})
     n_roots: int = field(default=4, metadata={"help": "independent noises per prompt (tree roots)", "min": 1})
     n_branch: int = field(default=4, metadata={"help": "copies C made of every state at each branch step; local groups hold C leaves, broad ones R = --n-roots (keep R = C for like-for-like bandwidths)", "min": 1})

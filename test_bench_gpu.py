@@ -39,15 +39,16 @@ def test_tiny_run_reports_every_method_and_phase_with_positive_times_and_flops(t
 
 
 def test_counted_samples_match_the_tree_and_the_update(tiny_report):
-    """TINY: 2 prompts x 2 roots, branching x2 at steps 1 and 2 of T = 4: the rollout runs
-    4 + 8 + 16 + 16 = 44 transformer samples without grad and decodes 16 leaves; the update
+    """TINY: 2 prompts x 2 roots, branching x2 at steps 1 and 2 of T = 4, 2 SDE sub-steps per interval after
+    a branch (the scripts' default): the rollout runs 4 + (8 + 8) + (16 + 16) + 16 = 68 transformer samples
+    without grad (the last step is Euler) and decodes 16 leaves; the update
     draws 2 timesteps per leaf: 32 samples with grad, 2 x 32 without (v_old and v_base)."""
     _, saved, _ = tiny_report
     F = saved["flops_per_sample"]
     for method, phases in saved["methods"].items():
-        assert phases["samples"] == {"rollout": {"nograd": 44, "grad": 0}, "reward": {"decode": 16},
+        assert phases["samples"] == {"rollout": {"nograd": 68, "grad": 0}, "reward": {"decode": 16},
                                      "update": {"nograd": 64, "grad": 32}}, method
-        assert phases["rollout"]["tflop"] * 1e12 == pytest.approx(44 * F["transformer_forward"])
+        assert phases["rollout"]["tflop"] * 1e12 == pytest.approx(68 * F["transformer_forward"])
         assert phases["update"]["tflop"] * 1e12 == pytest.approx(64 * F["transformer_forward"] + 32 * F["transformer_forward_backward"])
 
 
