@@ -1112,7 +1112,7 @@ def optimizer_step(opt, params, totals, grad_clip, all_reduce_grads):
 
     all_reduce_grads(params)
     totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
-    check_finite({k: v for k, v in totals.items() if k.startswith(("loss/", "grad_norm"))})
+    check_finite(totals)
     opt.step()
     opt.zero_grad(set_to_none=True)
     totals["train/opt_steps"] += 1
