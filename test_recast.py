@@ -13,7 +13,7 @@ import re
 import subprocess
 import sys
 import threading
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -1103,6 +1103,24 @@ def test_checkpoint_write_failure_says_disk_and_keeps_the_last_good_one(finished
     with pytest.raises(SystemExit, match="is the disk full"):
         script.train(script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
     assert {k: v for k, v in snapshot(out).items() if k.startswith("checkpoints")} == {k: v for k, v in before.items() if k.startswith("checkpoints")}
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_help_reads_as_sections_with_every_flag_in_its_own(module, capsys):
+    """--help lists the flags in the sections of ARG_GROUPS, in that order, each flag under its Args group;
+    the reward-model defaults are reward_models.DEFAULTS (one place for each default)."""
+    script = __import__(module)
+    with pytest.raises(SystemExit):
+        script.parse_args(["--help"])
+    text = capsys.readouterr().out
+    heads = [text.index(f"\n{title}:\n") for title in script.ARG_GROUPS]
+    assert heads == sorted(heads) and set(f.metadata["group"] for f in fields(script.Args)) == set(script.ARG_GROUPS)
+    ends = dict(zip(script.ARG_GROUPS, heads[1:] + [len(text)]))
+    for f in fields(script.Args):
+        at = re.search(rf"\n  --{f.name.replace('_', '-')}\b", text).start()
+        assert text.index(f"\n{f.metadata['group']}:\n") < at < ends[f.metadata["group"]], f.name
+    for name in ("pickscore_model", "pickscore_processor", "clip_model", "geneval_url", "geneval_key"):
+        assert getattr(script.Args(), name) == reward_models.DEFAULTS[name]
 
 
 def test_helper_scripts_refuse_bad_flags(tmp_path, capsys):
