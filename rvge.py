@@ -466,147 +466,198 @@ ARG_GROUPS = {  # --help sections, in this order: title -> what the flags set
 
 
 # Copied from recast.flag
-def flag(default, group, help, **checks):
-    """One Args field: its default, its --help section (a key of ARG_GROUPS) and help line, and the checks
-    `check_ranges` applies: min / max (inclusive), gt / lt (strict), choices."""
-    return field(default=default, metadata={"group": group, "help": help, **checks})
+def flag(default, group, **checks):
+    """One Args field: its default, its --help section (a key of ARG_GROUPS) and the checks `check_ranges` applies:
+    min / max (inclusive), gt / lt (strict), choices. Its help line is the string under it (`field_docs`)."""
+    return field(default=default, metadata={"group": group, **checks})
 
 
+# Copied from recast.field_docs
+def field_docs(cls):
+    """{field name: the string literal written under it} from cls's source: per-field docstrings (CleanRL's habit)
+    that become the --help lines, whitespace collapsed."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {
+        a.target.id: " ".join(b.value.value.split())
+        for a, b in zip(body, body[1:])
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
+    }
 
 @dataclass
 class Args:
     # method
-    rewards: str = flag("", "method", "comma-separated reward names, in budget order (default for the embedded model: "
-                        "its four default rewards)")
-    budgets: str = flag("0.4,0.3,0.2,0.1", "method", "reward budgets lambda_k, one per reward (W's row sums)")
-    credit: str = flag("budgets", "method", "budgets: reward k's direction weighted lambda_k / Lam at every step; recast: "
-                       "T W_kj / Lam with ReCAST's W (Renyi gains from the pairs estimator)", choices=["budgets", "recast"])
-    bandwidth: str = flag("auto", "method", "local (regress among the C siblings of a root, t_b = sigma at the last "
-                          "branch step), broad (among the R leaves with the same child index, one per root, t_b = 1), "
-                          "split (local for training queries t <= t_b, broad above) or auto (broad when more than "
-                          "--tie-threshold of the local groups tie, else split); one value or one per reward")
-    tie_threshold: float = flag(0.2, "method", "auto picks broad for a reward when the share of tied local groups "
-                                "exceeds this (smooth rewards: ~0; 0/1 rewards: 0.45-0.85 in toy_gaussian.py 6d)",
-                                min=0, max=1)
-    coords: str = flag("clean", "method", "regression coordinates: clean (final latents) or noisy (x0_hat on each "
-                       "trajectory one grid step after the group's branch time)", choices=["clean", "noisy"])
-    transfer: str = flag("direct", "method", "direct: d(t) = kappa(t) / kappa(t_b) d_B at query time t; none: d(t) = d_B "
-                         "(ablation)", choices=["direct", "none"])
-    query_weights: str = flag("off", "method", "on: weight queries at t > t_b by kappa(t_b) / kappa(t) (it cancels the "
-                              "transfer there: toy_gaussian.py 6d); off: weight 1", choices=["on", "off"])
-    eta: float = flag(0.2, "method", "first-order step size: d = eta Cov(x0, A) (0.2 matches DiffusionNFT's implied step "
-                      "at b = 1)", gt=0)
-    kl_beta: float = flag(None, "method", "trajectory-KL weight beta > 0: softmax(A / beta) tilt instead of the "
-                          "first-order direction", gt=0)
-    transfer_cap: float = flag(4.0, "method", "cap on kappa(t) / kappa(t_b) in the direction transfer", min=1)
+    rewards: str = flag("", "method")
+    """comma-separated reward names, in budget order (default for the embedded model: its four default rewards)"""
+    budgets: str = flag("0.4,0.3,0.2,0.1", "method")
+    """reward budgets lambda_k, one per reward (W's row sums)"""
+    credit: str = flag("budgets", "method", choices=["budgets", "recast"])
+    """budgets: reward k's direction weighted lambda_k / Lam at every step; recast: T W_kj / Lam with ReCAST's W (Renyi
+    gains from the pairs estimator)"""
+    bandwidth: str = flag("auto", "method")
+    """local (regress among the C siblings of a root, t_b = sigma at the last branch step), broad (among the R leaves
+    with the same child index, one per root, t_b = 1), split (local for training queries t <= t_b, broad above) or
+    auto (broad when more than --tie-threshold of the local groups tie, else split); one value or one per reward"""
+    tie_threshold: float = flag(0.2, "method", min=0, max=1)
+    """auto picks broad for a reward when the share of tied local groups exceeds this (smooth rewards: ~0; 0/1 rewards:
+    0.45-0.85 in toy_gaussian.py 6d)"""
+    coords: str = flag("clean", "method", choices=["clean", "noisy"])
+    """regression coordinates: clean (final latents) or noisy (x0_hat on each trajectory one grid step after the group's
+    branch time)"""
+    transfer: str = flag("direct", "method", choices=["direct", "none"])
+    """direct: d(t) = kappa(t) / kappa(t_b) d_B at query time t; none: d(t) = d_B (ablation)"""
+    query_weights: str = flag("off", "method", choices=["on", "off"])
+    """on: weight queries at t > t_b by kappa(t_b) / kappa(t) (it cancels the transfer there: toy_gaussian.py 6d); off:
+    weight 1"""
+    eta: float = flag(0.2, "method", gt=0)
+    """first-order step size: d = eta Cov(x0, A) (0.2 matches DiffusionNFT's implied step at b = 1)"""
+    kl_beta: float = flag(None, "method", gt=0)
+    """trajectory-KL weight beta > 0: softmax(A / beta) tilt instead of the first-order direction"""
+    transfer_cap: float = flag(4.0, "method", min=1)
+    """cap on kappa(t) / kappa(t_b) in the direction transfer"""
     # recast credit
-    tau: float = flag(1.0, "recast credit", "temperature of the profile in W's kernel lambda_k P~^tau (0: uniform W)",
-                      min=0)
-    eps: float = flag(1e-3, "recast credit", "profile smoothing P~ = (1 - eps) P + eps / T (> 0 keeps W unique)", min=0,
-                      max=1)
-    gain_ema: float = flag(0.9, "recast credit", "discount of the level statistics across iterations (horizon ~ 1 / (1 "
-                           "- gain_ema) iterations)", min=0, lt=1)
-    evidence: float = flag(2.0, "recast credit", "shrink each reward's profile towards uniform by rho = max(0, 1 - c p / "
-                           "Q), Q the chi^2 of its curve against uniform gains (0: no shrinkage)", min=0)
+    tau: float = flag(1.0, "recast credit", min=0)
+    """temperature of the profile in W's kernel lambda_k P~^tau (0: uniform W)"""
+    eps: float = flag(1e-3, "recast credit", min=0, max=1)
+    """profile smoothing P~ = (1 - eps) P + eps / T (> 0 keeps W unique)"""
+    gain_ema: float = flag(0.9, "recast credit", min=0, lt=1)
+    """discount of the level statistics across iterations (horizon ~ 1 / (1 - gain_ema) iterations)"""
+    evidence: float = flag(2.0, "recast credit", min=0)
+    """shrink each reward's profile towards uniform by rho = max(0, 1 - c p / Q), Q the chi^2 of its curve against
+    uniform gains (0: no shrinkage)"""
     # rollout
-    prompts_per_iter: int = flag(4, "rollout", "prompt groups per iteration and process (4 x 16 leaves: the 64 images "
-                                 "of recast.py's default)", min=1)
-    n_roots: int = flag(4, "rollout", "independent noises per prompt (tree roots)", min=1)
-    n_branch: int = flag(4, "rollout", "copies C made of every state at each branch step; local groups hold C leaves, "
-                         "broad ones R = --n-roots (keep R = C for like-for-like bandwidths)", min=1)
-    branch_steps: str = flag("7", "rollout", "sampler steps j (0 < j < T - 1) at which states branch; leaves per prompt "
-                             "= n_roots * n_branch^len; local groups split at the last one (step 7 of 10: t_b = 0.46 on "
-                             "SD3's shift-3 grid)")
-    sde_substeps: int = flag(2, "rollout", "Euler-Maruyama sub-steps per grid interval after a branch (1: the grid "
-                             "itself; more: siblings closer to exact x0 | x_t samples, rollout cost grows)", min=1)
-    sampler: str = flag("tree", "rollout", "tree: branched trees (ReCAST's pairs estimator needs them); ode: "
-                        "DiffusionNFT's independent deterministic DPM-Solver-2 rollouts, n_roots per prompt",
-                        choices=["tree", "ode"])
-    steps: int = flag(10, "rollout", "sampler steps T (= columns of W = training timesteps)", min=3)
-    sde_a: float = flag(math.sqrt(2), "rollout", "SDE noise level a after the first branch, g = a sqrt(s / (1 - s)); "
-                        "sqrt(2) (default) is the exact reversal of the noising, so branches sample x0 | x_t (the pairs "
-                        "estimator and kappa transfer need it; FlowGRPO uses 0.7)", min=0)
-    resolution: int = flag(0, "rollout", "image size in pixels (0: the model's default, 512 for SD3.5-M)", min=0)
-    max_sequence_length: int = flag(0, "rollout", "T5 tokens (0: the model's default)", min=0)
-    rollout_batch: int = flag(64, "rollout", "chunk size for transformer calls during rollouts", min=1)
+    prompts_per_iter: int = flag(4, "rollout", min=1)
+    """prompt groups per iteration and process (4 x 16 leaves: the 64 images of recast.py's default)"""
+    n_roots: int = flag(4, "rollout", min=1)
+    """independent noises per prompt (tree roots)"""
+    n_branch: int = flag(4, "rollout", min=1)
+    """copies C made of every state at each branch step; local groups hold C leaves, broad ones R = --n-roots (keep R =
+    C for like-for-like bandwidths)"""
+    branch_steps: str = flag("7", "rollout")
+    """sampler steps j (0 < j < T - 1) at which states branch; leaves per prompt = n_roots * n_branch^len; local groups
+    split at the last one (step 7 of 10: t_b = 0.46 on SD3's shift-3 grid)"""
+    sde_substeps: int = flag(2, "rollout", min=1)
+    """Euler-Maruyama sub-steps per grid interval after a branch (1: the grid itself; more: siblings closer to exact x0
+    | x_t samples, rollout cost grows)"""
+    sampler: str = flag("tree", "rollout", choices=["tree", "ode"])
+    """tree: branched trees (ReCAST's pairs estimator needs them); ode: DiffusionNFT's independent deterministic
+    DPM-Solver-2 rollouts, n_roots per prompt"""
+    steps: int = flag(10, "rollout", min=3)
+    """sampler steps T (= columns of W = training timesteps)"""
+    sde_a: float = flag(math.sqrt(2), "rollout", min=0)
+    """SDE noise level a after the first branch, g = a sqrt(s / (1 - s)); sqrt(2) (default) is the exact reversal of the
+    noising, so branches sample x0 | x_t (the pairs estimator and kappa transfer need it; FlowGRPO uses 0.7)"""
+    resolution: int = flag(0, "rollout", min=0)
+    """image size in pixels (0: the model's default, 512 for SD3.5-M)"""
+    max_sequence_length: int = flag(0, "rollout", min=0)
+    """T5 tokens (0: the model's default)"""
+    rollout_batch: int = flag(64, "rollout", min=1)
+    """chunk size for transformer calls during rollouts"""
     # optimisation
-    iterations: int = flag(120, "optimisation", "training iterations (rollout + update); an iteration costs about as "
-                           "much as recast.py's (64 images)", min=1)
-    base_reg: float = flag(1e-4, "optimisation", "weight of the velocity MSE to the frozen base model", min=0)
-    train_steps_per_leaf: int = flag(4, "optimisation", "training timesteps drawn (without replacement) from the T "
-                                     "grid steps per leaf and iteration", min=1)
-    train_batch: int = flag(32, "optimisation", "micro-batch of (leaf, timestep) samples per optimizer step", min=1)
-    frozen_batch: int = flag(0, "optimisation", "compute the no-grad v_old / v_base forwards of each optimizer step "
-                             "ahead, in batches of this size (0: with each gradient micro-batch); same numbers, "
-                             "unmeasured on GPU", min=0)
-    gradient_checkpointing: bool = flag(False, "optimisation", "recompute the transformer's activations in backward "
-                                        "(diffusers' gradient checkpointing): less memory for a larger --train-batch, "
-                                        "same gradients")
-    updates_per_iter: int = flag(8, "optimisation", "optimizer steps per iteration, each on the mean loss over its "
-                                 "share of the iteration's samples (1: DiffusionNFT's one step per epoch)", min=1)
-    old_decay: int = flag(1, "optimisation", "DiffusionNFT's old-policy schedule on optimizer steps: 0 none, 1 min(0.001 "
-                          "s, 0.5), 2 OCR's (0 for 75 steps, then +0.0075 up to 0.999)", choices=[0, 1, 2])
-    ema: bool = flag(False, "optimisation", "keep DiffusionNFT's EMA of the trained LoRA (decay min((1 + s) / (10 + s), "
-                     "0.9)), evaluate it and save it beside the raw LoRA")
-    lr: float = flag(1e-4, "optimisation", "AdamW learning rate (DiffusionNFT uses 3e-4 on SD3.5-M with ~1k images per "
-                     "step; 1e-4 suits the embedded model's 256-sample steps)", gt=0)
-    weight_decay: float = flag(1e-4, "optimisation", "AdamW weight decay", min=0)
-    grad_clip: float = flag(1.0, "optimisation", "gradient norm clip", gt=0)
-    lora_rank: int = flag(32, "optimisation", "LoRA rank", min=1)
-    lora_alpha: int = flag(64, "optimisation", "LoRA alpha", min=1)
+    iterations: int = flag(120, "optimisation", min=1)
+    """training iterations (rollout + update); an iteration costs about as much as recast.py's (64 images)"""
+    base_reg: float = flag(1e-4, "optimisation", min=0)
+    """weight of the velocity MSE to the frozen base model"""
+    train_steps_per_leaf: int = flag(4, "optimisation", min=1)
+    """training timesteps drawn (without replacement) from the T grid steps per leaf and iteration"""
+    train_batch: int = flag(32, "optimisation", min=1)
+    """micro-batch of (leaf, timestep) samples per optimizer step"""
+    frozen_batch: int = flag(0, "optimisation", min=0)
+    """compute the no-grad v_old / v_base forwards of each optimizer step ahead, in batches of this size (0: with each
+    gradient micro-batch); same numbers, unmeasured on GPU"""
+    gradient_checkpointing: bool = flag(False, "optimisation")
+    """recompute the transformer's activations in backward (diffusers' gradient checkpointing): less memory for a larger
+    --train-batch, same gradients"""
+    updates_per_iter: int = flag(8, "optimisation", min=1)
+    """optimizer steps per iteration, each on the mean loss over its share of the iteration's samples (1: DiffusionNFT's
+    one step per epoch)"""
+    old_decay: int = flag(1, "optimisation", choices=[0, 1, 2])
+    """DiffusionNFT's old-policy schedule on optimizer steps: 0 none, 1 min(0.001 s, 0.5), 2 OCR's (0 for 75 steps, then
+    +0.0075 up to 0.999)"""
+    ema: bool = flag(False, "optimisation")
+    """keep DiffusionNFT's EMA of the trained LoRA (decay min((1 + s) / (10 + s), 0.9)), evaluate it and save it beside
+    the raw LoRA"""
+    lr: float = flag(1e-4, "optimisation", gt=0)
+    """AdamW learning rate (DiffusionNFT uses 3e-4 on SD3.5-M with ~1k images per step; 1e-4 suits the embedded model's
+    256-sample steps)"""
+    weight_decay: float = flag(1e-4, "optimisation", min=0)
+    """AdamW weight decay"""
+    grad_clip: float = flag(1.0, "optimisation", gt=0)
+    """gradient norm clip"""
+    lora_rank: int = flag(32, "optimisation", min=1)
+    """LoRA rank"""
+    lora_alpha: int = flag(64, "optimisation", min=1)
+    """LoRA alpha"""
     # evaluation
-    eval_every: int = flag(20, "evaluation", "evaluate every N iterations (and at start and end); 0: never", min=0)
-    eval_steps: int = flag(0, "evaluation", "Euler steps of the evaluation sampler (0: --steps; DiffusionNFT evaluates "
-                           "with 40)", min=0)
-    eval_prompts: str = flag("", "evaluation", "file with evaluation prompts, one per line (embedded model: its "
-                             "held-out prompts)")
+    eval_every: int = flag(20, "evaluation", min=0)
+    """evaluate every N iterations (and at start and end); 0: never"""
+    eval_steps: int = flag(0, "evaluation", min=0)
+    """Euler steps of the evaluation sampler (0: --steps; DiffusionNFT evaluates with 40)"""
+    eval_prompts: str = flag("", "evaluation")
+    """file with evaluation prompts, one per line (embedded model: its held-out prompts)"""
     # I/O
-    model: str = flag(EMBEDDED_MODEL, "I/O", "diffusers folder or hub id (e.g. stabilityai/stable-diffusion-3.5-medium); "
-                      "default: the embedded tiny shapes model")
-    train_prompts: str = flag("", "I/O", "file with training prompts, one per line (embedded model: its train split)")
-    out: str = flag("", "I/O", "run folder (default runs/<name>)")
-    name: str = flag("", "I/O", "run name (default rvge-<credit>-<seed>)")
-    seed: int = flag(0, "I/O", "seed for prompts, noise and LoRA init", min=0, max=2**31 - 1)
-    save_every: int = flag(10, "I/O", "checkpoint every N iterations (and at the end)", min=1)
-    resume: str = flag("", "I/O", "run folder to continue in place from its newest intact checkpoint (its config.json "
-                       "gives the settings; flags given now override those that may change)")
-    overwrite: bool = flag(False, "I/O", "let --out replace a run folder that already holds a run (its metrics, "
-                           "checkpoints and figures are deleted)")
-    device: str = flag("", "I/O", "cpu or cuda (default: cuda if available)")
-    dtype: str = flag("", "I/O", "frozen weights' dtype (default: bfloat16 on cuda, float32 on cpu)",
-                      choices=["", "float32", "bfloat16", "float16"])
-    dry_run: bool = flag(False, "I/O", "build SD3.5-Medium's transformer on the meta device, attach the LoRA, print "
-                         "trainable parameters and a memory plan, exit")
+    model: str = flag(EMBEDDED_MODEL, "I/O")
+    """diffusers folder or hub id (e.g. stabilityai/stable-diffusion-3.5-medium); default: the embedded tiny shapes
+    model"""
+    train_prompts: str = flag("", "I/O")
+    """file with training prompts, one per line (embedded model: its train split)"""
+    out: str = flag("", "I/O")
+    """run folder (default runs/<name>)"""
+    name: str = flag("", "I/O")
+    """run name (default rvge-<credit>-<seed>)"""
+    seed: int = flag(0, "I/O", min=0, max=2**31 - 1)
+    """seed for prompts, noise and LoRA init"""
+    save_every: int = flag(10, "I/O", min=1)
+    """checkpoint every N iterations (and at the end)"""
+    resume: str = flag("", "I/O")
+    """run folder to continue in place from its newest intact checkpoint (its config.json gives the settings; flags
+    given now override those that may change)"""
+    overwrite: bool = flag(False, "I/O")
+    """let --out replace a run folder that already holds a run (its metrics, checkpoints and figures are deleted)"""
+    device: str = flag("", "I/O")
+    """cpu or cuda (default: cuda if available)"""
+    dtype: str = flag("", "I/O", choices=["", "float32", "bfloat16", "float16"])
+    """frozen weights' dtype (default: bfloat16 on cuda, float32 on cpu)"""
+    dry_run: bool = flag(False, "I/O")
+    """build SD3.5-Medium's transformer on the meta device, attach the LoRA, print trainable parameters and a memory
+    plan, exit"""
     # reward models
-    pickscore_model: str = flag(DEFAULTS["pickscore_model"], "reward models", "PickScore weights")
-    pickscore_processor: str = flag(DEFAULTS["pickscore_processor"], "reward models", "PickScore processor")
-    clip_model: str = flag(DEFAULTS["clip_model"], "reward models", "CLIP for clipscore and the aesthetic predictor")
-    aesthetic_mlp: str = flag(DEFAULTS["aesthetic_mlp"] or "", "reward models", "aesthetic MLP weights file (LAION "
-                              "improved aesthetic predictor)")
-    geneval_url: str = flag(DEFAULTS["geneval_url"], "reward models", "GenEval reward server address (FlowGRPO's "
-                            "reward-server protocol)")
-    geneval_metadata: str = flag(DEFAULTS["geneval_metadata"] or "", "reward models", "JSONL of GenEval metadata per "
-                                 "prompt (FlowGRPO's dataset/geneval format)")
-    geneval_key: str = flag(DEFAULTS["geneval_key"], "reward models", "GenEval reply field used as the reward: scores "
-                            "(partial credit), strict_rewards (0/1)")
+    pickscore_model: str = flag(DEFAULTS["pickscore_model"], "reward models")
+    """PickScore weights"""
+    pickscore_processor: str = flag(DEFAULTS["pickscore_processor"], "reward models")
+    """PickScore processor"""
+    clip_model: str = flag(DEFAULTS["clip_model"], "reward models")
+    """CLIP for clipscore and the aesthetic predictor"""
+    aesthetic_mlp: str = flag(DEFAULTS["aesthetic_mlp"] or "", "reward models")
+    """aesthetic MLP weights file (LAION improved aesthetic predictor)"""
+    geneval_url: str = flag(DEFAULTS["geneval_url"], "reward models")
+    """GenEval reward server address (FlowGRPO's reward-server protocol)"""
+    geneval_metadata: str = flag(DEFAULTS["geneval_metadata"] or "", "reward models")
+    """JSONL of GenEval metadata per prompt (FlowGRPO's dataset/geneval format)"""
+    geneval_key: str = flag(DEFAULTS["geneval_key"], "reward models")
+    """GenEval reply field used as the reward: scores (partial credit), strict_rewards (0/1)"""
 
 
 # Copied from recast.make_parser
 def make_parser(suppress=False):
-    """argparse from Args, in the sections of ARG_GROUPS; every field's help string is its --help line. With suppress=True
+    """argparse from Args, in the sections of ARG_GROUPS; the string under each field is its --help line. With suppress=True
     only the flags actually given appear in the result (used by --resume)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS if suppress else None)
     sections = {title: parser.add_argument_group(title, text) for title, text in ARG_GROUPS.items()}
+    docs = field_docs(Args)
     for f in fields(Args):
         name, section = "--" + f.name.replace("_", "-"), sections[f.metadata["group"]]
         extra = {} if suppress else {"default": f.default}
         if f.type in (bool, "bool"):
-            section.add_argument(name, action="store_true", help=f.metadata["help"], **extra)
+            section.add_argument(name, action="store_true", help=docs[f.name], **extra)
         else:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            section.add_argument(name, type=kind, help=f.metadata["help"], choices=f.metadata.get("choices"), **extra)
+            section.add_argument(name, type=kind, help=docs[f.name], choices=f.metadata.get("choices"), **extra)
     return parser
 
 

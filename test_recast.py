@@ -1108,8 +1108,10 @@ def test_checkpoint_write_failure_says_disk_and_keeps_the_last_good_one(finished
 @pytest.mark.parametrize("module", ["recast", "rvge"])
 def test_help_reads_as_sections_with_every_flag_in_its_own(module, capsys):
     """--help lists the flags in the sections of ARG_GROUPS, in that order, each flag under its Args group;
-    the reward-model defaults are reward_models.DEFAULTS (one place for each default)."""
+    the reward-model defaults are reward_models.DEFAULTS (one place for each default); every field has its help
+    string written under it."""
     script = __import__(module)
+    assert set(script.field_docs(script.Args)) == {f.name for f in fields(script.Args)}
     with pytest.raises(SystemExit):
         script.parse_args(["--help"])
     text = capsys.readouterr().out
