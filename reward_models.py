@@ -12,6 +12,7 @@ aesthetic_clip, aesthetic_mlp, geneval_url, geneval_metadata, geneval_key.
 The embedded model's rewards are programs in shapes_world.REWARDS; the scripts pass them (and
 any test rewards) as `extra`.
 """
+
 import functools
 import io
 import json
@@ -26,12 +27,17 @@ import numpy as np
 
 REWARD_BATCH = 32  # images per forward pass of a reward model
 DEFAULTS = dict(
-    device="cpu", dtype="float32", local_files_only=False,
+    device="cpu",
+    dtype="float32",
+    local_files_only=False,
     pickscore_model="yuvalkirstain/PickScore_v1",
     pickscore_processor="laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
     clip_model="openai/clip-vit-large-patch14",
-    aesthetic_clip=None, aesthetic_mlp=None,
-    geneval_url="http://127.0.0.1:18085", geneval_metadata=None, geneval_key="scores",
+    aesthetic_clip=None,
+    aesthetic_mlp=None,
+    geneval_url="http://127.0.0.1:18085",
+    geneval_metadata=None,
+    geneval_key="scores",
 )
 
 
@@ -85,8 +91,10 @@ def _batched(score_chunk, images, prompts, batch=REWARD_BATCH):
     """Apply score_chunk(images, prompts) -> (n,) to chunks of `batch` images; float64 (N,)."""
     if len(images) != len(prompts):
         raise ValueError(f"{len(images)} images but {len(prompts)} prompts: one prompt per image")
-    out = [np.asarray(score_chunk(images[i:i + batch], prompts[i:i + batch]), dtype=np.float64)
-           for i in range(0, len(images), batch)]
+    out = [
+        np.asarray(score_chunk(images[i : i + batch], prompts[i : i + batch]), dtype=np.float64)
+        for i in range(0, len(images), batch)
+    ]
     return np.concatenate(out) if out else np.zeros(0)
 
 
@@ -99,6 +107,7 @@ def pickscore_reward(opts):
     def score(images, prompts):
         img, txt = clip_embeddings(model, processor, images, prompts)
         return (model.logit_scale.exp().float() * (img * txt).sum(-1) / 26.0).cpu().numpy()
+
     return lambda images, prompts: _batched(score, images, prompts)
 
 
@@ -111,6 +120,7 @@ def clipscore_reward(opts):
     def score(images, prompts):
         img, txt = clip_embeddings(model, processor, images, prompts)
         return (img * txt).sum(-1).cpu().numpy()
+
     return lambda images, prompts: _batched(score, images, prompts)
 
 
@@ -120,8 +130,16 @@ def aesthetic_mlp(dim=768):
     layers.{0,2,4,6,7}.{weight,bias} as in sac+logos+ava1-l14-linearMSE.pth. dim = 768 for CLIP ViT-L/14."""
     import torch.nn as nn
 
-    layers = nn.Sequential(nn.Linear(dim, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
-                           nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
+    layers = nn.Sequential(
+        nn.Linear(dim, 1024),
+        nn.Dropout(0.2),
+        nn.Linear(1024, 128),
+        nn.Dropout(0.2),
+        nn.Linear(128, 64),
+        nn.Dropout(0.1),
+        nn.Linear(64, 16),
+        nn.Linear(16, 1),
+    )
     return nn.Sequential(OrderedDict(layers=layers))  # the outer name gives the "layers." key prefix
 
 
@@ -133,6 +151,7 @@ def load_aesthetic_mlp(path, device):
 
     if str(path).endswith(".safetensors"):
         from safetensors.torch import load_file
+
         state = load_file(str(path))
     else:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -147,15 +166,19 @@ def aesthetic_reward(opts):
     unbounded in principle. The prompt is ignored."""
     path, clip = _opt(opts, "aesthetic_mlp"), _opt(opts, "aesthetic_clip") or _opt(opts, "clip_model")
     if path is None or not os.path.isfile(path):
-        raise ValueError(f"aesthetic needs the MLP weights file, got {path!r}: pass --aesthetic-mlp PATH to "
-                         "sac+logos+ava1-l14-linearMSE.pth (christophschuhmann/improved-aesthetic-predictor)")
+        raise ValueError(
+            f"aesthetic needs the MLP weights file, got {path!r}: pass --aesthetic-mlp PATH to "
+            "sac+logos+ava1-l14-linearMSE.pth (christophschuhmann/improved-aesthetic-predictor)"
+        )
     model, processor = _clip_from_opts(opts, clip, clip)
     mlp = load_aesthetic_mlp(str(path), str(_opt(opts, "device")))
 
     def score(images, prompts):
         import torch
+
         with torch.no_grad():
             return mlp(clip_embeddings(model, processor, images)[0])[:, 0].cpu().numpy()
+
     return lambda images, prompts: _batched(score, images, prompts)
 
 
@@ -183,6 +206,7 @@ def ocr_score(recognized, target):
 def load_ocr():
     """RapidOCR with the PP-OCRv4 det/rec ONNX models bundled in rapidocr-onnxruntime (no download)."""
     from rapidocr_onnxruntime import RapidOCR
+
     return RapidOCR()
 
 
@@ -203,6 +227,7 @@ def ocr_reward(opts):
         except Exception:  # the engine's own failure on one image must not stop a training run
             return float("nan")
         return ocr_score("".join(text for _box, text, _conf in (lines or [])), target)
+
     return lambda images, prompts: _batched(lambda ims, ps: [one(i, p) for i, p in zip(ims, ps)], images, prompts)
 
 
@@ -235,9 +260,10 @@ def geneval_request(url, images, metadatas, only_strict=True, timeout=120.0, ret
             raise RuntimeError(f"GenEval server {url} answered {e.code}:\n{e.read().decode(errors='replace')}") from e
         except urllib.error.URLError as e:
             if attempt == retries - 1:
-                raise RuntimeError(f"no GenEval server at {url} ({e.reason}); start one "
-                                   "(yifan123/reward-server) or fix --geneval-url") from e
-            time.sleep(2.0 ** attempt)
+                raise RuntimeError(
+                    f"no GenEval server at {url} ({e.reason}); start one (yifan123/reward-server) or fix --geneval-url"
+                ) from e
+            time.sleep(2.0**attempt)
 
 
 def geneval_reward(opts):
@@ -248,8 +274,10 @@ def geneval_reward(opts):
     if key not in ("scores", "strict_rewards", "rewards"):
         raise ValueError(f"--geneval-key must be scores, strict_rewards or rewards, got {key!r}")
     if path is None:
-        raise ValueError("geneval needs each prompt's metadata: pass --geneval-metadata FILE.jsonl "
-                         "(FlowGRPO's dataset/geneval/train_metadata.jsonl format)")
+        raise ValueError(
+            "geneval needs each prompt's metadata: pass --geneval-metadata FILE.jsonl "
+            "(FlowGRPO's dataset/geneval/train_metadata.jsonl format)"
+        )
     table = load_geneval_metadata(str(path))
 
     def score(images, prompts):
@@ -258,6 +286,7 @@ def geneval_reward(opts):
             raise ValueError(f"no GenEval metadata for prompt {missing[0]!r} in {path}")
         reply = geneval_request(url, images, [table[p] for p in prompts], only_strict=(key != "rewards"))
         return reply[key]
+
     return lambda images, prompts: _batched(score, images, prompts, batch=64)
 
 

@@ -22,6 +22,7 @@ Notation map (code name -> symbol)
 Conventions: x_t = (1 - t) x0 + t eps; dv = -dx0_hat / t; all losses are means over latent
 dimensions, then over the batch; numpy math is float64.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,7 +57,7 @@ def parse_budgets(text: str) -> list[float]:
     Raises ValueError naming the problem: empty, not a number, NaN/inf,
     negative, or all zero.
     """
-    fix = 'give comma-separated non-negative numbers, one per reward, e.g. --budgets 0.4,0.3,0.2,0.1'
+    fix = "give comma-separated non-negative numbers, one per reward, e.g. --budgets 0.4,0.3,0.2,0.1"
     if text is None or not str(text).strip():
         raise ValueError(f"budgets are empty: {fix}")
     out = []
@@ -368,6 +369,7 @@ class RewardDirections(NamedTuple):
     """One reward's directions for the update. bandwidth: local | broad | split (auto resolved);
     local / broad: (N, ...) each leaf's direction from its local / broad group (None when unused);
     t_b: (N,) tensor, the branch time of each leaf's local group (its broad group's is 1)."""
+
     bandwidth: str
     local: object
     broad: object
@@ -415,21 +417,32 @@ def value_directions(b, A, sigmas, branch, bandwidths, names, args, reduce):
     t_local = float(sigmas[branch[-1]]) if branch else 1.0
     coords = {"local": x0, "broad": x0}
     if args.coords == "noisy":
-        coords = {"local": denoised_coordinates(b.probes, branch[-1] + 1, N).float() if branch else None,
-                  "broad": denoised_coordinates(b.probes, 1, N).float()}
+        coords = {
+            "local": denoised_coordinates(b.probes, branch[-1] + 1, N).float() if branch else None,
+            "broad": denoised_coordinates(b.probes, 1, N).float(),
+        }
     A_t = torch.as_tensor(A, dtype=torch.float32, device=x0.device)
     t_b = torch.full((N,), t_local, device=x0.device)
     directions, metrics = [], {"rvge/s2": s2}
     for k, name in enumerate(names):
         bandwidth = pick_bandwidth(bandwidths[k], tie_share[k], args.tie_threshold)
-        d = {kind: group_directions(coords[kind], A_t[:, k], ids, args.kl_beta, args.eta)
-             for kind, ids in (("local", local_ids), ("broad", broad_ids)) if bandwidth in (kind, "split")}
+        d = {
+            kind: group_directions(coords[kind], A_t[:, k], ids, args.kl_beta, args.eta)
+            for kind, ids in (("local", local_ids), ("broad", broad_ids))
+            if bandwidth in (kind, "split")
+        }
         directions.append(RewardDirections(bandwidth, d.get("local"), d.get("broad"), t_b))
         main, ids = ("broad", broad_ids) if bandwidth == "broad" else ("local", local_ids)  # the groups at t <= t_b
-        metrics.update({f"rvge/bandwidth/{name}": bandwidth, f"rvge/t_b/{name}": 1.0 if main == "broad" else t_local,
-                        f"rvge/group_size/{name}": float(np.bincount(ids).mean()), f"rvge/tie_share/{name}": float(tie_share[k]),
-                        f"rvge/direction_rms/{name}": float(d[main].pow(2).mean().sqrt()),
-                        f"rvge/split_cos/{name}": split_half_cosine(x0, A_t[:, k], b.groups, args.kl_beta)})
+        metrics.update(
+            {
+                f"rvge/bandwidth/{name}": bandwidth,
+                f"rvge/t_b/{name}": 1.0 if main == "broad" else t_local,
+                f"rvge/group_size/{name}": float(np.bincount(ids).mean()),
+                f"rvge/tie_share/{name}": float(tie_share[k]),
+                f"rvge/direction_rms/{name}": float(d[main].pow(2).mean().sqrt()),
+                f"rvge/split_cos/{name}": split_half_cosine(x0, A_t[:, k], b.groups, args.kl_beta),
+            }
+        )
     return directions, s2, metrics
 
 
@@ -450,8 +463,16 @@ def rvge_loss(v_theta, v_target, v_old, x_t, x0, t, weight):
 # Copied from recast.EMBEDDED_MODEL
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent / "assets" / "shapes-sd3")  # runs from any folder
 # Copied from recast.LORA_TARGETS
-LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
+LORA_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+]
 
 
 ARG_GROUPS = {  # --help sections, in this order: title -> what the flags set
@@ -486,6 +507,7 @@ def field_docs(cls):
         for a, b in zip(body, body[1:])
         if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
     }
+
 
 @dataclass
 class Args:
@@ -643,11 +665,13 @@ class Args:
 
 # Copied from recast.make_parser
 def make_parser(suppress=False):
-    """argparse from Args, in the sections of ARG_GROUPS; the string under each field is its --help line. With suppress=True
-    only the flags actually given appear in the result (used by --resume)."""
+    """argparse from Args, in the sections of ARG_GROUPS; the string under each field is its --help line. With
+    suppress=True only the flags actually given appear in the result (used by --resume)."""
     import argparse
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS if suppress else None)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS if suppress else None
+    )
     sections = {title: parser.add_argument_group(title, text) for title, text in ARG_GROUPS.items()}
     docs = field_docs(Args)
     for f in fields(Args):
@@ -680,19 +704,30 @@ def parse_args(argv=None) -> Args:
         saved_config = json.loads(config.read_text())
         saved = saved_config["args"]
     except (ValueError, KeyError) as err:
-        raise SystemExit(f"--resume {args.resume}: config.json is unreadable ({err}); the folder cannot be resumed") from None
+        raise SystemExit(
+            f"--resume {args.resume}: config.json is unreadable ({err}); the folder cannot be resumed"
+        ) from None
     script = Path(__file__).stem
     if saved_config.get("script", script) != script:
-        raise SystemExit(f"--resume {args.resume}: that run was trained by {saved_config['script']}.py; resume it with that script")
+        raise SystemExit(
+            f"--resume {args.resume}: that run was trained by {saved_config['script']}.py; resume it with that script"
+        )
     given = vars(make_parser(suppress=True).parse_args(argv))
     if "out" in given and Path(given["out"]).resolve() != Path(args.resume).resolve():
-        raise SystemExit(f"--resume {args.resume} continues that folder in place; --out {given['out']} names another. "
-                         "To branch a run, copy its folder and resume the copy")
-    changed = [f"--{k.replace('_', '-')}: saved {saved.get(k)!r}, given {given[k]!r}" for k in FIXED_ON_RESUME
-               if k in given and given[k] != saved.get(k)]
+        raise SystemExit(
+            f"--resume {args.resume} continues that folder in place; --out {given['out']} names another. "
+            "To branch a run, copy its folder and resume the copy"
+        )
+    changed = [
+        f"--{k.replace('_', '-')}: saved {saved.get(k)!r}, given {given[k]!r}"
+        for k in FIXED_ON_RESUME
+        if k in given and given[k] != saved.get(k)
+    ]
     if changed:
-        raise SystemExit(f"--resume {args.resume}: these settings cannot change on resume ({'; '.join(changed)}). "
-                         "Drop them, or start a new run")
+        raise SystemExit(
+            f"--resume {args.resume}: these settings cannot change on resume ({'; '.join(changed)}). "
+            "Drop them, or start a new run"
+        )
     known = {f.name for f in fields(Args)}
     args = Args(**{**{k: v for k, v in saved.items() if k in known}, **given})
     args.out, args.resume, args.overwrite = str(args.resume), str(args.resume), False
@@ -731,13 +766,15 @@ def check_ranges(args: Args):
             raise SystemExit(f"{flag} {value!r}: choose one of {[c for c in meta['choices'] if c]}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        bounds = [(meta.get("min"), ">=", value >= meta.get("min", -math.inf)), (meta.get("gt"), ">", value > meta.get("gt", -math.inf)),
-                  (meta.get("max"), "<=", value <= meta.get("max", math.inf)), (meta.get("lt"), "<", value < meta.get("lt", math.inf))]
+        bounds = [
+            (meta.get("min"), ">=", value >= meta.get("min", -math.inf)),
+            (meta.get("gt"), ">", value > meta.get("gt", -math.inf)),
+            (meta.get("max"), "<=", value <= meta.get("max", math.inf)),
+            (meta.get("lt"), "<", value < meta.get("lt", math.inf)),
+        ]
         if not math.isfinite(value) or any(bound is not None and not ok for bound, _, ok in bounds):
             need = " and ".join(f"{op} {bound}" for bound, op, _ in bounds if bound is not None) or "finite"
             raise SystemExit(f"{flag} {value}: must be a finite number {need}. Fix {flag}")
-
-
 
 
 def validate(args: Args, extra_rewards=None):
@@ -748,7 +785,10 @@ def validate(args: Args, extra_rewards=None):
 
     check_ranges(args)
     if args.resolution % 16:
-        raise SystemExit(f"--resolution {args.resolution}: SD3 needs a multiple of 16 (VAE 8 x patch 2), or 0 for the model's default")
+        raise SystemExit(
+            f"--resolution {args.resolution}: SD3 needs a multiple of 16 (VAE 8 x patch 2), "
+            "or 0 for the model's default"
+        )
     device = args.device.split(":")[0]
     if device not in ("", "cpu", "cuda"):
         raise SystemExit(f"--device {args.device!r}: give cpu, cuda or cuda:N (or omit it: cuda when available)")
@@ -758,9 +798,15 @@ def validate(args: Args, extra_rewards=None):
     if not args.dry_run:
         if not model_path.exists():
             if args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:
-                raise SystemExit(f"--model {args.model}: no such folder. Give a diffusers folder or a hub id such as stabilityai/stable-diffusion-3.5-medium")
+                raise SystemExit(
+                    f"--model {args.model}: no such folder. Give a diffusers folder or a hub id such as "
+                    "stabilityai/stable-diffusion-3.5-medium"
+                )
             if not torch.cuda.is_available() and args.device != "cpu":
-                raise SystemExit(f"--model {args.model} (SD3.5-Medium scale) needs a CUDA GPU and none is visible. On a CPU, train the embedded model: omit --model")
+                raise SystemExit(
+                    f"--model {args.model} (SD3.5-Medium scale) needs a CUDA GPU and none is visible. "
+                    "On a CPU, train the embedded model: omit --model"
+                )
         elif not (model_path / "model_index.json").exists():
             raise SystemExit(f"--model {args.model}: not a diffusers pipeline folder (no model_index.json)")
     try:
@@ -779,33 +825,57 @@ def validate(args: Args, extra_rewards=None):
     if unknown or len(set(names)) != len(names):
         raise SystemExit(f"unknown or repeated reward(s) in {names}; known rewards: {sorted(known)}. Fix --rewards.")
     if len(budgets) != len(names):
-        raise SystemExit(f"{len(budgets)} budgets for {len(names)} rewards ({','.join(names)}): give one budget per reward with --budgets")
+        raise SystemExit(
+            f"{len(budgets)} budgets for {len(names)} rewards ({','.join(names)}): "
+            "give one budget per reward with --budgets"
+        )
     branch = parse_branch_steps(args.branch_steps, args.steps)
     if branch == "rotate":
-        raise SystemExit("--branch-steps rotate: RVGE's local groups split at one fixed step; give it, e.g. --branch-steps 7")
+        raise SystemExit(
+            "--branch-steps rotate: RVGE's local groups split at one fixed step; give it, e.g. --branch-steps 7"
+        )
     if args.sampler == "ode":
         branch = []  # independent samples: the broad groups are the prompt groups
     bandwidths = parse_bandwidths(args.bandwidth, len(names))
     if len(bandwidths) != len(names) or any(b not in BANDWIDTHS for b in bandwidths):
-        raise SystemExit(f"--bandwidth {args.bandwidth!r}: give {', '.join(BANDWIDTHS[:-1])} or {BANDWIDTHS[-1]}, once or once per reward ({len(names)})")
+        raise SystemExit(
+            f"--bandwidth {args.bandwidth!r}: give {', '.join(BANDWIDTHS[:-1])} or {BANDWIDTHS[-1]}, "
+            f"once or once per reward ({len(names)})"
+        )
     if not branch and any(b != "broad" for b in bandwidths):
-        raise SystemExit("local, split and auto bandwidths need branched rollouts (--sampler tree and a --branch-steps entry); "
-                         "or use --bandwidth broad")
+        raise SystemExit(
+            "local, split and auto bandwidths need branched rollouts (--sampler tree and a --branch-steps entry); "
+            "or use --bandwidth broad"
+        )
     if args.n_roots < 2:
-        raise SystemExit(f"--n-roots {args.n_roots}: RVGE needs >= 2 independent roots per prompt (broad groups and the latent variance s2)")
+        raise SystemExit(
+            f"--n-roots {args.n_roots}: RVGE needs >= 2 independent roots per prompt "
+            "(broad groups and the latent variance s2)"
+        )
     if branch and args.n_branch < 2 and any(b != "broad" for b in bandwidths):
-        raise SystemExit(f"--n-branch {args.n_branch}: local groups need >= 2 siblings; raise --n-branch or use --bandwidth broad")
+        raise SystemExit(
+            f"--n-branch {args.n_branch}: local groups need >= 2 siblings; raise --n-branch or use --bandwidth broad"
+        )
     if args.credit == "recast" and (args.n_roots < 2 or not branch):
-        raise SystemExit("--credit recast estimates gains from branched pairs: it needs --n-roots >= 2 and a --branch-steps entry")
+        raise SystemExit(
+            "--credit recast estimates gains from branched pairs: it needs --n-roots >= 2 and a --branch-steps entry"
+        )
     if is_embedded(args.model) and args.train_prompts:
-        raise SystemExit("--train-prompts is not used with the embedded model (it samples prompts of its own world): omit it, or give --model")
+        raise SystemExit(
+            "--train-prompts is not used with the embedded model (it samples prompts of its own world): "
+            "omit it, or give --model"
+        )
     if args.train_prompts:
         unquoted = [q for q in read_prompts(args.train_prompts, "--train-prompts") if ocr_target(q) is None]
         if "ocr" in names and unquoted:
-            raise SystemExit(f"--train-prompts {args.train_prompts}: the ocr reward scores the text between double quotes, and "
-                             f"{len(unquoted)} prompt(s) quote nothing, the first: {unquoted[0]!r}. Quote the text to render")
+            raise SystemExit(
+                f"--train-prompts {args.train_prompts}: the ocr reward scores the text between double quotes, and "
+                f"{len(unquoted)} prompt(s) quote nothing, the first: {unquoted[0]!r}. Quote the text to render"
+            )
     if args.eval_prompts and len(read_prompts(args.eval_prompts, "--eval-prompts")) < 2:
-        raise SystemExit(f"--eval-prompts {args.eval_prompts}: give at least 2 prompts (the held-out set is judged as a set)")
+        raise SystemExit(
+            f"--eval-prompts {args.eval_prompts}: give at least 2 prompts (the held-out set is judged as a set)"
+        )
     args.out = str(run_folder(args))
     return names, budgets, branch
 
@@ -840,11 +910,15 @@ def run_folder(args):
     elif args.out:
         out = Path(args.out)
         if holds_run(out) and not args.overwrite:
-            raise SystemExit(f"--out {out} already holds a run. Continue it with --resume {out}, choose another --out, "
-                             "or replace it with --overwrite")
+            raise SystemExit(
+                f"--out {out} already holds a run. Continue it with --resume {out}, choose another --out, "
+                "or replace it with --overwrite"
+            )
     else:
         base = Path("runs") / (args.name or default_name(args))
-        out = next(p for p in (base.with_name(f"{base.name}-{i}") if i else base for i in range(10**6)) if not holds_run(p))
+        out = next(
+            p for p in (base.with_name(f"{base.name}-{i}") if i else base for i in range(10**6)) if not holds_run(p)
+        )
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write_test.{os.getpid()}"
@@ -879,10 +953,10 @@ def lock_run(out):
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         handle.close()
-        raise SystemExit(f"{out} is in use by another live process (it holds {out}/.lock); wait for it to finish or stop it") from None
+        raise SystemExit(
+            f"{out} is in use by another live process (it holds {out}/.lock); wait for it to finish or stop it"
+        ) from None
     return handle
-
-
 
 
 # Copied from recast.is_embedded
@@ -913,7 +987,9 @@ def load_pipeline(args, device, dtype):
             module.requires_grad_(False)
             module.eval()
     transformer = pipe.transformer
-    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian", target_modules=LORA_TARGETS)
+    config = LoraConfig(
+        r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian", target_modules=LORA_TARGETS
+    )
     torch.manual_seed(args.seed)
     transformer.add_adapter(config, adapter_name="default")
     adapters = ["default", "old"] + (["ema"] if args.ema else [])
@@ -932,7 +1008,8 @@ def load_pipeline(args, device, dtype):
 
 # Copied from recast.scheduler_sigmas
 def scheduler_sigmas(pipe, steps):
-    """The pipeline scheduler's sigma grid (steps + 1,) for `steps` steps, from a copy (the pipeline's own stays as set)."""
+    """The pipeline scheduler's sigma grid (steps + 1,) for `steps` steps, from a copy (the pipeline's own stays
+    as set)."""
     scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
     scheduler.set_timesteps(steps)
     return scheduler.sigmas.float().cpu()
@@ -957,7 +1034,6 @@ def copy_adapter(transformer, src, dst, keep=0.0):
 def dry_run(args):
     """SD3.5-Medium readiness without weights: its transformer (shipped config) on the meta device,
     the LoRA attached, trainable parameters and a memory plan for one micro-batch."""
-    import torch
     from accelerate import init_empty_weights
     from diffusers import SD3Transformer2DModel
     from peft import LoraConfig
@@ -979,11 +1055,19 @@ def dry_run(args):
         "two LoRA adapters (fp32)": 4 * 2 * trainable / gib,
         "AdamW state + grads (fp32)": 3 * 4 * trainable / gib,
         # rough activation size kept for backward: per block ~ 12 tensors of (tokens, hidden) in bf16
-        f"activations, micro-batch {args.train_batch} (estimate)": args.train_batch * config["num_layers"] * 12 * tokens
-        * config["num_attention_heads"] * config["attention_head_dim"] * 2 / gib,
+        f"activations, micro-batch {args.train_batch} (estimate)": args.train_batch
+        * config["num_layers"]
+        * 12
+        * tokens
+        * config["num_attention_heads"]
+        * config["attention_head_dim"]
+        * 2
+        / gib,
     }
-    print(f"SD3.5-Medium transformer: {total / 1e6:.1f}M parameters, LoRA on {targets} linear layers "
-          f"(r={args.lora_rank}, alpha={args.lora_alpha}): {trainable / 1e6:.2f}M trainable")
+    print(
+        f"SD3.5-Medium transformer: {total / 1e6:.1f}M parameters, LoRA on {targets} linear layers "
+        f"(r={args.lora_rank}, alpha={args.lora_alpha}): {trainable / 1e6:.2f}M trainable"
+    )
     for key, value in plan.items():
         print(f"  {key:<45} {value:8.2f} GiB")
     print(f"  {'total (transformer training, excl. VAE/text encoders)':<45} {sum(plan.values()):8.2f} GiB")
@@ -1023,8 +1107,9 @@ def encode(pipe, prompts, max_len, device):
     import torch
 
     with torch.no_grad():
-        emb, _, pooled, _ = pipe.encode_prompt(prompts, prompts, prompts, device=device,
-                                               do_classifier_free_guidance=False, max_sequence_length=max_len)
+        emb, _, pooled, _ = pipe.encode_prompt(
+            prompts, prompts, prompts, device=device, do_classifier_free_guidance=False, max_sequence_length=max_len
+        )
     return emb, pooled
 
 
@@ -1039,14 +1124,35 @@ def velocity(transformer, x, s, emb, pooled, chunk=64):
     outs = []
     for i in range(0, len(x), chunk):
         sl = slice(i, i + chunk)
-        outs.append(transformer(hidden_states=x[sl].to(dtype), timestep=s[sl] * 1000, encoder_hidden_states=emb[sl],
-                                pooled_projections=pooled[sl], return_dict=False)[0].float())
+        outs.append(
+            transformer(
+                hidden_states=x[sl].to(dtype),
+                timestep=s[sl] * 1000,
+                encoder_hidden_states=emb[sl],
+                pooled_projections=pooled[sl],
+                return_dict=False,
+            )[0].float()
+        )
     return torch.cat(outs)
 
 
 # Copied from recast.tree_rollout
-def tree_rollout(transformer, emb, pooled, sigmas, n_roots, n_branch, branch, sde_a, gen, shape, chunk=64, probe_steps=(),
-                 substeps=1, solver="euler"):
+def tree_rollout(
+    transformer,
+    emb,
+    pooled,
+    sigmas,
+    n_roots,
+    n_branch,
+    branch,
+    sde_a,
+    gen,
+    shape,
+    chunk=64,
+    probe_steps=(),
+    substeps=1,
+    solver="euler",
+):
     """One tree per prompt (DESIGN §5): n_roots noises run with the ODE to the group's first branch
     step; at each of its branch steps every state is copied n_branch times; after the first branch the
     SDE continues (`substeps` Euler-Maruyama sub-steps per grid interval, so that siblings sample
@@ -1061,7 +1167,10 @@ def tree_rollout(transformer, emb, pooled, sigmas, n_roots, n_branch, branch, sd
 
     device = emb.device
     P, T = len(emb), len(sigmas) - 1
-    per_group = lambda steps: [list(x) for x in steps] if steps and isinstance(steps[0], (list, tuple)) else [list(steps)] * P  # noqa: E731
+
+    def per_group(steps):
+        return [list(x) for x in steps] if steps and isinstance(steps[0], (list, tuple)) else [list(steps)] * P
+
     branch, probe_steps = per_group(branch), per_group(probe_steps)
     L = len(branch[0])
     first = np.array([min(b) if b else T for b in branch])
@@ -1076,10 +1185,16 @@ def tree_rollout(transformer, emb, pooled, sigmas, n_roots, n_branch, branch, sd
             if column.any():  # copy the branching states n_branch times, recording the branch index taken
                 copies = np.where(column > 0, n_branch, 1)
                 child = np.concatenate([np.arange(c) for c in copies])
-                x, groups, column = x.repeat_interleave(torch.as_tensor(copies, device=device), 0), groups.repeat(copies), column.repeat(copies)
+                x, groups, column = (
+                    x.repeat_interleave(torch.as_tensor(copies, device=device), 0),
+                    groups.repeat(copies),
+                    column.repeat(copies),
+                )
                 ancestry = ancestry.repeat(copies, 0)
                 ancestry[column > 0, column[column > 0]] = child[column > 0]
-                x0_prev = None if x0_prev is None else x0_prev.repeat_interleave(torch.as_tensor(copies, device=device), 0)
+                x0_prev = (
+                    None if x0_prev is None else x0_prev.repeat_interleave(torch.as_tensor(copies, device=device), 0)
+                )
             s, s_next = float(sigmas[j]), float(sigmas[j + 1])
             v = velocity(transformer, x, torch.full((len(x),), s, device=device), emb[groups], pooled[groups], chunk)
             x0_hat = x - s * v
@@ -1094,8 +1209,20 @@ def tree_rollout(transformer, emb, pooled, sigmas, n_roots, n_branch, branch, sd
             if sde.any():
                 on = sde.cpu().numpy()
                 x_ode = x_ode.clone()
-                x_ode[sde] = sde_continue(transformer, x[sde], v[sde], s, s_next, emb[groups[on]], pooled[groups[on]], sde_a,
-                                          float(sigmas[1]), substeps, gen, chunk)
+                x_ode[sde] = sde_continue(
+                    transformer,
+                    x[sde],
+                    v[sde],
+                    s,
+                    s_next,
+                    emb[groups[on]],
+                    pooled[groups[on]],
+                    sde_a,
+                    float(sigmas[1]),
+                    substeps,
+                    gen,
+                    chunk,
+                )
             x, x0_prev = x_ode, x0_hat
     return x, groups, ancestry, probes
 
@@ -1111,8 +1238,6 @@ def sde_continue(transformer, x, v, s, s_next, emb, pooled, sde_a, s_first, subs
             v = velocity(transformer, x, torch.full((len(x),), float(u), device=x.device), emb, pooled, chunk)
         x = sde_step(x, v, float(u), float(u_next), sde_a, s_first, torch.randn(x.shape, generator=gen).to(x.device))
     return x
-
-
 
 
 # Copied from recast.decode
@@ -1139,7 +1264,9 @@ def decode(pipe, latents, chunk=8):
 # =============================================================================
 
 
-def rvge_update(transformer, opt, leaves, groups, directions, mix, s2, emb, pooled, sigmas, args, gen, all_reduce_grads, on_step):
+def rvge_update(
+    transformer, opt, leaves, groups, directions, mix, s2, emb, pooled, sigmas, args, gen, all_reduce_grads, on_step
+):
     """The iteration's (leaf, timestep) samples in --updates-per-iter equal chunks, one AdamW step per
     chunk on the mean loss over its samples (as `recast.nft_update`). Per sample: fresh noise,
     x_t = (1 - s) x0 + s eps, target v_target = sum_k w_kj v_k and query weight q = sum_k w_kj q_k
@@ -1154,13 +1281,22 @@ def rvge_update(transformer, opt, leaves, groups, directions, mix, s2, emb, pool
     params = lora_params(transformer, "default")
     totals = {"loss/policy": 0.0, "loss/base_reg": 0.0, "train/opt_steps": 0, "train/samples": len(pairs)}
     for chunk in pairs.tensor_split(args.updates_per_iter):
-        batches = [noised_batch(batch, leaves, groups, emb, pooled, sigmas, gen) for batch in chunk.split(args.train_batch)]
-        frozen = frozen_velocities_ahead(transformer, batches, args.frozen_batch, args.base_reg > 0) if args.frozen_batch else None
+        batches = [
+            noised_batch(batch, leaves, groups, emb, pooled, sigmas, gen) for batch in chunk.split(args.train_batch)
+        ]
+        frozen = (
+            frozen_velocities_ahead(transformer, batches, args.frozen_batch, args.base_reg > 0)
+            if args.frozen_batch
+            else None
+        )
         for b_idx, (batch, i, j, x0, s, x_t, cond) in enumerate(batches):
             v_old, v_base = frozen[b_idx] if frozen else frozen_velocities(transformer, x_t, s, cond, args.base_reg > 0)
             with torch.no_grad():
                 w = mix_t[:, j].to(device)  # (K, B)
-                per_reward = [reward_target(v_old, s, d.rows(i), s2, args.transfer_cap, args.transfer, args.query_weights) for d in directions]
+                per_reward = [
+                    reward_target(v_old, s, d.rows(i), s2, args.transfer_cap, args.transfer, args.query_weights)
+                    for d in directions
+                ]
                 v_target = sum(w[k].view(-1, *[1] * (x0.dim() - 1)) * v_k for k, (v_k, _) in enumerate(per_reward))
                 q = sum(w[k] * q_k for k, (_, q_k) in enumerate(per_reward))
             v_theta = velocity(transformer, x_t, s, *cond)
@@ -1180,7 +1316,7 @@ def training_pairs(N, T, per_leaf, gen):
     distinct sampler steps, the first of a random permutation of the T (DiffusionNFT: 9 of 10)."""
     import torch
 
-    steps = torch.stack([torch.randperm(T, generator=gen)[:min(per_leaf, T)] for _ in range(N)])
+    steps = torch.stack([torch.randperm(T, generator=gen)[: min(per_leaf, T)] for _ in range(N)])
     pairs = torch.stack([torch.arange(N).repeat_interleave(steps.shape[1]), steps.reshape(-1)], 1)
     return pairs[torch.randperm(len(pairs), generator=gen)]
 
@@ -1207,8 +1343,18 @@ def frozen_velocities_ahead(transformer, batches, size, with_base):
     cat = lambda k: torch.cat([b[k] for b in batches])  # noqa: E731
     x_t, s = cat(5), cat(4)
     cond = (torch.cat([b[6][0] for b in batches]), torch.cat([b[6][1] for b in batches]))
-    v_old, v_base = zip(*(frozen_velocities(transformer, x_t[k:k + size], s[k:k + size], (cond[0][k:k + size], cond[1][k:k + size]), with_base)
-                          for k in range(0, len(x_t), size)))
+    v_old, v_base = zip(
+        *(
+            frozen_velocities(
+                transformer,
+                x_t[k : k + size],
+                s[k : k + size],
+                (cond[0][k : k + size], cond[1][k : k + size]),
+                with_base,
+            )
+            for k in range(0, len(x_t), size)
+        )
+    )
     sizes = [len(b[0]) for b in batches]
     return list(zip(torch.cat(v_old).split(sizes), torch.cat(v_base).split(sizes)))
 
@@ -1248,8 +1394,10 @@ def check_finite(values):
     folder keeps its last good checkpoint). values: the step's losses and gradient norm."""
     bad = {k: v for k, v in values.items() if not math.isfinite(v)}
     if bad:
-        raise SystemExit(f"non-finite {bad}: the optimizer step was not taken and nothing was saved; the last good "
-                         "checkpoint is kept. Lower --lr or check the flags and rewards, then --resume")
+        raise SystemExit(
+            f"non-finite {bad}: the optimizer step was not taken and nothing was saved; the last good "
+            "checkpoint is kept. Lower --lr or check the flags and rewards, then --resume"
+        )
 
 
 # =============================================================================
@@ -1271,8 +1419,10 @@ def save_checkpoint(out, iteration, transformer, opt, state):
     lora = {a: get_peft_model_state_dict(transformer, adapter_name=a) for a in transformer.peft_config}
     bad = [k for sd in lora.values() for k, v in sd.items() if not torch.isfinite(v).all()]
     if bad:
-        raise SystemExit(f"non-finite LoRA weights ({bad[0]}, {len(bad)} tensors) at iteration {iteration}: not saved; "
-                         f"the last good checkpoint in {out}/checkpoints is kept")
+        raise SystemExit(
+            f"non-finite LoRA weights ({bad[0]}, {len(bad)} tensors) at iteration {iteration}: not saved; "
+            f"the last good checkpoint in {out}/checkpoints is kept"
+        )
     root = out / "checkpoints"
     final, tmp = root / f"iter_{iteration:06d}", root / f"iter_{iteration:06d}.tmp"
     try:
@@ -1288,8 +1438,10 @@ def save_checkpoint(out, iteration, transformer, opt, state):
         os.replace(root / "latest.tmp", root / "latest")
     except (OSError, RuntimeError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise SystemExit(f"writing the checkpoint of iteration {iteration} failed ({err}); is the disk full? "
-                         f"The last good checkpoint in {root} is kept; free space, then continue with --resume {out}") from None
+        raise SystemExit(
+            f"writing the checkpoint of iteration {iteration} failed ({err}); is the disk full? "
+            f"The last good checkpoint in {root} is kept; free space, then continue with --resume {out}"
+        ) from None
     previous = max((p for p in root.glob("iter_??????") if p.name < final.name), default=None)
     for old in root.glob("iter_??????"):
         if old not in (final, previous):
@@ -1336,8 +1488,19 @@ def evaluate(run, args):
 
     emb, pooled = run.encode(run.eval_prompts)
     run.transformer.set_adapter("ema" if args.ema else "default")
-    latents, _, _, _ = tree_rollout(run.transformer, emb, pooled, run.eval_sigmas, n_roots=1, n_branch=1, branch=[], sde_a=0.0,
-                                    gen=torch.Generator().manual_seed(12345), shape=run.shape, chunk=args.rollout_batch)
+    latents, _, _, _ = tree_rollout(
+        run.transformer,
+        emb,
+        pooled,
+        run.eval_sigmas,
+        n_roots=1,
+        n_branch=1,
+        branch=[],
+        sde_a=0.0,
+        gen=torch.Generator().manual_seed(12345),
+        shape=run.shape,
+        chunk=args.rollout_batch,
+    )
     run.transformer.set_adapter("default")
     images = decode(run.pipe, latents)
     R = score(run.rewards, images, run.eval_prompts)
@@ -1387,7 +1550,9 @@ def plot_run(out, names):
     fig.colorbar(im, ax=axes[0])
     D_meas, D_se = np.array(last["recast/D_measured"]), np.array(last["recast/D_se"])  # -1: level not measured
     for k, n in enumerate(names):
-        line, = axes[1].plot(sig, np.array(last["recast/D"])[k], label=f"{n} (evidence {last['recast/evidence'][k]:.2f})")
+        (line,) = axes[1].plot(
+            sig, np.array(last["recast/D"])[k], label=f"{n} (evidence {last['recast/evidence'][k]:.2f})"
+        )
         ok = D_se[k] >= 0
         axes[1].errorbar(sig[ok], D_meas[k, ok], yerr=2 * D_se[k, ok], fmt="o", ms=3, capsize=2, color=line.get_color())
         axes[2].plot(sig[:-1], np.array(last["recast/gains"])[k], marker=".", label=n)
@@ -1441,10 +1606,17 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
     def prompts_for(it):  # each process its own prompt groups
         if world:
             return world.sample_prompts(args.prompts_per_iter, "train", args.seed * 7919 + it * 97 + acc.process_index)
-        return list(np.random.default_rng([args.seed, it, acc.process_index]).choice(train_prompts, args.prompts_per_iter))
+        return list(
+            np.random.default_rng([args.seed, it, acc.process_index]).choice(train_prompts, args.prompts_per_iter)
+        )
 
     return SimpleNamespace(
-        acc=acc, pipe=pipe, transformer=pipe.transformer, names=names, budgets=budgets, branch=branch,
+        acc=acc,
+        pipe=pipe,
+        transformer=pipe.transformer,
+        names=names,
+        budgets=budgets,
+        branch=branch,
         rewards=build_rewards(names, replace(args, device=str(acc.device)), reward_extras(args.model, extra_rewards)),
         judges=judges if judges is not None or world is None else world.JUDGES,
         frechet=world.frechet_distance if world else None,  # held-out drift judge (set level)
@@ -1452,9 +1624,16 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
         eval_sigmas=scheduler_sigmas(pipe, args.eval_steps or args.steps),
         shape=(pipe.transformer.config.in_channels, res // pipe.vae_scale_factor, res // pipe.vae_scale_factor),
         opt=torch.optim.AdamW(lora_params(pipe.transformer, "default"), lr=args.lr, weight_decay=args.weight_decay),
-        eval_prompts=read_prompts(args.eval_prompts, "--eval-prompts") if args.eval_prompts else (world.sample_prompts(16, "heldout", 0) if world else []),
-        out=Path(args.out), lock=lock, reduce=reduce, all_reduce_grads=all_reduce_grads,
-        prompts_for=prompts_for, encode=lambda prompts: encode(pipe, prompts, max_len, acc.device))
+        eval_prompts=read_prompts(args.eval_prompts, "--eval-prompts")
+        if args.eval_prompts
+        else (world.sample_prompts(16, "heldout", 0) if world else []),
+        out=Path(args.out),
+        lock=lock,
+        reduce=reduce,
+        all_reduce_grads=all_reduce_grads,
+        prompts_for=prompts_for,
+        encode=lambda prompts: encode(pipe, prompts, max_len, acc.device),
+    )
 
 
 # Copied from recast.rollout_and_score
@@ -1463,23 +1642,47 @@ def rollout_and_score(run, args, it, gen, probe_steps=()):
     with this iteration's branch layout; ode: independent deterministic DPM-Solver-2 samples, as
     DiffusionNFT), decoded leaves scored; x0_hat kept, decoded and scored at probe_steps (steps, or
     "layout": each group's layout steps, the denoised estimator). Returns a namespace with prompts, emb,
-    pooled, leaves, groups, ancestry, layouts, probes [(step, x0_hat, groups)], probe_R [(step, R, groups)], R (N, K)."""
+    pooled, leaves, groups, ancestry, layouts, probes [(step, x0_hat, groups)], probe_R [(step, R, groups)],
+    R (N, K)."""
     prompts = run.prompts_for(it)
     emb, pooled = run.encode(prompts)
     P = len(prompts)
     layouts = branch_layout(P, args.steps, run.branch, offset=(it * run.acc.num_processes + run.acc.process_index) * P)
     tree = args.sampler == "tree"
     run.transformer.set_adapter("old")
-    leaves, groups, ancestry, probes = tree_rollout(run.transformer, emb, pooled, run.sigmas, args.n_roots, args.n_branch,
-                                                    layouts if tree else [], args.sde_a, gen, run.shape, args.rollout_batch,
-                                                    layouts if probe_steps == "layout" else probe_steps, args.sde_substeps,
-                                                    "euler" if tree else "dpm2")
+    leaves, groups, ancestry, probes = tree_rollout(
+        run.transformer,
+        emb,
+        pooled,
+        run.sigmas,
+        args.n_roots,
+        args.n_branch,
+        layouts if tree else [],
+        args.sde_a,
+        gen,
+        run.shape,
+        args.rollout_batch,
+        layouts if probe_steps == "layout" else probe_steps,
+        args.sde_substeps,
+        "euler" if tree else "dpm2",
+    )
     run.transformer.set_adapter("default")
     t_rollout = time.perf_counter()
     R = score(run.rewards, decode(run.pipe, leaves), [prompts[g] for g in groups])
     probe_R = [(j, score(run.rewards, decode(run.pipe, x0h), [prompts[g] for g in gp]), gp) for j, x0h, gp in probes]
-    return SimpleNamespace(prompts=prompts, emb=emb, pooled=pooled, leaves=leaves, groups=groups, ancestry=ancestry,
-                           layouts=layouts if tree else [[]] * P, R=R, probes=probes, probe_R=probe_R, t_rollout=t_rollout)
+    return SimpleNamespace(
+        prompts=prompts,
+        emb=emb,
+        pooled=pooled,
+        leaves=leaves,
+        groups=groups,
+        ancestry=ancestry,
+        layouts=layouts if tree else [[]] * P,
+        R=R,
+        probes=probes,
+        probe_R=probe_R,
+        t_rollout=t_rollout,
+    )
 
 
 # Copied from recast.global_stats
@@ -1489,7 +1692,7 @@ def global_stats(R, reduce):
     Rz = np.where(finite, R, 0.0)
     n = reduce(finite.sum(0))
     mean = reduce(Rz.sum(0)) / np.maximum(n, 1)
-    return n, mean, np.sqrt(np.maximum(reduce((Rz ** 2).sum(0)) / np.maximum(n, 1) - mean ** 2, 0.0))
+    return n, mean, np.sqrt(np.maximum(reduce((Rz**2).sum(0)) / np.maximum(n, 1) - mean**2, 0.0))
 
 
 # Copied from recast.finish_iteration
@@ -1520,7 +1723,15 @@ def start_or_resume(run, args):
     start = state.pop("iteration") + 1 if state else 0
     if run.acc.is_main_process:
         if args.overwrite:
-            for name in ("config.json", "metrics.jsonl", "checkpoints", "rewards.png", "credit.png", "samples_before.png", "samples_after.png"):
+            for name in (
+                "config.json",
+                "metrics.jsonl",
+                "checkpoints",
+                "rewards.png",
+                "credit.png",
+                "samples_before.png",
+                "samples_after.png",
+            ):
                 shutil.rmtree(run.out / name) if (run.out / name).is_dir() else (run.out / name).unlink(missing_ok=True)
         for leftover in list(run.out.glob("*.tmp")) + list((run.out / "checkpoints").glob("*.tmp")):
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
@@ -1546,7 +1757,13 @@ def train(args: Args, extra_rewards=None, judges=None):
         if args.ema:
             copy_adapter(run.transformer, "default", "ema", keep=ema_decay(state["opt_steps"]))
 
-    for it in tqdm(range(start, args.iterations), desc="rvge", initial=start, total=args.iterations, disable=not run.acc.is_main_process):
+    for it in tqdm(
+        range(start, args.iterations),
+        desc="rvge",
+        initial=start,
+        total=args.iterations,
+        disable=not run.acc.is_main_process,
+    ):
         gen, before = iteration_generator(args.seed, it), None
         if it == 0 and args.eval_every and run.eval_prompts and run.acc.is_main_process:
             before, images = evaluate(run, args)
@@ -1561,29 +1778,66 @@ def train(args: Args, extra_rewards=None, judges=None):
             if run.acc.is_main_process:
                 save_checkpoint(run.out, max(it - 1, 0), run.transformer, run.opt, state)
             bad = [n for n, c in zip(run.names, n_valid) if c == 0]
-            raise SystemExit(f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; checkpoint saved in {run.out}. "
-                             f"Fix the reward, then continue with --resume {run.out}")
+            raise SystemExit(
+                f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; checkpoint saved in {run.out}. "
+                f"Fix the reward, then continue with --resume {run.out}"
+            )
         A = advantages(b.R, b.groups, std=std)  # clipped, in global-std units (NaN rewards: 0)
         r = optimality(b.R, b.groups, std=std)  # for the pairs estimator of --credit recast
         from recast import credit  # ReCAST's credit (pairs estimator, alpha = 2) lives in recast.py; budgets: uniform W
 
-        state["level_stats"], credit_info, W = credit(SimpleNamespace(**asdict(args), gain_estimator="pairs", alpha=2.0),
-                                                      state.get("level_stats"), r, std, b, budgets, run.sigmas.double().numpy(), run.reduce)
-        directions, s2, rvge_metrics = value_directions(b, A, run.sigmas, run.branch, bandwidths, run.names, args, run.reduce)
+        state["level_stats"], credit_info, W = credit(
+            SimpleNamespace(**asdict(args), gain_estimator="pairs", alpha=2.0),
+            state.get("level_stats"),
+            r,
+            std,
+            b,
+            budgets,
+            run.sigmas.double().numpy(),
+            run.reduce,
+        )
+        directions, s2, rvge_metrics = value_directions(
+            b, A, run.sigmas, run.branch, bandwidths, run.names, args, run.reduce
+        )
         mix = W * T / sum(budgets)  # (K, T): each column sums to one
         t3 = time.perf_counter()
         # 3. regression update of "default", then the soft update of "old"
-        losses = rvge_update(run.transformer, run.opt, b.leaves, torch.as_tensor(b.groups), directions, mix, s2, b.emb, b.pooled,
-                             run.sigmas, args, gen, run.all_reduce_grads, on_step)
+        losses = rvge_update(
+            run.transformer,
+            run.opt,
+            b.leaves,
+            torch.as_tensor(b.groups),
+            directions,
+            mix,
+            s2,
+            b.emb,
+            b.pooled,
+            run.sigmas,
+            args,
+            gen,
+            run.all_reduce_grads,
+            on_step,
+        )
         copy_adapter(run.transformer, "default", "old", keep=old_decay(state["opt_steps"], args.old_decay))
         t4 = time.perf_counter()
         # 4. log, evaluate, checkpoint
-        metrics = {"iteration": it, **{f"reward/{n}": float(mean_R[k]) for k, n in enumerate(run.names)},
-                   "reward/weighted": float(np.asarray(budgets) @ mean_R / sum(budgets)),
-                   **dict(zip([f"reward_nonfinite/{n}" for n in run.names], (run.reduce(len(b.R)) - n_valid).astype(int).tolist())),
-                   **losses, "train/samples": int(run.reduce(losses["train/samples"])), **rvge_metrics, **credit_info,
-                   "recast/sigmas": run.sigmas.tolist(),
-                   "time/rollout": b.t_rollout - t0, "time/reward": t2 - b.t_rollout, "time/regression": t3 - t2, "time/update": t4 - t3}
+        metrics = {
+            "iteration": it,
+            **{f"reward/{n}": float(mean_R[k]) for k, n in enumerate(run.names)},
+            "reward/weighted": float(np.asarray(budgets) @ mean_R / sum(budgets)),
+            **dict(
+                zip([f"reward_nonfinite/{n}" for n in run.names], (run.reduce(len(b.R)) - n_valid).astype(int).tolist())
+            ),
+            **losses,
+            "train/samples": int(run.reduce(losses["train/samples"])),
+            **rvge_metrics,
+            **credit_info,
+            "recast/sigmas": run.sigmas.tolist(),
+            "time/rollout": b.t_rollout - t0,
+            "time/reward": t2 - b.t_rollout,
+            "time/regression": t3 - t2,
+            "time/update": t4 - t3,
+        }
         finish_iteration(run, args, it, metrics, state, before)
     if run.acc.is_main_process:
         plot_run(run.out, run.names)
@@ -1597,7 +1851,9 @@ def read_prompts(path, flag="prompts"):
     try:
         text = Path(path).read_bytes().decode("utf-8")
     except OSError as err:
-        raise SystemExit(f"{flag} {path}: cannot read it ({err.strerror}); give a text file with one prompt per line") from None
+        raise SystemExit(
+            f"{flag} {path}: cannot read it ({err.strerror}); give a text file with one prompt per line"
+        ) from None
     except UnicodeDecodeError:
         raise SystemExit(f"{flag} {path}: not UTF-8 text; save it as UTF-8, one prompt per line") from None
     if "\x00" in text:
@@ -1633,7 +1889,9 @@ def keep_metrics_until(path, start):
 # Copied from recast.git_sha
 def git_sha():
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         return "unknown"
 

@@ -1,5 +1,6 @@
 """bench_gpu.py --tiny: the GPU profiler runs the real training loops on CPU at toy size and reports
 every phase with finite, positive times and FLOP counts that match the loop's structure."""
+
 import json
 import math
 
@@ -46,10 +47,15 @@ def test_counted_samples_match_the_tree_and_the_update(tiny_report):
     _, saved, _ = tiny_report
     F = saved["flops_per_sample"]
     for method, phases in saved["methods"].items():
-        assert phases["samples"] == {"rollout": {"nograd": 68, "grad": 0}, "reward": {"decode": 16},
-                                     "update": {"nograd": 64, "grad": 32}}, method
+        assert phases["samples"] == {
+            "rollout": {"nograd": 68, "grad": 0},
+            "reward": {"decode": 16},
+            "update": {"nograd": 64, "grad": 32},
+        }, method
         assert phases["rollout"]["tflop"] * 1e12 == pytest.approx(68 * F["transformer_forward"])
-        assert phases["update"]["tflop"] * 1e12 == pytest.approx(64 * F["transformer_forward"] + 32 * F["transformer_forward_backward"])
+        assert phases["update"]["tflop"] * 1e12 == pytest.approx(
+            64 * F["transformer_forward"] + 32 * F["transformer_forward_backward"]
+        )
 
 
 def test_the_loop_functions_are_restored_after_profiling(tiny_report):
@@ -62,7 +68,9 @@ def test_the_loop_functions_are_restored_after_profiling(tiny_report):
     assert recast.nft_update.__qualname__ == "nft_update" and rvge.rvge_update.__qualname__ == "rvge_update"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: checks that peak memory is reported per phase")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: checks that peak memory is reported per phase"
+)
 def test_cuda_run_reports_peak_memory(tmp_path):
     result = bench_gpu.main(["--tiny", "--device", "cuda", "--methods", "nft", "--out", str(tmp_path)])
     phases = result["methods"]["nft"]

@@ -6,6 +6,7 @@ ipykernel's wheel installs the `python3` kernel spec into sys.prefix, so a plain
 `pip install -r requirements.txt` is enough; if no spec is found (unusual installs) one is written
 into a temporary folder for this run only, pointing at the interpreter running the tests.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,7 +31,9 @@ def _ensure_python3_kernelspec(tmp_path, monkeypatch):
 
     prefix = tmp_path / "jupyter-prefix"
     install(kernel_name="python3", prefix=str(prefix))
-    monkeypatch.setenv("JUPYTER_PATH", str(prefix / "share" / "jupyter") + os.pathsep + os.environ.get("JUPYTER_PATH", ""))
+    monkeypatch.setenv(
+        "JUPYTER_PATH", str(prefix / "share" / "jupyter") + os.pathsep + os.environ.get("JUPYTER_PATH", "")
+    )
 
 
 def test_notebook_runs(tmp_path, monkeypatch):
@@ -41,12 +44,15 @@ def test_notebook_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     assert nb.metadata["kernelspec"]["name"] == "python3"
-    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                                     resources={"metadata": {"path": str(ROOT)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+    )
     client.execute()  # raises CellExecutionError (with the traceback) if any cell, or any assert in it, fails
     out_dir = os.environ.get("NOTEBOOK_OUT")
     if out_dir:  # keep the executed copy for reading (never written into the repository by default)
         nbformat.write(nb, Path(out_dir) / "derivations.executed.ipynb")
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    errors = [
+        o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"
+    ]
     assert not errors
     assert sys.version_info >= (3, 9)

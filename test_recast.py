@@ -2,6 +2,7 @@
 properties of the W solver, closed-form checks against the Gaussian toy, and
 end-to-end runs. Run: python -m pytest -q
 """
+
 import http.server
 import io
 import itertools
@@ -38,8 +39,16 @@ def test_parse_budgets_reads_and_keeps_scale():
 
 @pytest.mark.parametrize(
     "text, words",
-    [("", "empty"), ("   ", "empty"), ("0.4,abc", "not a number"), ("0.4,,0.1", "not a number"),
-     ("nan,1", "finite"), ("inf", "finite"), ("0.5,-0.1", "negative"), ("0,0,0", "all budgets are zero")],
+    [
+        ("", "empty"),
+        ("   ", "empty"),
+        ("0.4,abc", "not a number"),
+        ("0.4,,0.1", "not a number"),
+        ("nan,1", "finite"),
+        ("inf", "finite"),
+        ("0.5,-0.1", "negative"),
+        ("0,0,0", "all budgets are zero"),
+    ],
 )
 def test_parse_budgets_errors_name_the_problem_and_the_fix(text, words):
     with pytest.raises(ValueError) as err:
@@ -172,7 +181,9 @@ def test_level_observations_match_a_naive_loop():
         assert np.allclose(s2[:, j], (np.mean(sib, 0) - np.mean(cross, 0)) ** 2)
     assert n.tolist() == [2, 0, 1, 0, 0, 0, 0, 1, 0, 0, 2]
     D, se = recast.level_curves(n, s1, s2)
-    assert np.isnan(D[:, 2]).all() and np.isfinite(D[:, 10]).all() and (D[:, 0] == 0).all()  # one observation: no error bar
+    assert (
+        np.isnan(D[:, 2]).all() and np.isfinite(D[:, 10]).all() and (D[:, 0] == 0).all()
+    )  # one observation: no error bar
     base = s1[:, 0] / 2
     assert np.allclose(D[:, 10], np.log1p(s1[:, 10] / 2 / base))
     assert np.allclose(se[:, 10], np.sqrt((s2[:, 10] / 2 - (s1[:, 10] / 2) ** 2) * 2 / 1 / 2) / base)
@@ -181,7 +192,7 @@ def test_level_observations_match_a_naive_loop():
 def test_evidence_keeps_W_uniform_for_identical_profiles_and_follows_clear_differences():
     T, sig = 10, recast.shifted_sigmas(10)
     frac = np.arange(T + 1) / T
-    early, late = np.sqrt(frac) * 0.04, frac ** 3 * 0.04  # a coarse and a fine reward's curves, D(0) = 0.04
+    early, late = np.sqrt(frac) * 0.04, frac**3 * 0.04  # a coarse and a fine reward's curves, D(0) = 0.04
     n = np.full(T + 1, 50.0)
     rng = np.random.default_rng(0)
     se = np.full((2, T + 1), 0.002)
@@ -199,9 +210,13 @@ def test_evidence_keeps_W_uniform_for_identical_profiles_and_follows_clear_diffe
 def test_gains_are_monotone_projected_and_telescope():
     sig = recast.shifted_sigmas(10, 3.0)
     t_levels = [1.0, 0.8, 0.6, 0.3, 0.0]
-    D_raw = np.array([[0.0, 0.2, 0.1, 0.4, 0.5],  # violates monotonicity at 0.6
-                      [0.0, -0.05, 0.0, 0.0, 0.3],  # negative noise
-                      [0.0, 0.0, 0.0, 0.0, 0.0]])  # uninformative reward
+    D_raw = np.array(
+        [
+            [0.0, 0.2, 0.1, 0.4, 0.5],  # violates monotonicity at 0.6
+            [0.0, -0.05, 0.0, 0.0, 0.3],  # negative noise
+            [0.0, 0.0, 0.0, 0.0, 0.0],
+        ]
+    )  # uninformative reward
     D_grid, gains = recast.gains_on_grid(t_levels, D_raw, sig)
     assert (gains >= 0).all() and np.allclose(D_grid[:, 0], 0.0)
     assert np.allclose(gains.sum(1), D_grid[:, -1], atol=1e-12)
@@ -260,8 +275,9 @@ def test_W_agrees_with_pot_sinkhorn(seed):
     W = recast.solve_W(lam, P, tau=tau, eps=eps)
     Kmat = lam[:, None] * ((1 - eps) * P + eps / 7) ** tau
     # entropic OT with cost -log K and reg 1 has the Gibbs kernel K itself
-    W_pot = ot.sinkhorn(lam, np.full(7, lam.sum() / 7), -np.log(Kmat), reg=1.0,
-                        method="sinkhorn_log", stopThr=1e-15, numItermax=100000)
+    W_pot = ot.sinkhorn(
+        lam, np.full(7, lam.sum() / 7), -np.log(Kmat), reg=1.0, method="sinkhorn_log", stopThr=1e-15, numItermax=100000
+    )
     assert np.allclose(W, W_pot, atol=1e-10)
 
 
@@ -310,7 +326,7 @@ def test_nft_loss_matches_the_formula_by_hand():
         terms = []
         for v in ((1 - b) * v_old[i] + b * v_theta[i], (1 + b) * v_old[i] - b * v_theta[i]):
             err = x_t[i] - t[i] * v - x0[i]
-            terms.append(float((err ** 2).mean() / err.abs().mean()))
+            terms.append(float((err**2).mean() / err.abs().mean()))
         assert math.isclose(got[i].item(), 5 * (r[i] * terms[0] + (1 - r[i]) * terms[1]).item() / b, rel_tol=1e-12)
 
 
@@ -367,8 +383,9 @@ def test_dpm2_step_is_diffusers_dpm_solver_2m_on_flow_sigmas():
     N(0, 0.5) data; and its error on the exact ODE endpoint is about half of Euler's at 10 steps."""
     from diffusers import DPMSolverMultistepScheduler
 
-    sch = DPMSolverMultistepScheduler(use_flow_sigmas=True, flow_shift=3.0, prediction_type="flow_prediction", solver_order=2,
-                                      lower_order_final=True)
+    sch = DPMSolverMultistepScheduler(
+        use_flow_sigmas=True, flow_shift=3.0, prediction_type="flow_prediction", solver_order=2, lower_order_final=True
+    )
     sch.set_timesteps(10)
     sig = sch.sigmas.double().numpy()
     s2 = 0.5
@@ -382,7 +399,9 @@ def test_dpm2_step_is_diffusers_dpm_solver_2m_on_flow_sigmas():
         ours, prev = recast.dpm2_step(ours, x0_hat, prev, float(sig[i - 1]) if i else 1.0, t, t_next), x0_hat
         euler = recast.ode_step(euler, vel(euler, t), t, t_next)
     assert (ours - theirs).abs().max() < 1e-5
-    exact = x * math.sqrt(s2 / ((1 - sig[0]) ** 2 * s2 + sig[0] ** 2))  # the exact flow map: x_t scaled by std(x0) / std(x_t)
+    exact = x * math.sqrt(
+        s2 / ((1 - sig[0]) ** 2 * s2 + sig[0] ** 2)
+    )  # the exact flow map: x_t scaled by std(x0) / std(x_t)
     assert (ours - exact).abs().max() < 0.6 * (euler - exact).abs().max()  # measured: 0.23 against 0.46
 
 
@@ -434,7 +453,7 @@ def test_value_direction_matches_the_linear_gaussian_tilt():
     x_t = rng.normal(size=d)
     # exact posterior x0 | x_t for the Gaussian base (mu = 0)
     kappa = rvge.posterior_var(t, s2)
-    post_mean = (1 - t) * s2 / ((1 - t) ** 2 * s2 + t ** 2) * x_t
+    post_mean = (1 - t) * s2 / ((1 - t) ** 2 * s2 + t**2) * x_t
     x0 = post_mean + math.sqrt(kappa) * rng.normal(size=(200_000, d))
     exact = kappa * w / beta
     for est in (rvge.value_direction(x0, x0 @ w, beta=beta), rvge.value_direction(x0, x0 @ w, eta=1 / beta)):
@@ -448,7 +467,7 @@ def test_kappa_transfer_and_query_weights():
     kappa = rvge.posterior_var(t, s2)
     assert np.all(np.diff(kappa) > 0) and np.isclose(kappa[-1], s2)
     # the posterior variance of x0 given x_t for x0 ~ N(0, s2): s2 - s2^2 (1-t)^2 / ((1-t)^2 s2 + t^2)
-    assert np.allclose(kappa, s2 - s2 ** 2 * (1 - t) ** 2 / ((1 - t) ** 2 * s2 + t ** 2))
+    assert np.allclose(kappa, s2 - s2**2 * (1 - t) ** 2 / ((1 - t) ** 2 * s2 + t**2))
     assert np.allclose(rvge.transfer_ratio(t, 0.3, s2, cap=1e9), kappa / rvge.posterior_var(0.3, s2))
     assert rvge.transfer_ratio(1.0, 0.05, s2, cap=4.0) == 4.0
     qw = rvge.query_weight(t, 0.3, s2)
@@ -488,14 +507,20 @@ def test_local_and_broad_groups_are_like_for_like(L):
 def test_split_bandwidth_transfer_and_query_weight_ablations_change_the_target():
     s2, t_b, cap = 0.5, 0.4, 1e9
     t = torch.tensor([0.2, 0.4, 0.7], dtype=torch.float64)
-    v_old, d_loc, d_br = torch.zeros(3, 2, dtype=torch.float64), torch.ones(3, 2, dtype=torch.float64), torch.full((3, 2), 2.0, dtype=torch.float64)
+    v_old, d_loc, d_br = (
+        torch.zeros(3, 2, dtype=torch.float64),
+        torch.ones(3, 2, dtype=torch.float64),
+        torch.full((3, 2), 2.0, dtype=torch.float64),
+    )
     tb = torch.full((3,), t_b, dtype=torch.float64)
     kappa = lambda x: rvge.posterior_var(x, s2)  # noqa: E731
     shift = lambda v: (-v[:, 0] * t).numpy()  # d(t) per query  # noqa: E731
     target = lambda bw, **kw: rvge.reward_target(v_old, t, rvge.RewardDirections(bw, d_loc, d_br, tb), s2, cap, **kw)  # noqa: E731
     ratio_loc, ratio_br = (kappa(t) / kappa(t_b)).numpy(), (kappa(t) / kappa(1.0)).numpy()
     v, q = target("split")
-    assert np.allclose(shift(v), [ratio_loc[0], 1.0, 2 * ratio_br[2]]) and (q == 1).all()  # local below t_b, broad above
+    assert (
+        np.allclose(shift(v), [ratio_loc[0], 1.0, 2 * ratio_br[2]]) and (q == 1).all()
+    )  # local below t_b, broad above
     assert np.allclose(shift(target("local")[0]), ratio_loc) and np.allclose(shift(target("broad")[0]), 2 * ratio_br)
     assert np.allclose(shift(target("split", transfer="none")[0]), [1.0, 1.0, 2.0])  # no transfer: d(t) = d_B
     v, q = target("local", query_weights="on")
@@ -517,13 +542,21 @@ def test_auto_bandwidth_picks_broad_for_tied_rewards_and_split_for_smooth_ones()
     A = rvge.advantages(np.stack([smooth.numpy(), coarse], 1), groups)
     b = SimpleNamespace(leaves=x0, groups=groups, ancestry=ancestry)
     sigmas = torch.linspace(1, 0, 11)
-    dirs, s2, m = rvge.value_directions(b, A, sigmas, [7], ["auto", "auto"], ["smooth", "coarse"], rvge.Args(), np.asarray)
+    dirs, s2, m = rvge.value_directions(
+        b, A, sigmas, [7], ["auto", "auto"], ["smooth", "coarse"], rvge.Args(), np.asarray
+    )
     assert [d.bandwidth for d in dirs] == ["split", "broad"] and m["rvge/tie_share/coarse"] == 1.0
     assert m["rvge/group_size/smooth"] == m["rvge/group_size/coarse"] == 4.0
     assert np.isclose(m["rvge/t_b/smooth"], float(sigmas[7])) and m["rvge/t_b/coarse"] == 1.0
-    assert dirs[1].local is None and torch.allclose(dirs[1].broad, rvge.group_directions(x0, torch.tensor(A[:, 1]).float(),
-                                                                                        rvge.regression_groups(groups, ancestry, False), eta=0.2))
-    broad = rvge.regression_groups(groups, ancestry, False)  # s2: unbiased variance around the broad (independent) groups
+    assert dirs[1].local is None and torch.allclose(
+        dirs[1].broad,
+        rvge.group_directions(
+            x0, torch.tensor(A[:, 1]).float(), rvge.regression_groups(groups, ancestry, False), eta=0.2
+        ),
+    )
+    broad = rvge.regression_groups(
+        groups, ancestry, False
+    )  # s2: unbiased variance around the broad (independent) groups
     dev = torch.cat([x0[broad == g] - x0[broad == g].mean(0) for g in np.unique(broad)])
     assert np.isclose(s2, float(dev.pow(2).sum()) / ((R - 1) * len(np.unique(broad)) * 12))
 
@@ -534,9 +567,13 @@ def test_noisy_coordinates_come_from_each_leafs_own_trajectory():
     P, R, C = 2, 3, 2
     groups, ancestry = hand_tree(P, R, C)
     states = torch.arange(P * R, dtype=torch.float32).view(-1, 1) * torch.ones(1, 2)  # step 1: one state per root
-    leaves_states = torch.arange(len(groups), dtype=torch.float32).view(-1, 1) * torch.ones(1, 2)  # step 8: one per leaf
+    leaves_states = torch.arange(len(groups), dtype=torch.float32).view(-1, 1) * torch.ones(
+        1, 2
+    )  # step 8: one per leaf
     probes = [(1, states, None), (8, leaves_states, None)]
-    assert torch.equal(rvge.denoised_coordinates(probes, 1, len(groups))[:, 0], torch.as_tensor(ancestry[:, 0], dtype=torch.float32))
+    assert torch.equal(
+        rvge.denoised_coordinates(probes, 1, len(groups))[:, 0], torch.as_tensor(ancestry[:, 0], dtype=torch.float32)
+    )
     assert torch.equal(rvge.denoised_coordinates(probes, 8, len(groups)), leaves_states)
     x0 = torch.randn(len(groups), 2, generator=torch.Generator().manual_seed(1))
     b = SimpleNamespace(leaves=x0, groups=groups, ancestry=ancestry, probes=probes)
@@ -545,9 +582,17 @@ def test_noisy_coordinates_come_from_each_leafs_own_trajectory():
     clean, _, _ = rvge.value_directions(b, A, sig, [7], ["split"], ["r"], rvge.Args(), np.asarray)
     noisy, _, _ = rvge.value_directions(b, A, sig, [7], ["split"], ["r"], rvge.Args(coords="noisy"), np.asarray)
     A_t = torch.tensor(A[:, 0]).float()
-    assert torch.allclose(clean[0].local, rvge.group_directions(x0, A_t, rvge.regression_groups(groups, ancestry, True), eta=0.2))
-    assert torch.allclose(noisy[0].local, rvge.group_directions(leaves_states, A_t, rvge.regression_groups(groups, ancestry, True), eta=0.2))
-    assert torch.allclose(noisy[0].broad, rvge.group_directions(states[ancestry[:, 0]], A_t, rvge.regression_groups(groups, ancestry, False), eta=0.2))
+    assert torch.allclose(
+        clean[0].local, rvge.group_directions(x0, A_t, rvge.regression_groups(groups, ancestry, True), eta=0.2)
+    )
+    assert torch.allclose(
+        noisy[0].local,
+        rvge.group_directions(leaves_states, A_t, rvge.regression_groups(groups, ancestry, True), eta=0.2),
+    )
+    assert torch.allclose(
+        noisy[0].broad,
+        rvge.group_directions(states[ancestry[:, 0]], A_t, rvge.regression_groups(groups, ancestry, False), eta=0.2),
+    )
     assert not torch.allclose(noisy[0].local, clean[0].local)
 
 
@@ -562,8 +607,10 @@ def test_sde_step_is_the_reverse_sde_euler_maruyama_step():
     score = -(x + (1 - s) * v) / s  # from v = -(x + t score) / (1 - t)
     drift = v - g2 / 2 * score
     assert math.isclose(recast.sde_step(x, v, s, s_next, a, s1, 0.0), x + drift * (s_next - s))
-    assert math.isclose(recast.sde_step(x, v, s, s_next, a, s1, 1.0) - recast.sde_step(x, v, s, s_next, a, s1, 0.0),
-                        math.sqrt(g2 * (s - s_next)))
+    assert math.isclose(
+        recast.sde_step(x, v, s, s_next, a, s1, 1.0) - recast.sde_step(x, v, s, s_next, a, s1, 0.0),
+        math.sqrt(g2 * (s - s_next)),
+    )
     # at s = 1 the denominator uses s_1
     assert math.isfinite(recast.sde_step(x, v, 1.0, 0.9, a, 0.9, 1.0))
 
@@ -578,8 +625,20 @@ TINY_WORDS = ["a", "red", "blue", "circle", "square", "two"]
 def make_tiny_pipeline(path, seed=0):
     """A tiny random SD3 pipeline of the real diffusers classes (diffusers' get_dummy_components
     pattern), tokenizers built from a vocabulary: nothing is downloaded."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModelWithProjection,
+        CLIPTokenizer,
+        T5Config,
+        T5EncoderModel,
+        T5Tokenizer,
+    )
 
     torch.manual_seed(seed)
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1, "!": 2}
@@ -594,21 +653,58 @@ def make_tiny_pipeline(path, seed=0):
             vocab.setdefault(parts[-2] + parts[-1], len(vocab))
             parts = parts[:-2] + [parts[-2] + parts[-1]]
     clip_tok = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=16)
-    clip_cfg = CLIPTextConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                              max_position_embeddings=16, projection_dim=16, bos_token_id=0, eos_token_id=1, pad_token_id=1)
-    t5_tok = T5Tokenizer(vocab=[("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [("\u2581" + w, -1.0) for w in TINY_WORDS],
-                         model_max_length=16)
+    clip_cfg = CLIPTextConfig(
+        vocab_size=len(vocab),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        projection_dim=16,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+    t5_tok = T5Tokenizer(
+        vocab=[("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [("\u2581" + w, -1.0) for w in TINY_WORDS],
+        model_max_length=16,
+    )
     pipe = StableDiffusion3Pipeline(
-        transformer=SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
-                                          num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
-                                          pooled_projection_dim=32, out_channels=4, pos_embed_max_size=8),
-        vae=AutoencoderKL(block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=8,
-                          down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                          mid_block_add_attention=False, shift_factor=0.0, scaling_factor=1.0),
-        text_encoder=CLIPTextModelWithProjection(clip_cfg), tokenizer=clip_tok,
-        text_encoder_2=CLIPTextModelWithProjection(clip_cfg), tokenizer_2=clip_tok,
-        text_encoder_3=T5EncoderModel(T5Config(vocab_size=len(t5_tok), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)),
-        tokenizer_3=t5_tok, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+        transformer=SD3Transformer2DModel(
+            sample_size=8,
+            patch_size=2,
+            in_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=16,
+            caption_projection_dim=16,
+            pooled_projection_dim=32,
+            out_channels=4,
+            pos_embed_max_size=8,
+        ),
+        vae=AutoencoderKL(
+            block_out_channels=(8, 16),
+            in_channels=3,
+            out_channels=3,
+            latent_channels=4,
+            norm_num_groups=8,
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            mid_block_add_attention=False,
+            shift_factor=0.0,
+            scaling_factor=1.0,
+        ),
+        text_encoder=CLIPTextModelWithProjection(clip_cfg),
+        tokenizer=clip_tok,
+        text_encoder_2=CLIPTextModelWithProjection(clip_cfg),
+        tokenizer_2=clip_tok,
+        text_encoder_3=T5EncoderModel(
+            T5Config(vocab_size=len(t5_tok), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+        ),
+        tokenizer_3=t5_tok,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
     pipe.save_pretrained(path)
     return path
 
@@ -618,7 +714,12 @@ def brightness(images, prompts):
 
 
 def redness(images, prompts):
-    return np.array([(np.asarray(im, dtype=np.float64)[..., 0] - np.asarray(im, dtype=np.float64)[..., 2]).mean() / 255 for im in images])
+    return np.array(
+        [
+            (np.asarray(im, dtype=np.float64)[..., 0] - np.asarray(im, dtype=np.float64)[..., 2]).mean() / 255
+            for im in images
+        ]
+    )
 
 
 TINY_REWARDS = {"brightness": brightness, "redness": redness}
@@ -633,9 +734,31 @@ def tiny(tmp_path_factory):
 
 
 def tiny_argv(tiny, out, *more):
-    return ["--model", str(tiny / "pipe"), "--rewards", "brightness,redness", "--budgets", "0.6,0.4", "--resolution", "16",
-            "--max-sequence-length", "8", "--train-prompts", str(tiny / "prompts.txt"), "--eval-prompts", str(tiny / "prompts.txt"),
-            "--prompts-per-iter", "2", "--out", str(out), "--lora-rank", "4", "--lora-alpha", "8", *more]
+    return [
+        "--model",
+        str(tiny / "pipe"),
+        "--rewards",
+        "brightness,redness",
+        "--budgets",
+        "0.6,0.4",
+        "--resolution",
+        "16",
+        "--max-sequence-length",
+        "8",
+        "--train-prompts",
+        str(tiny / "prompts.txt"),
+        "--eval-prompts",
+        str(tiny / "prompts.txt"),
+        "--prompts-per-iter",
+        "2",
+        "--out",
+        str(out),
+        "--lora-rank",
+        "4",
+        "--lora-alpha",
+        "8",
+        *more,
+    ]
 
 
 def read_metrics(out):
@@ -645,7 +768,9 @@ def read_metrics(out):
 @pytest.mark.parametrize("credit, estimator", [("recast", "pairs"), ("recast", "denoised"), ("nft", "pairs")])
 def test_recast_two_iterations_write_metrics_W_figures_and_a_loadable_lora(tiny, tmp_path, credit, estimator):
     out = tmp_path / "run"
-    argv = tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "1", "--credit", credit, "--gain-estimator", estimator)
+    argv = tiny_argv(
+        tiny, out, "--iterations", "2", "--eval-every", "1", "--credit", credit, "--gain-estimator", estimator
+    )
     if estimator == "denoised":
         argv += ["--alpha", "1.0"]
     recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
@@ -672,9 +797,14 @@ def test_recast_two_iterations_write_metrics_W_figures_and_a_loadable_lora(tiny,
 @pytest.mark.parametrize("credit, beta", [("budgets", None), ("recast", "0.5")])
 def test_rvge_two_iterations_log_bandwidths_directions_and_W(tiny, tmp_path, credit, beta):
     out = tmp_path / "run"
-    argv = tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "1", "--credit", credit, "--rewards", "brightness,dark")
+    argv = tiny_argv(
+        tiny, out, "--iterations", "2", "--eval-every", "1", "--credit", credit, "--rewards", "brightness,dark"
+    )
     argv += ["--kl-beta", beta] if beta else []
-    dark = lambda ims, ps: (brightness(ims, ps) < 0.45).astype(float)  # 0/1: ties among near-copies
+
+    def dark(ims, ps):  # 0/1: ties among near-copies
+        return (brightness(ims, ps) < 0.45).astype(float)
+
     rvge.train(rvge.parse_args(argv), extra_rewards={**TINY_REWARDS, "dark": dark})
     rows = read_metrics(out)
     assert [m["iteration"] for m in rows] == [0, 1]
@@ -698,9 +828,31 @@ def test_diffusionnft_step_counts_ema_and_ode_sampler(tiny, tmp_path):
     from diffusers import StableDiffusion3Pipeline
 
     out = tmp_path / "run"
-    argv = tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "1", "--save-every", "1", "--updates-per-iter", "1",
-                     "--train-steps-per-leaf", "9", "--ema", "--eval-steps", "6", "--sampler", "ode", "--n-roots", "4",
-                     "--credit", "nft", "--gain-estimator", "denoised")
+    argv = tiny_argv(
+        tiny,
+        out,
+        "--iterations",
+        "2",
+        "--eval-every",
+        "1",
+        "--save-every",
+        "1",
+        "--updates-per-iter",
+        "1",
+        "--train-steps-per-leaf",
+        "9",
+        "--ema",
+        "--eval-steps",
+        "6",
+        "--sampler",
+        "ode",
+        "--n-roots",
+        "4",
+        "--credit",
+        "nft",
+        "--gain-estimator",
+        "denoised",
+    )
     recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
     rows = read_metrics(out)
     assert [m["train/opt_steps"] for m in rows] == [1, 1] and [m["train/samples"] for m in rows] == [2 * 4 * 9] * 2
@@ -724,11 +876,15 @@ def test_speed_flags_leave_the_numbers_unchanged(tiny, tmp_path, flags):
     outs = []
     for name, more in (("plain", []), ("flag", flags)):
         out = tmp_path / name
-        argv = tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "0", "--train-batch", "8", "--updates-per-iter", "2", *more)
+        argv = tiny_argv(
+            tiny, out, "--iterations", "2", "--eval-every", "0", "--train-batch", "8", "--updates-per-iter", "2", *more
+        )
         recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
         outs.append(out)
     for a, b in zip(read_metrics(outs[0]), read_metrics(outs[1])):
-        assert a["loss/policy"] == pytest.approx(b["loss/policy"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["loss/policy"] == pytest.approx(b["loss/policy"], rel=1e-5) and a["grad_norm"] == pytest.approx(
+            b["grad_norm"], rel=1e-4
+        )
     wa, wb = (load_file(o / "checkpoints" / "iter_000001" / "pytorch_lora_weights.safetensors") for o in outs)
     assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
 
@@ -745,12 +901,30 @@ def test_rvge_ablation_flags_train_end_to_end(tiny, tmp_path, monkeypatch):
 
     monkeypatch.setattr(rvge, "rollout_and_score", rollout_and_score)
     out = tmp_path / "run"
-    argv = tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0", "--coords", "noisy", "--transfer", "none",
-                     "--query-weights", "on", "--bandwidth", "local,broad", "--branch-steps", "7")
+    argv = tiny_argv(
+        tiny,
+        out,
+        "--iterations",
+        "1",
+        "--eval-every",
+        "0",
+        "--coords",
+        "noisy",
+        "--transfer",
+        "none",
+        "--query-weights",
+        "on",
+        "--bandwidth",
+        "local,broad",
+        "--branch-steps",
+        "7",
+    )
     rvge.train(rvge.parse_args(argv), extra_rewards=TINY_REWARDS)
     m = read_metrics(out)[0]
     assert m["rvge/bandwidth/brightness"] == "local" and m["rvge/bandwidth/redness"] == "broad"
-    assert m["rvge/direction_rms/brightness"] > 0 and m["rvge/direction_rms/redness"] > 0 and np.isfinite(m["loss/policy"])
+    assert (
+        m["rvge/direction_rms/brightness"] > 0 and m["rvge/direction_rms/redness"] > 0 and np.isfinite(m["loss/policy"])
+    )
 
 
 KILL_SCRIPT = """
@@ -783,7 +957,10 @@ def test_resume_after_sigkill_loses_nothing_and_same_seed_repeats(tiny, tmp_path
     assert latest.exists(), "the killed run wrote no checkpoint"
     assert len(read_metrics(killed)) < 5, "the run finished before it could be killed"
     script.train(script.parse_args(["--resume", str(killed)]), extra_rewards=TINY_REWARDS)
-    strip = lambda m: {k: v for k, v in m.items() if not k.startswith("time/")}
+
+    def strip(m):
+        return {k: v for k, v in m.items() if not k.startswith("time/")}
+
     assert [strip(m) for m in read_metrics(killed)] == [strip(m) for m in read_metrics(ref)]
 
 
@@ -816,8 +993,13 @@ def test_two_processes_hold_the_same_W(tiny, tmp_path, module):
     script.write_text(TWO_PROC_SCRIPT.format(repo=here, module=module, out=str(out), argv=argv))
     # accelerate's --cpu flag alone starts one process (several need MPI); --multi_gpu starts
     # torchrun's processes, and --device cpu makes each one a CPU (gloo) rank
-    res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", str(script)],
-                         capture_output=True, text=True, timeout=600, cwd=here)
+    res = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=here,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     W0 = (out / "W_rank0.txt").read_text().splitlines()
     W1 = (out / "W_rank1.txt").read_text().splitlines()
@@ -844,17 +1026,24 @@ def test_nan_rewards_are_left_out_and_an_all_nan_reward_stops_with_a_checkpoint(
     out = tmp_path / "all"
     argv = tiny_argv(tiny, out, "--iterations", "3", "--eval-every", "0", "--rewards", "brightness,dead")
     with pytest.raises(SystemExit, match="NaN/inf for every image"):
-        script.train(script.parse_args(argv), extra_rewards={**TINY_REWARDS, "dead": lambda ims, ps: np.full(len(ims), np.nan)})
+        script.train(
+            script.parse_args(argv), extra_rewards={**TINY_REWARDS, "dead": lambda ims, ps: np.full(len(ims), np.nan)}
+        )
     assert (out / "checkpoints" / "latest").exists()
 
 
 @pytest.mark.parametrize(
     "change, words",
-    [(["--budgets", "0.4,x"], "not a number"), (["--budgets", "1,2,3"], "3 budgets for 2 rewards"),
-     (["--rewards", "brightness,nope"], "unknown or repeated reward"), (["--model", "/no/such/folder"], "no such folder"),
-     (["--model", "stabilityai/stable-diffusion-3.5-medium"], "needs a CUDA GPU"),
-     (["--alpha", "3"], "--alpha 2"), (["--branch-steps", "9"], "strictly between"),
-     (["--out", "/proc/forbidden/run"], "cannot write")],
+    [
+        (["--budgets", "0.4,x"], "not a number"),
+        (["--budgets", "1,2,3"], "3 budgets for 2 rewards"),
+        (["--rewards", "brightness,nope"], "unknown or repeated reward"),
+        (["--model", "/no/such/folder"], "no such folder"),
+        (["--model", "stabilityai/stable-diffusion-3.5-medium"], "needs a CUDA GPU"),
+        (["--alpha", "3"], "--alpha 2"),
+        (["--branch-steps", "9"], "strictly between"),
+        (["--out", "/proc/forbidden/run"], "cannot write"),
+    ],
 )
 @pytest.mark.parametrize("module", ["recast", "rvge"])
 def test_bad_input_fails_before_any_work_with_a_clear_message(tiny, tmp_path, change, words, module):
@@ -875,7 +1064,11 @@ def test_bad_input_fails_before_any_work_with_a_clear_message(tiny, tmp_path, ch
 
 def snapshot(folder):
     """{relative path: bytes} of every file under a run folder (the lock file excluded)."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file() and p.name != ".lock"}
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(Path(folder).rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
 
 
 @pytest.fixture(scope="module", params=["recast", "rvge"])
@@ -883,8 +1076,10 @@ def finished_run(request, tiny, tmp_path_factory):
     """A finished 2-iteration run (checkpoints at both iterations) of each script; tests copy it."""
     script = __import__(request.param)
     out = tmp_path_factory.mktemp(request.param) / "run"
-    script.train(script.parse_args(tiny_argv(tiny, out, "--iterations", "2", "--save-every", "1", "--eval-every", "0")),
-                 extra_rewards=TINY_REWARDS)
+    script.train(
+        script.parse_args(tiny_argv(tiny, out, "--iterations", "2", "--save-every", "1", "--eval-every", "0")),
+        extra_rewards=TINY_REWARDS,
+    )
     return SimpleNamespace(script=script, out=out)
 
 
@@ -906,13 +1101,21 @@ def test_the_same_command_twice_makes_two_runs(tiny, tmp_path, monkeypatch):
     assert snapshot(first) == before and (second / "checkpoints" / "latest").is_file()
 
 
-@pytest.mark.parametrize("more, words", [([], "already holds a run"), (["--train-batch", "0"], "--train-batch 0: must be"),
-                                         (["--lr", "nan"], "--lr nan: must be a finite")])
+@pytest.mark.parametrize(
+    "more, words",
+    [
+        ([], "already holds a run"),
+        (["--train-batch", "0"], "--train-batch 0: must be"),
+        (["--lr", "nan"], "--lr nan: must be a finite"),
+    ],
+)
 def test_an_existing_run_is_never_touched_by_a_new_command(finished_run, tmp_path, more, words):
     out = copy_of(finished_run, tmp_path)
     before = snapshot(out)
     with pytest.raises(SystemExit, match=re.escape(words)):
-        finished_run.script.validate(finished_run.script.parse_args(tiny_argv_for(finished_run, out, *more)), extra_rewards=TINY_REWARDS)
+        finished_run.script.validate(
+            finished_run.script.parse_args(tiny_argv_for(finished_run, out, *more)), extra_rewards=TINY_REWARDS
+        )
     assert snapshot(out) == before
 
 
@@ -921,16 +1124,28 @@ def tiny_argv_for(run, out, *more):
 
 
 def json_args_to_argv(saved, out, *more):
-    keep = ["model", "rewards", "budgets", "resolution", "max_sequence_length", "train_prompts", "eval_prompts", "prompts_per_iter",
-            "lora_rank", "lora_alpha"]
+    keep = [
+        "model",
+        "rewards",
+        "budgets",
+        "resolution",
+        "max_sequence_length",
+        "train_prompts",
+        "eval_prompts",
+        "prompts_per_iter",
+        "lora_rank",
+        "lora_alpha",
+    ]
     return [x for k in keep for x in (f"--{k.replace('_', '-')}", str(saved[k]))] + ["--out", str(out), *more]
 
 
 def test_overwrite_replaces_a_run(finished_run, tmp_path):
     out = copy_of(finished_run, tmp_path)
     script = finished_run.script
-    script.train(script.parse_args(tiny_argv_for(finished_run, out, "--iterations", "1", "--eval-every", "0", "--overwrite")),
-                 extra_rewards=TINY_REWARDS)
+    script.train(
+        script.parse_args(tiny_argv_for(finished_run, out, "--iterations", "1", "--eval-every", "0", "--overwrite")),
+        extra_rewards=TINY_REWARDS,
+    )
     assert [m["iteration"] for m in read_metrics(out)] == [0]
     assert sorted(p.name for p in (out / "checkpoints").glob("iter_*")) == ["iter_000000"]
 
@@ -947,9 +1162,14 @@ def test_resume_trains_the_folder_given_wherever_it_lies(finished_run, tmp_path)
         script.parse_args(["--resume", str(moved), "--out", str(tmp_path / "elsewhere")])
 
 
-@pytest.mark.parametrize("more, words", [(["--rewards", "brightness"], "--rewards: saved 'brightness,redness', given 'brightness'"),
-                                         (["--steps", "12"], "--steps: saved 10, given 12"),
-                                         (["--lora-rank", "8"], "--lora-rank: saved 4, given 8")])
+@pytest.mark.parametrize(
+    "more, words",
+    [
+        (["--rewards", "brightness"], "--rewards: saved 'brightness,redness', given 'brightness'"),
+        (["--steps", "12"], "--steps: saved 10, given 12"),
+        (["--lora-rank", "8"], "--lora-rank: saved 4, given 8"),
+    ],
+)
 def test_resume_refuses_settings_that_cannot_change(finished_run, tmp_path, more, words):
     out = copy_of(finished_run, tmp_path)
     before = snapshot(out)
@@ -966,7 +1186,9 @@ def test_a_second_live_process_on_a_folder_is_refused(finished_run, tmp_path):
     held = finished_run.script.lock_run(out)
     try:
         with pytest.raises(SystemExit, match="in use by another live process"):
-            finished_run.script.train(finished_run.script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+            finished_run.script.train(
+                finished_run.script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS
+            )
     finally:
         held.close()
 
@@ -983,7 +1205,9 @@ def test_resume_survives_damage_and_falls_back_to_an_intact_checkpoint(finished_
     else:
         (ckpts / "iter_000001" / "state.pt").write_bytes((ckpts / "iter_000001" / "state.pt").read_bytes()[:1000])
     (ckpts / "iter_000005.tmp").mkdir()
-    finished_run.script.train(finished_run.script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+    finished_run.script.train(
+        finished_run.script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS
+    )
     its = [m["iteration"] for m in read_metrics(out)]
     if damage == "truncated_state":  # iteration 1 is redone from the iteration-0 checkpoint
         captured = capsys.readouterr()
@@ -994,17 +1218,23 @@ def test_resume_survives_damage_and_falls_back_to_an_intact_checkpoint(finished_
 
 
 @pytest.mark.parametrize("module", ["recast", "rvge"])
-def test_a_non_finite_loss_stops_before_the_step_and_keeps_the_last_good_checkpoint(tiny, tmp_path, module, monkeypatch):
+def test_a_non_finite_loss_stops_before_the_step_and_keeps_the_last_good_checkpoint(
+    tiny, tmp_path, module, monkeypatch
+):
     script = __import__(module)
     out = tmp_path / "run"
-    script.train(script.parse_args(tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0")), extra_rewards=TINY_REWARDS)
+    script.train(
+        script.parse_args(tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0")), extra_rewards=TINY_REWARDS
+    )
     before = snapshot(out)
     loss = "nft_loss" if module == "recast" else "rvge_loss"
     monkeypatch.setattr(script, loss, lambda *a, **k: torch.full((len(a[0]),), float("nan")))
     with pytest.raises(SystemExit, match="non-finite"):
         script.train(script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
     after = snapshot(out)
-    assert {k: v for k, v in after.items() if k != "config.json"} == {k: v for k, v in before.items() if k != "config.json"}
+    assert {k: v for k, v in after.items() if k != "config.json"} == {
+        k: v for k, v in before.items() if k != "config.json"
+    }
 
 
 @pytest.mark.parametrize("module", ["recast", "rvge"])
@@ -1013,19 +1243,42 @@ def test_budgets_are_scale_free(tiny, tmp_path, module):
     losses = []
     for budgets in ("1,1", "1e-40,1e-40", "1e300,1e300"):
         out = tmp_path / budgets
-        script.train(script.parse_args(tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0", "--budgets", budgets)),
-                     extra_rewards=TINY_REWARDS)
+        script.train(
+            script.parse_args(tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0", "--budgets", budgets)),
+            extra_rewards=TINY_REWARDS,
+        )
         losses.append(read_metrics(out)[0]["loss/policy"])
     assert np.isfinite(losses).all() and np.allclose(losses, losses[0], rtol=1e-5)
     with pytest.raises(SystemExit, match="scale them down"):
-        script.validate(script.parse_args(tiny_argv(tiny, tmp_path / "big", "--budgets", "1e308,1e308")), extra_rewards=TINY_REWARDS)
+        script.validate(
+            script.parse_args(tiny_argv(tiny, tmp_path / "big", "--budgets", "1e308,1e308")), extra_rewards=TINY_REWARDS
+        )
 
 
-BAD_FLAGS = [["--iterations", "0"], ["--iterations", "-1"], ["--train-batch", "0"], ["--prompts-per-iter", "0"], ["--n-branch", "0"],
-             ["--n-roots", "0"], ["--resolution", "7"], ["--lora-rank", "0"], ["--updates-per-iter", "0"], ["--rollout-batch", "0"],
-             ["--train-steps-per-leaf", "0"], ["--save-every", "0"], ["--seed", "-1"], ["--lr", "-1"], ["--lr", "nan"],
-             ["--sde-a", "nan"], ["--grad-clip", "nan"], ["--gain-ema", "nan"], ["--gain-ema", "5"], ["--steps", "2"],
-             ["--device", "bogus"], ["--weight-decay", "inf"]]
+BAD_FLAGS = [
+    ["--iterations", "0"],
+    ["--iterations", "-1"],
+    ["--train-batch", "0"],
+    ["--prompts-per-iter", "0"],
+    ["--n-branch", "0"],
+    ["--n-roots", "0"],
+    ["--resolution", "7"],
+    ["--lora-rank", "0"],
+    ["--updates-per-iter", "0"],
+    ["--rollout-batch", "0"],
+    ["--train-steps-per-leaf", "0"],
+    ["--save-every", "0"],
+    ["--seed", "-1"],
+    ["--lr", "-1"],
+    ["--lr", "nan"],
+    ["--sde-a", "nan"],
+    ["--grad-clip", "nan"],
+    ["--gain-ema", "nan"],
+    ["--gain-ema", "5"],
+    ["--steps", "2"],
+    ["--device", "bogus"],
+    ["--weight-decay", "inf"],
+]
 
 
 @pytest.mark.parametrize("change", BAD_FLAGS, ids=lambda c: " ".join(c))
@@ -1044,16 +1297,28 @@ def test_recast_only_flags_are_checked(tiny, tmp_path, change):
         recast.validate(recast.parse_args(tiny_argv(tiny, tmp_path / "run", *change)), extra_rewards=TINY_REWARDS)
 
 
-@pytest.mark.parametrize("change", [["--eta", "nan"], ["--eta", "-1"], ["--transfer-cap", "nan"], ["--tie-threshold", "nan"],
-                                    ["--n-roots", "1"], ["--n-branch", "1"]])
+@pytest.mark.parametrize(
+    "change",
+    [
+        ["--eta", "nan"],
+        ["--eta", "-1"],
+        ["--transfer-cap", "nan"],
+        ["--tie-threshold", "nan"],
+        ["--n-roots", "1"],
+        ["--n-branch", "1"],
+    ],
+)
 def test_rvge_only_flags_are_checked(tiny, tmp_path, change):
     with pytest.raises(SystemExit, match=re.escape(change[0])):
         rvge.validate(rvge.parse_args(tiny_argv(tiny, tmp_path / "run", *change)), extra_rewards=TINY_REWARDS)
 
 
-@pytest.mark.parametrize("field, value", [("coords", "dirty"), ("transfer", "kappa"), ("query_weights", "maybe"), ("bandwidth", "wide")])
+@pytest.mark.parametrize(
+    "field, value", [("coords", "dirty"), ("transfer", "kappa"), ("query_weights", "maybe"), ("bandwidth", "wide")]
+)
 def test_rvge_ablation_flags_refuse_unknown_values(tiny, tmp_path, field, value):
-    """argparse refuses these at the command line; validate() refuses them too (Args built in code, --resume configs)."""
+    """argparse refuses these at the command line; validate() refuses them too (Args built in code, --resume
+    configs)."""
     args = replace(rvge.parse_args(tiny_argv(tiny, tmp_path / "run")), **{field: value})
     with pytest.raises(SystemExit, match=re.escape(f"--{field.replace('_', '-')} {value!r}")):
         rvge.validate(args, extra_rewards=TINY_REWARDS)
@@ -1065,30 +1330,46 @@ def test_rvge_tiny_kl_beta_gives_finite_directions():
     assert torch.isfinite(d).all() and torch.allclose(d, x0[2] - x0.mean(0))  # the softmax becomes the arg max
 
 
-@pytest.mark.parametrize("content, words", [(None, "cannot read it"), (b"\x00\x01\x02", "binary"), ("caf\xe9".encode("latin-1"), "not UTF-8"),
-                                            (b"\n\n", "no prompts")])
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (None, "cannot read it"),
+        (b"\x00\x01\x02", "binary"),
+        ("caf\xe9".encode("latin-1"), "not UTF-8"),
+        (b"\n\n", "no prompts"),
+    ],
+)
 def test_prompt_files_are_checked(tiny, tmp_path, content, words):
     path = tmp_path / "prompts.txt"
     if content is not None:
         path.write_bytes(content)
     with pytest.raises(SystemExit, match=words):
-        recast.validate(recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--train-prompts", str(path))), extra_rewards=TINY_REWARDS)
+        recast.validate(
+            recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--train-prompts", str(path))),
+            extra_rewards=TINY_REWARDS,
+        )
     one = tmp_path / "one.txt"
     one.write_text("a red circle\n")
     with pytest.raises(SystemExit, match="at least 2 prompts"):
-        recast.validate(recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--eval-prompts", str(one))), extra_rewards=TINY_REWARDS)
+        recast.validate(
+            recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--eval-prompts", str(one))), extra_rewards=TINY_REWARDS
+        )
 
 
 def test_unclear_cases_now_name_the_real_problem(tiny, tmp_path):
     with pytest.raises(SystemExit, match="--model /nonexistent: no such folder"):
         recast.validate(recast.parse_args(["--model", "/nonexistent"]))
     with pytest.raises(SystemExit, match="--steps 2: must be"):
-        recast.validate(recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--steps", "2")), extra_rewards=TINY_REWARDS)
+        recast.validate(
+            recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--steps", "2")), extra_rewards=TINY_REWARDS
+        )
     with pytest.raises(SystemExit, match="--train-prompts is not used with the embedded model"):
         recast.validate(recast.parse_args(["--train-prompts", str(tiny / "prompts.txt"), "--out", str(tmp_path / "e")]))
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="no CUDA GPU is visible"):
-            recast.validate(recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--device", "cuda")), extra_rewards=TINY_REWARDS)
+            recast.validate(
+                recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--device", "cuda")), extra_rewards=TINY_REWARDS
+            )
 
 
 def test_checkpoint_write_failure_says_disk_and_keeps_the_last_good_one(finished_run, tmp_path, monkeypatch):
@@ -1102,7 +1383,9 @@ def test_checkpoint_write_failure_says_disk_and_keeps_the_last_good_one(finished
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(SystemExit, match="is the disk full"):
         script.train(script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
-    assert {k: v for k, v in snapshot(out).items() if k.startswith("checkpoints")} == {k: v for k, v in before.items() if k.startswith("checkpoints")}
+    assert {k: v for k, v in snapshot(out).items() if k.startswith("checkpoints")} == {
+        k: v for k, v in before.items() if k.startswith("checkpoints")
+    }
 
 
 @pytest.mark.parametrize("module", ["recast", "rvge"])
@@ -1133,10 +1416,15 @@ def test_helper_scripts_refuse_bad_flags(tmp_path, capsys):
     assert "unknown check(s) ['bogus']" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("change, words", [(["--bandwidth", "wide"], "local, broad, split or auto"),
-                                           (["--bandwidth", "local,broad,auto"], "once per reward"),
-                                           (["--branch-steps", "", "--bandwidth", "local"], "need branched rollouts"),
-                                           (["--branch-steps", "rotate"], "split at one fixed step")])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (["--bandwidth", "wide"], "local, broad, split or auto"),
+        (["--bandwidth", "local,broad,auto"], "once per reward"),
+        (["--branch-steps", "", "--bandwidth", "local"], "need branched rollouts"),
+        (["--branch-steps", "rotate"], "split at one fixed step"),
+    ],
+)
 def test_rvge_bad_bandwidth_input(tiny, tmp_path, change, words):
     with pytest.raises(SystemExit, match=words):
         rvge.validate(rvge.parse_args(tiny_argv(tiny, tmp_path / "run") + change), extra_rewards=TINY_REWARDS)
@@ -1169,6 +1457,7 @@ def tiny_clip(tmp_path_factory):
     """A random CLIP (hidden 32, projection 16, 32x32 images) + tokenizer + image processor, saved to disk."""
     import torch
     from transformers import CLIPConfig, CLIPModel, CLIPProcessor, CLIPTokenizer
+
     try:
         from transformers import CLIPImageProcessorPil as ImageProcessor  # no torchvision needed, no warning
     except ImportError:
@@ -1181,9 +1470,12 @@ def tiny_clip(tmp_path_factory):
     tokenizer = CLIPTokenizer(vocab=vocab, merges=[])
     tower = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4)
     config = CLIPConfig(
-        text_config=dict(tower, vocab_size=len(vocab), max_position_embeddings=77,
-                         bos_token_id=0, eos_token_id=1, pad_token_id=1),
-        vision_config=dict(tower, image_size=32, patch_size=8), projection_dim=16)
+        text_config=dict(
+            tower, vocab_size=len(vocab), max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1
+        ),
+        vision_config=dict(tower, image_size=32, patch_size=8),
+        projection_dim=16,
+    )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny_clip")
     CLIPModel(config).save_pretrained(path)
@@ -1193,8 +1485,14 @@ def tiny_clip(tmp_path_factory):
 
 
 def _opts(tiny_clip, **kw):
-    base = dict(device="cpu", dtype="float32", local_files_only=True, pickscore_model=tiny_clip,
-                pickscore_processor=tiny_clip, clip_model=tiny_clip)
+    base = dict(
+        device="cpu",
+        dtype="float32",
+        local_files_only=True,
+        pickscore_model=tiny_clip,
+        pickscore_processor=tiny_clip,
+        clip_model=tiny_clip,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -1202,6 +1500,7 @@ def _forward(path, images, prompts):
     """Scores through CLIPModel.forward, a different code path: (cos (N,), exp(logit_scale))."""
     import torch
     from transformers import CLIPModel, CLIPProcessor
+
     model, proc = CLIPModel.from_pretrained(path).eval(), CLIPProcessor.from_pretrained(path)
     with torch.no_grad():
         out = model(**proc(text=prompts, images=images, padding=True, return_tensors="pt"))
@@ -1210,7 +1509,10 @@ def _forward(path, images, prompts):
 
 
 def test_import_loads_no_model():
-    code = "import recast, rvge, reward_models, sys; assert not {'torch', 'transformers', 'rapidocr_onnxruntime'} & set(sys.modules)"
+    code = (
+        "import recast, rvge, reward_models, sys; "
+        "assert not {'torch', 'transformers', 'rapidocr_onnxruntime'} & set(sys.modules)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(recast.__file__))
 
 
@@ -1246,12 +1548,16 @@ def test_pickscore_scale_batching_and_cache(tiny_clip):
     np.testing.assert_allclose(got[:2], scale * cos / 26, atol=1e-5)
     info = reward_models.load_clip.cache_info()
     reward_models.build_rewards(["pickscore"], _opts(tiny_clip))
-    assert reward_models.load_clip.cache_info().hits == info.hits + 1 and reward_models.load_clip.cache_info().misses == info.misses
+    assert (
+        reward_models.load_clip.cache_info().hits == info.hits + 1
+        and reward_models.load_clip.cache_info().misses == info.misses
+    )
 
 
 @pytest.mark.parametrize("fmt", ["pth", "safetensors"])
 def test_aesthetic_is_mlp_of_normalised_image_embedding(tiny_clip, tmp_path, fmt):
     import torch
+
     torch.manual_seed(1)
     mlp = reward_models.aesthetic_mlp(16).eval()  # the tiny CLIP's projection size
     for p in mlp.parameters():
@@ -1261,6 +1567,7 @@ def test_aesthetic_is_mlp_of_normalised_image_embedding(tiny_clip, tmp_path, fmt
         torch.save(mlp.state_dict(), path)
     else:
         from safetensors.torch import save_file
+
         save_file({k: v.contiguous() for k, v in mlp.state_dict().items()}, str(path))
     images = _images(3, seed=2)
     with pytest.raises(ValueError, match="--aesthetic-mlp"):
@@ -1295,8 +1602,10 @@ def _render(text):
 
 def test_ocr_reads_rendered_text():
     (reward,) = reward_models.build_rewards(["ocr"], None)
-    got = reward([_render("HELLO"), _render(""), _render("WORLD"), _render("HELLO")],
-                 ['A sign that says "HELLO"'] * 3 + ["a sign with no quoted text"])
+    got = reward(
+        [_render("HELLO"), _render(""), _render("WORLD"), _render("HELLO")],
+        ['A sign that says "HELLO"'] * 3 + ["a sign with no quoted text"],
+    )
     assert got[0] > 0.99  # read back exactly
     assert got[1] == 0.0  # nothing to read
     assert got[2] == pytest.approx(0.2)  # reads "WORLD": Levenshtein("world", "hello") = 4 -> 1 - 4/5
@@ -1321,8 +1630,20 @@ def test_ocr_engine_failure_gives_nan_not_a_crash(monkeypatch):
 def test_ocr_training_prompts_must_quote_their_text(tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text('a sign that says "OPEN"\na red barn at dusk\n')
-    argv = ["--model", "stabilityai/stable-diffusion-3.5-medium", "--rewards", "ocr", "--budgets", "1", "--device", "cpu",
-            "--train-prompts", str(prompts), "--out", str(tmp_path / "run")]
+    argv = [
+        "--model",
+        "stabilityai/stable-diffusion-3.5-medium",
+        "--rewards",
+        "ocr",
+        "--budgets",
+        "1",
+        "--device",
+        "cpu",
+        "--train-prompts",
+        str(prompts),
+        "--out",
+        str(tmp_path / "run"),
+    ]
     with pytest.raises(SystemExit, match="quote nothing, the first: 'a red barn at dusk'"):
         recast.validate(recast.parse_args(argv))
     assert not (tmp_path / "run").exists()
@@ -1330,6 +1651,7 @@ def test_ocr_training_prompts_must_quote_their_text(tmp_path):
 
 class _GenEvalHandler(http.server.BaseHTTPRequestHandler):
     """Speaks the reward-server protocol; score = metadata "want" if the image's red channel is bright."""
+
     def do_POST(self):
         data = pickle.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.batches.append((len(data["images"]), data["only_strict"]))
@@ -1341,8 +1663,15 @@ class _GenEvalHandler(http.server.BaseHTTPRequestHandler):
         images = [Image.open(io.BytesIO(b), formats=["jpeg"]) for b in data["images"]]
         scores = [m["want"] * float(np.asarray(im)[..., 0].mean() > 128) for im, m in zip(images, data["meta_datas"])]
         strict = [float(s == 1.0) for s in scores]
-        body = pickle.dumps({"scores": scores, "rewards": [0.0] * len(scores), "strict_rewards": strict,
-                             "group_rewards": {"counting": strict}, "group_strict_rewards": {"counting": strict}})
+        body = pickle.dumps(
+            {
+                "scores": scores,
+                "rewards": [0.0] * len(scores),
+                "strict_rewards": strict,
+                "group_rewards": {"counting": strict},
+                "group_strict_rewards": {"counting": strict},
+            }
+        )
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -1366,10 +1695,14 @@ def geneval_server():
 
 def test_geneval_client_decodes_server_scores(geneval_server, tmp_path):
     meta = tmp_path / "meta.jsonl"
-    rows = [{"tag": "counting", "include": [{"class": "dog", "count": 2}], "prompt": f"p{i}", "want": i / 70}
-            for i in range(70)]
-    rows += [{"tag": "counting", "include": [], "prompt": "full", "want": 1.0},
-             {"tag": "crash", "include": [], "prompt": "bad", "want": 0.0}]
+    rows = [
+        {"tag": "counting", "include": [{"class": "dog", "count": 2}], "prompt": f"p{i}", "want": i / 70}
+        for i in range(70)
+    ]
+    rows += [
+        {"tag": "counting", "include": [], "prompt": "full", "want": 1.0},
+        {"tag": "crash", "include": [], "prompt": "bad", "want": 0.0},
+    ]
     meta.write_text("".join(json.dumps(r) + "\n" for r in rows))
     url = f"http://127.0.0.1:{geneval_server.server_address[1]}"
     red, black = Image.new("RGB", (16, 16), (255, 0, 0)), Image.new("RGB", (16, 16), (0, 0, 0))
@@ -1378,7 +1711,9 @@ def test_geneval_client_decodes_server_scores(geneval_server, tmp_path):
     got = reward(images, prompts)
     np.testing.assert_allclose(got, [(i % 2) * i / 70 for i in range(70)])
     assert geneval_server.batches == [(64, True), (6, True)]
-    (strict,) = reward_models.build_rewards(["geneval"], dict(geneval_url=url, geneval_metadata=str(meta), geneval_key="strict_rewards"))
+    (strict,) = reward_models.build_rewards(
+        ["geneval"], dict(geneval_url=url, geneval_metadata=str(meta), geneval_key="strict_rewards")
+    )
     assert strict([red, black, red], ["full", "full", "p1"]).tolist() == [1.0, 0.0, 0.0]
     with pytest.raises(RuntimeError, match="(?s)answered 500.*KeyError"):
         reward([red], ["bad"])
@@ -1426,7 +1761,9 @@ def linear_latent_cosines(pipe_path, prompts, max_len, seed=0):
     tr = pipe.transformer
     shape = (tr.config.in_channels, tr.config.sample_size, tr.config.sample_size)
     gen = torch.Generator().manual_seed(seed)
-    leaves, groups, ancestry, _ = rvge.tree_rollout(tr, emb, pooled, pipe.scheduler.sigmas.float(), 4, 4, [7], 0.7, gen, shape)
+    leaves, groups, ancestry, _ = rvge.tree_rollout(
+        tr, emb, pooled, pipe.scheduler.sigmas.float(), 4, 4, [7], 0.7, gen, shape
+    )
     w = torch.randn(leaves[0].numel(), generator=gen)
     R = leaves.flatten(1) @ w
     out = {}
@@ -1441,7 +1778,11 @@ def linear_latent_cosines(pipe_path, prompts, max_len, seed=0):
 def test_rvge_direction_follows_a_linear_latent_reward_on_the_embedded_model():
     import shapes_world
 
-    cos = linear_latent_cosines(recast.EMBEDDED_MODEL, shapes_world.sample_prompts(6, "train", 0), shapes_world.GEN_KWARGS["max_sequence_length"])
+    cos = linear_latent_cosines(
+        recast.EMBEDDED_MODEL,
+        shapes_world.sample_prompts(6, "train", 0),
+        shapes_world.GEN_KWARGS["max_sequence_length"],
+    )
     for bandwidth, c in cos.items():
         print(f"{bandwidth}: mean cosine {c.mean():.3f} ± {c.std() / np.sqrt(len(c)):.3f} over {len(c)} groups")
         assert c.mean() > 3 * c.std() / np.sqrt(len(c)) and c.mean() > 0.02
@@ -1458,12 +1799,15 @@ COPY_MARK = "# Copied from recast."
 
 
 def top_level_definitions(source):
-    """{name: (first line, end line)} (0-based, end exclusive) of top-level defs, classes and single-name assignments."""
+    """{name: (first line, end line)} (0-based, end exclusive) of top-level defs, classes and single-name
+    assignments."""
     import ast
 
     spans = {}
     for node in ast.parse(source).body:
-        name = getattr(node, "name", None) or (node.targets[0].id if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) else None)
+        name = getattr(node, "name", None) or (
+            node.targets[0].id if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) else None
+        )
         if name:
             first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
             spans[name] = (first, node.end_lineno)
@@ -1478,7 +1822,11 @@ def marked_copies(copy_source):
 
 def fix_copies(original=Path(__file__).parent / "recast.py", copy=Path(__file__).parent / "rvge.py"):
     src, dst = original.read_text(), copy.read_text()
-    src_lines, src_spans, lines = src.splitlines(keepends=True), top_level_definitions(src), dst.splitlines(keepends=True)
+    src_lines, src_spans, lines = (
+        src.splitlines(keepends=True),
+        top_level_definitions(src),
+        dst.splitlines(keepends=True),
+    )
     for name, a, b in reversed(marked_copies(dst)):
         s, e = src_spans[name]
         lines[a:b] = src_lines[s:e]
@@ -1494,7 +1842,9 @@ def test_rvge_copies_of_the_shared_skeleton_match_recast():
     for name, a, b in copies:
         assert name in src_spans, f"rvge.py marks {name} as copied from recast.py, which has no {name}"
         s, e = src_spans[name]
-        assert dst_lines[a:b] == src_lines[s:e], f"rvge.py's copy of {name} differs from recast.py's: run python test_recast.py --fix-copies"
+        assert dst_lines[a:b] == src_lines[s:e], (
+            f"rvge.py's copy of {name} differs from recast.py's: run python test_recast.py --fix-copies"
+        )
 
 
 if __name__ == "__main__" and "--fix-copies" in sys.argv:

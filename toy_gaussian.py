@@ -17,6 +17,7 @@ Notation map (code name -> symbol)
 Rewards are ridge functions r(x) = f(u . x); z = u . x0 is Gaussian under every
 mixture component, so all reward expectations are 1-D (quadrature or closed form).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,7 @@ import rvge
 # in a strip |Im y| < a it converges like exp(-2 pi a / step) and, unlike Gauss-Hermite, it integrates
 # cos(w y) to rounding for w up to ~40 (the fine rewards need that).
 Q_Y = np.linspace(-8.5, 8.5, 137)
-Q_W = np.exp(-Q_Y ** 2 / 2) / np.exp(-Q_Y ** 2 / 2).sum()
+Q_W = np.exp(-(Q_Y**2) / 2) / np.exp(-(Q_Y**2) / 2).sum()
 
 # =============================================================================
 # Exact mixtures and rewards
@@ -69,7 +70,7 @@ class GaussianMixture:
     def _log_comp(self, x, t):
         mean, S = self.marginal_params(t)
         diff = x[:, None, :] - mean[None]
-        return np.log(self.w) - 0.5 * (diff ** 2 / S + np.log(2 * np.pi * S)).sum(-1)  # (n, C)
+        return np.log(self.w) - 0.5 * (diff**2 / S + np.log(2 * np.pi * S)).sum(-1)  # (n, C)
 
     def log_prob(self, x, t=0.0):
         """log p_t(x), x (n, d) -> (n,)."""
@@ -149,7 +150,8 @@ class GaussianMixture:
 class RidgeReward:
     """r(x) = f(u . x). moments(mz, q, g) = (E[g(r(z))], E[(z - mz) g(r(z))]) for z ~ N(mz, q):
     the trapezoid rule Q_Y, Q_W, or closed form for the 0/1 step f(z) = 1[z > thr]:
-    E[g] = g0 (1 - P) + g1 P, E[(z - mz) g] = (g1 - g0) sqrt(q) phi((thr - mz) / sqrt(q)), P = Phi((mz - thr) / sqrt(q))."""
+    E[g] = g0 (1 - P) + g1 P, E[(z - mz) g] = (g1 - g0) sqrt(q) phi((thr - mz) / sqrt(q)),
+    P = Phi((mz - thr) / sqrt(q))."""
 
     def __init__(self, name, u, f, step_at=None):
         self.name, self.u, self.f, self.step_at = name, np.asarray(u, dtype=np.float64), f, step_at
@@ -185,7 +187,9 @@ def vonmises_closed(mz, q, w, a=0.7):
     """E[exp(a (cos(w z) - 1))] for z ~ N(mz, q) = e^-a [I_0(a) + 2 sum_k I_k(a) cos(k w mz) exp(-k^2 w^2 q / 2)]
     (Jacobi-Anger expansion and E[cos(k w z)] = cos(k w mz) exp(-k^2 w^2 q / 2))."""
     k = np.arange(1, 40)
-    terms = iv(k, a) * np.cos(k * w * np.asarray(mz)[..., None]) * np.exp(-(k * w) ** 2 * np.asarray(q)[..., None] / 2)
+    terms = (
+        iv(k, a) * np.cos(k * w * np.asarray(mz)[..., None]) * np.exp(-((k * w) ** 2) * np.asarray(q)[..., None] / 2)
+    )
     return np.exp(-a) * (iv(0, a) + 2 * terms.sum(-1))
 
 
@@ -193,7 +197,7 @@ def step_reward(u, thr):
     return RidgeReward("step", u, lambda z: (z > thr).astype(np.float64), step_at=thr)
 
 
-MIX1 = GaussianMixture([0.45, 0.55], [[-1.2], [1.0]], [0.3 ** 2, 0.35 ** 2])
+MIX1 = GaussianMixture([0.45, 0.55], [[-1.2], [1.0]], [0.3**2, 0.35**2])
 MIX2 = GaussianMixture([0.3, 0.3, 0.4], [[-1.0, 0.6], [1.0, 0.8], [0.2, -1.0]], [[0.12, 0.08], [0.1, 0.15], [0.2, 0.1]])
 COARSE1, FINE1 = sigmoid_reward([1.0], 0.0, 0.15), vonmises_reward([1.0], 12.0)
 E1 = np.array([1.0, 0.0])
@@ -230,14 +234,14 @@ def exact_renyi(gm, reward, ts, alphas, n_grid, half=7.0):
         h = gm.posterior_expect(nodes, t, reward)
         D[:, i] = [recast.renyi_from_h(h, a, w) for a in alphas]
         Z = (w * h).sum()
-        D2[i], Eh2[i] = np.log(1 + (w * (h - Z) ** 2).sum() / Z ** 2), (w * h * h).sum()
+        D2[i], Eh2[i] = np.log(1 + (w * (h - Z) ** 2).sum() / Z**2), (w * h * h).sum()
     return D, D2, Eh2
 
 
 def renyi_direct(gm, reward, alpha):
     """D_alpha(pi+ || pi) at t = 0 by 1-D quadrature over each data component (no grid, no noising)."""
-    Z = gm.w @ reward.moments(gm.mu @ reward.u, gm.var @ reward.u ** 2)[0]
-    m = gm.w @ reward.moments(gm.mu @ reward.u, gm.var @ reward.u ** 2, lambda r: recast.renyi_moment(r, Z, alpha))[0]
+    Z = gm.w @ reward.moments(gm.mu @ reward.u, gm.var @ reward.u**2)[0]
+    m = gm.w @ reward.moments(gm.mu @ reward.u, gm.var @ reward.u**2, lambda r: recast.renyi_moment(r, Z, alpha))[0]
     return float(recast.renyi_from_moment(m, alpha))
 
 
@@ -298,11 +302,13 @@ def check_exact_mixture(quick, out=None):
             ax[1].plot(xs[:, 0], MIX1.posterior_mean(xs, max(t, 1e-3)), label=f"t={t}")
         ax[0].set_title("p_t (1-D mixture)"), ax[1].set_title("E[x0 | x_t]"), ax[0].legend(fontsize=7)
         fig.tight_layout(), fig.savefig(os.path.join(out, "1_exact_mixture.png"), dpi=110), plt.close(fig)
-    return [("1 marginal mass |int p_t - 1| (1-D, 2-D)", mass_err, "< 1e-8", mass_err < 1e-8),
-            ("1 posterior mean & velocity: max bin |z|", zmax, "< 5", zmax < 5),
-            ("1 posterior cov: max bin |z| of residual^2", cov_err, "< 5", cov_err < 5),
-            ("1 posterior sampling: max |z| of mean", samp_z, "< 4.5", samp_z < 4.5),
-            ("1 quadrature h_t vs Bessel closed form", gh_err, "< 1e-12", gh_err < 1e-12)]
+    return [
+        ("1 marginal mass |int p_t - 1| (1-D, 2-D)", mass_err, "< 1e-8", mass_err < 1e-8),
+        ("1 posterior mean & velocity: max bin |z|", zmax, "< 5", zmax < 5),
+        ("1 posterior cov: max bin |z| of residual^2", cov_err, "< 5", cov_err < 5),
+        ("1 posterior sampling: max |z| of mean", samp_z, "< 4.5", samp_z < 4.5),
+        ("1 quadrature h_t vs Bessel closed form", gh_err, "< 1e-12", gh_err < 1e-12),
+    ]
 
 
 ALPHAS = (0.5, 1.0, 2.0, 3.0)
@@ -314,8 +320,10 @@ def check_telescoping(quick, out=None):
     step differences (so they are >= 0) and telescopes to D(0) computed directly (1-D quadrature per data component);
     alpha = 2: renyi_from_h equals log(1 + Var h / Z^2)."""
     worst = dict(D1=0.0, incr=0.0, neg=0.0, gain_vs_diff=0.0, tele=0.0, grid_vs_gh=0.0, d2=0.0)
-    for gm, rewards, n_grid, half, n_lev, T in ((MIX1, (COARSE1, FINE1), 1201, 7.0, 21 if quick else 41, 10),
-                                                (MIX2, (COARSE2, FINE2), 161, 6.0, 3 if quick else 9, 4 if quick else 10)):
+    for gm, rewards, n_grid, half, n_lev, T in (
+        (MIX1, (COARSE1, FINE1), 1201, 7.0, 21 if quick else 41, 10),
+        (MIX2, (COARSE2, FINE2), 161, 6.0, 3 if quick else 9, 4 if quick else 10),
+    ):
         sig = recast.shifted_sigmas(T, 3.0)
         ts = np.unique(np.concatenate([np.linspace(0, 1, n_lev), sig]))
         on_grid = np.searchsorted(ts, sig)
@@ -335,13 +343,15 @@ def check_telescoping(quick, out=None):
                 worst["grid_vs_gh"] = max(worst["grid_vs_gh"], abs(Da[0] - direct))
             worst["d2"] = max(worst["d2"], np.abs(D[ALPHAS.index(2.0)] - D2).max())
     w = worst
-    return [("2 D(1) = 0: max |D(1)|", w["D1"], "< 1e-12", w["D1"] < 1e-12),
-            ("2 D non-increasing: max D(t+) - D(t)", w["incr"], "<= 1e-12", w["incr"] <= 1e-12),
-            ("2 exact step gains >= 0: max(-gain)", w["neg"], "<= 1e-12", w["neg"] <= 1e-12),
-            ("2 gains_on_grid = exact differences", w["gain_vs_diff"], "< 1e-10", w["gain_vs_diff"] < 1e-10),
-            ("2 sum of gains - D(0) direct", w["tele"], "< 1e-10", w["tele"] < 1e-10),
-            ("2 D(0) grid vs direct", w["grid_vs_gh"], "< 1e-8", w["grid_vs_gh"] < 1e-8),
-            ("2 alpha=2: D = log(1 + Var h / Z^2)", w["d2"], "< 1e-12", w["d2"] < 1e-12)]
+    return [
+        ("2 D(1) = 0: max |D(1)|", w["D1"], "< 1e-12", w["D1"] < 1e-12),
+        ("2 D non-increasing: max D(t+) - D(t)", w["incr"], "<= 1e-12", w["incr"] <= 1e-12),
+        ("2 exact step gains >= 0: max(-gain)", w["neg"], "<= 1e-12", w["neg"] <= 1e-12),
+        ("2 gains_on_grid = exact differences", w["gain_vs_diff"], "< 1e-10", w["gain_vs_diff"] < 1e-10),
+        ("2 sum of gains - D(0) direct", w["tele"], "< 1e-10", w["tele"] < 1e-10),
+        ("2 D(0) grid vs direct", w["grid_vs_gh"], "< 1e-8", w["grid_vs_gh"] < 1e-8),
+        ("2 alpha=2: D = log(1 + Var h / Z^2)", w["d2"], "< 1e-12", w["d2"] < 1e-12),
+    ]
 
 
 def check_coarse_fine(quick, out=None):
@@ -378,11 +388,13 @@ def check_coarse_fine(quick, out=None):
         ax[1].set_xlabel("step j (starts at sigma)"), ax[1].set_title("W (solve_W, equal budgets)")
         fig.colorbar(im, ax=ax[1]), fig.tight_layout()
         fig.savefig(os.path.join(out, "3_coarse_fine_W.png"), dpi=110), plt.close(fig)
-    return [("3 gain-weighted mean t: coarse", tg[0], f"> fine {tg[1]:.3f}", tg[0] > tg[1]),
-            ("3 step of max coarse W-share starts at s", peak_c, f"> fine's {peak_f:.3f}", peak_c > peak_f),
-            ("3 coarse's W-share, gain-weighted (unif .5)", cs, "> 0.65", cs > 0.65),
-            ("3 fine's W-share, gain-weighted (unif .5)", fs, "> 0.9", fs > 0.9),
-            ("3 W marginals error", marg, "< 1e-9", marg < 1e-9)]
+    return [
+        ("3 gain-weighted mean t: coarse", tg[0], f"> fine {tg[1]:.3f}", tg[0] > tg[1]),
+        ("3 step of max coarse W-share starts at s", peak_c, f"> fine's {peak_f:.3f}", peak_c > peak_f),
+        ("3 coarse's W-share, gain-weighted (unif .5)", cs, "> 0.65", cs > 0.65),
+        ("3 fine's W-share, gain-weighted (unif .5)", fs, "> 0.9", fs > 0.9),
+        ("3 W marginals error", marg, "< 1e-9", marg < 1e-9),
+    ]
 
 
 def sample_exact_trees(gm, n_trees, n_roots, n_branch, t_branch, rng):
@@ -394,14 +406,16 @@ def sample_exact_trees(gm, n_trees, n_roots, n_branch, t_branch, rng):
     L = len(t_branch)
     x = gm.sample(n_trees * n_roots, rng, t=t_branch[0])
     levels = [x]
-    for l in range(L):
+    for level in range(L):
         x = np.repeat(x, n_branch, 0)
         levels = [np.repeat(s, n_branch, 0) for s in levels]
-        if l + 1 < L:
-            x = sample_bridge(gm.sample_posterior(x, t_branch[l], rng), x, t_branch[l], t_branch[l + 1], rng)
+        if level + 1 < L:
+            x = sample_bridge(
+                gm.sample_posterior(x, t_branch[level], rng), x, t_branch[level], t_branch[level + 1], rng
+            )
             levels.append(x)
         else:
-            x = gm.sample_posterior(x, t_branch[l], rng)
+            x = gm.sample_posterior(x, t_branch[level], rng)
     idx = np.indices((n_trees, n_roots) + (n_branch,) * L).reshape(L + 2, -1).T
     return x, levels, idx[:, 0], idx[:, 1:]
 
@@ -428,8 +442,11 @@ def check_pairs(quick, out=None):
         sums, counts = recast.pair_moments(r, groups, anc)
         means.append(sums / counts)
         x_t2.append(states[1][::2, 0])  # each x_{t_2} state appears once per branch below it
-        probes = np.stack([np.full_like(r, 0.5)] + [np.stack([rew(MIX1.posterior_mean(s, t)) for rew in rewards], 1)
-                                                    for s, t in zip(states, t_b)] + [r])  # (4, N, K)
+        probes = np.stack(
+            [np.full_like(r, 0.5)]
+            + [np.stack([rew(MIX1.posterior_mean(s, t)) for rew in rewards], 1) for s, t in zip(states, t_b)]
+            + [r]
+        )  # (4, N, K)
         s_, c_ = recast.denoised_moments(probes, 2.0)  # Z over all leaves (as shipped)
         den["global"] = den["global"] + s_ / c_ / n_batch
         per_tree = [recast.denoised_moments(probes[:, groups == g], 2.0) for g in np.unique(groups)]  # Z per tree
@@ -453,15 +470,20 @@ def check_pairs(quick, out=None):
             ax[k].plot(levels_t, D_den[k], "s", label="denoised (plug-in)")
             ax[k].set_title(rew.name), ax[k].set_xlabel("t"), ax[k].legend(fontsize=7)
         fig.tight_layout(), fig.savefig(os.path.join(out, "4_pairs_vs_denoised.png"), dpi=110), plt.close(fig)
-    rows = [("4 bridge sampler: KS(x_t2, p_t2) p-value", ks.pvalue, "> 0.001", ks.pvalue > 0.001),
-            ("4 pairs E[h_t^2] vs exact: max |z| (8 cells)", z.max(), "< 3", z.max() < 3),
-            ("4 pairs D_2 max abs error (info)", np.abs(D_pairs - D_exact).max(), "(info)", True)]
+    rows = [
+        ("4 bridge sampler: KS(x_t2, p_t2) p-value", ks.pvalue, "> 0.001", ks.pvalue > 0.001),
+        ("4 pairs E[h_t^2] vs exact: max |z| (8 cells)", z.max(), "< 3", z.max() < 3),
+        ("4 pairs D_2 max abs error (info)", np.abs(D_pairs - D_exact).max(), "(info)", True),
+    ]
     for k, rew in enumerate(rewards):
-        rows.append((f"4 denoised D_2 bias {rew.name} at t=.6/.2", f"{bias[k, 1]:+.3f} / {bias[k, 2]:+.3f}",
-                     "(info)", True))
+        rows.append(
+            (f"4 denoised D_2 bias {rew.name} at t=.6/.2", f"{bias[k, 1]:+.3f} / {bias[k, 2]:+.3f}", "(info)", True)
+        )
     d0 = np.abs(bias[:, -1] / D_exact[:, -1]).max()
-    rows += [("4 denoised D_2(0) rel. error, global Z", d0, "< 0.05", d0 < 0.05),
-             ("4 denoised D_2(0) rel. error, per-tree Z", tree0.max(), "(info)", True)]
+    rows += [
+        ("4 denoised D_2(0) rel. error, global Z", d0, "< 0.05", d0 < 0.05),
+        ("4 denoised D_2(0) rel. error, per-tree Z", tree0.max(), "(info)", True),
+    ]
     return rows
 
 
@@ -515,13 +537,23 @@ def check_sde(quick, out=None):
         ax[1].legend(fontsize=7), fig.tight_layout()
         fig.savefig(os.path.join(out, "5_sde_marginals.png"), dpi=110), plt.close(fig)
     std_str = " / ".join(f"{s:.3f}" for s in stds)
-    return [("5 Gaussian final std, 10/20/40/80/160 steps", std_str, "10:.61 40:.68 160:.70 (+-.01)",
-             abs(stds[0] - 0.61) < 0.01 and abs(stds[2] - 0.68) < 0.01 and abs(stds[4] - 0.70) < 0.01),
-            ("5 Gaussian |std - 0.7| strictly shrinking", err[-1], "monotone", bool((np.diff(err) < 0).all())),
-            ("5 Gaussian MC std at 40 steps", mc_std, "0.678 +- 0.01", abs(mc_std - stds[2]) < 0.01),
-            ("5 mixture KS to p0 at 10/40/160 steps", f"{ks[10]:.4f} / {ks[40]:.4f} / {ks[160]:.4f}",
-             "10 > 40 > 160", ks[10] > ks[40] > ks[160]),
-            ("5 mixture KS to p_t at 3 mid-grid points", ks_mid, "< 0.02", ks_mid < 0.02)]
+    return [
+        (
+            "5 Gaussian final std, 10/20/40/80/160 steps",
+            std_str,
+            "10:.61 40:.68 160:.70 (+-.01)",
+            abs(stds[0] - 0.61) < 0.01 and abs(stds[2] - 0.68) < 0.01 and abs(stds[4] - 0.70) < 0.01,
+        ),
+        ("5 Gaussian |std - 0.7| strictly shrinking", err[-1], "monotone", bool((np.diff(err) < 0).all())),
+        ("5 Gaussian MC std at 40 steps", mc_std, "0.678 +- 0.01", abs(mc_std - stds[2]) < 0.01),
+        (
+            "5 mixture KS to p0 at 10/40/160 steps",
+            f"{ks[10]:.4f} / {ks[40]:.4f} / {ks[160]:.4f}",
+            "10 > 40 > 160",
+            ks[10] > ks[40] > ks[160],
+        ),
+        ("5 mixture KS to p_t at 3 mid-grid points", ks_mid, "< 0.02", ks_mid < 0.02),
+    ]
 
 
 class ExactVelocity:
@@ -558,10 +590,27 @@ def credit_iteration(gm, rewards, spec, n_prompts, offset, substeps, gen, estima
     layouts = recast.branch_layout(n_prompts, T, spec, offset)
     model = ExactVelocity(gm)
     emb, pooled = torch.zeros(n_prompts, 1, 1, dtype=torch.float64), torch.zeros(n_prompts, 1, dtype=torch.float64)
-    x, groups, anc, probes = recast.tree_rollout(model, emb, pooled, sig, 2, 4, layouts, np.sqrt(2), gen, (gm.d,), chunk=10 ** 9,
-                                                 probe_steps=layouts if estimator == "denoised" else (), substeps=substeps)
-    score = lambda z: (noise_rng.standard_normal((len(z), len(rewards))) if noise_rng is not None  # noqa: E731
-                       else np.stack([rew(z.double().numpy()) for rew in rewards], 1))
+    x, groups, anc, probes = recast.tree_rollout(
+        model,
+        emb,
+        pooled,
+        sig,
+        2,
+        4,
+        layouts,
+        np.sqrt(2),
+        gen,
+        (gm.d,),
+        chunk=10**9,
+        probe_steps=layouts if estimator == "denoised" else (),
+        substeps=substeps,
+    )
+
+    def score(z):
+        if noise_rng is not None:
+            return noise_rng.standard_normal((len(z), len(rewards)))
+        return np.stack([rew(z.double().numpy()) for rew in rewards], 1)
+
     R = score(x)
     std = R.std(0)
     r = recast.optimality(R, groups, std=std)
@@ -605,19 +654,40 @@ def check_credit(quick, out=None):
     for m in (1, 2, 4):
         stats, cost = credit_iteration(MIX1, rewards, "rotate", n_groups, 0, m, torch.Generator().manual_seed(m))
         D, se = recast.level_curves(*stats)
-        z = (D[0, 1:T - 1] - exact[0, 1:T - 1]) / se[0, 1:T - 1]
-        rel = np.abs(D[0, 1:T - 1] - exact[0, 1:T - 1]).sum() / exact[0, 1:T - 1].sum()
+        z = (D[0, 1 : T - 1] - exact[0, 1 : T - 1]) / se[0, 1 : T - 1]
+        rel = np.abs(D[0, 1 : T - 1] - exact[0, 1 : T - 1]).sum() / exact[0, 1 : T - 1].sum()
         bias[m] = (rel, cost, np.abs(z).max())
-        lines.append(f"  m = {m}     " + " ".join(f"{d:6.3f}" for d in D[0, 1:T - 1]) + f"   {cost:.1f}   (sum |err| / sum D = {rel:.2f})")
-        lines.append("    +- se   " + " ".join(f"{e:6.3f}" for e in se[0, 1:T - 1]))
-    rows += [("8a pairs level error sum|D-D*|/sum D*, 1 / 2 / 4 sub-steps", " / ".join(f"{bias[m][0]:.2f}" for m in (1, 2, 4)),
-              "shrinks with sub-steps", bias[4][0] < bias[1][0]),
-             ("8a rollout evaluations per leaf, 1 / 2 / 4 sub-steps", " / ".join(f"{bias[m][1]:.1f}" for m in (1, 2, 4)), "(info)", True)]
+        lines.append(
+            f"  m = {m}     "
+            + " ".join(f"{d:6.3f}" for d in D[0, 1 : T - 1])
+            + f"   {cost:.1f}   (sum |err| / sum D = {rel:.2f})"
+        )
+        lines.append("    +- se   " + " ".join(f"{e:6.3f}" for e in se[0, 1 : T - 1]))
+    rows += [
+        (
+            "8a pairs level error sum|D-D*|/sum D*, 1 / 2 / 4 sub-steps",
+            " / ".join(f"{bias[m][0]:.2f}" for m in (1, 2, 4)),
+            "shrinks with sub-steps",
+            bias[4][0] < bias[1][0],
+        ),
+        (
+            "8a rollout evaluations per leaf, 1 / 2 / 4 sub-steps",
+            " / ".join(f"{bias[m][1]:.1f}" for m in (1, 2, 4)),
+            "(info)",
+            True,
+        ),
+    ]
     # (b) W error vs iterations, per estimator layout
     reps = 4 if quick else 12
-    lines.append("\n8b mean_kj |W - W*| / (lambda_k / T), coarse vs fine, equal budgets, 8 groups per iteration (mean over reps)")
+    lines.append(
+        "\n8b mean_kj |W - W*| / (lambda_k / T), coarse vs fine, equal budgets, 8 groups per iteration (mean over reps)"
+    )
     errs = {}
-    for name, spec, est in (("pairs rotate", "rotate", "pairs"), ("pairs 3,6", [3, 6], "pairs"), ("denoised rotate", "rotate", "denoised")):
+    for name, spec, est in (
+        ("pairs rotate", "rotate", "pairs"),
+        ("pairs 3,6", [3, 6], "pairs"),
+        ("denoised rotate", "rotate", "denoised"),
+    ):
         for n_it in (1, 10, 50):
             e = []
             for rep in range(reps):
@@ -629,24 +699,43 @@ def check_credit(quick, out=None):
                 W = credit_W(stats, sig, est)[0]
                 e.append(np.abs(W - W_exact).mean() / 0.1)
             errs[(name, n_it)] = np.mean(e)
-        lines.append(f"  {name:<16} 1 it: {errs[(name, 1)]:.3f}   10 its (gamma .9): {errs[(name, 10)]:.3f}   "
-                     f"50 its (gamma .97): {errs[(name, 50)]:.3f}   (uniform W: {np.abs(0.1 - W_exact).mean() / 0.1:.3f})")
+        lines.append(
+            f"  {name:<16} 1 it: {errs[(name, 1)]:.3f}   10 its (gamma .9): {errs[(name, 10)]:.3f}   "
+            f"50 its (gamma .97): {errs[(name, 50)]:.3f}   (uniform W: {np.abs(0.1 - W_exact).mean() / 0.1:.3f})"
+        )
     # (c) pure noise: W stays uniform
     noise_reps = 40 if quick else 200
     dev = {0.0: [], 2.0: []}
     for rep in range(noise_reps):
         stats, gen, nrng = None, torch.Generator().manual_seed(rep), np.random.default_rng(rep)
         for it in range(10):
-            stats = accumulate(stats, credit_iteration(MIX1, rewards, "rotate", 8, it * 8, 1, gen, noise_rng=nrng)[0], 0.9)
+            stats = accumulate(
+                stats, credit_iteration(MIX1, rewards, "rotate", 8, it * 8, 1, gen, noise_rng=nrng)[0], 0.9
+            )
         for c in dev:
             dev[c].append(np.abs(credit_W(stats, sig, c=c)[0] / 0.1 - 1).max())
     q95 = {c: float(np.quantile(v, 0.95)) for c, v in dev.items()}
-    lines.append(f"\n8c pure-noise rewards, 10 iterations: max_kj |W / W_unif - 1|, median / 95th percentile over {noise_reps} runs: "
-                 f"no shrinkage {np.median(dev[0.0]):.3f} / {q95[0.0]:.3f}; evidence c = 2: {np.median(dev[2.0]):.3f} / {q95[2.0]:.3f}")
-    rows += [("8b W error after the horizon, pairs rotate", errs[("pairs rotate", 50)], f"< 1 it ({errs[('pairs rotate', 1)]:.3f})",
-              errs[("pairs rotate", 50)] < errs[("pairs rotate", 1)]),
-             ("8c pure noise: 95th pct max|W/W_unif - 1|, c = 2", q95[2.0], "< 0.05", q95[2.0] < 0.05),
-             ("8c pure noise: same without shrinkage (c = 0)", q95[0.0], "> 4x the shrunk", q95[0.0] > 4 * max(q95[2.0], 0.01))]
+    lines.append(
+        f"\n8c pure-noise rewards, 10 iterations: max_kj |W / W_unif - 1|, "
+        f"median / 95th percentile over {noise_reps} runs: "
+        f"no shrinkage {np.median(dev[0.0]):.3f} / {q95[0.0]:.3f}; "
+        f"evidence c = 2: {np.median(dev[2.0]):.3f} / {q95[2.0]:.3f}"
+    )
+    rows += [
+        (
+            "8b W error after the horizon, pairs rotate",
+            errs[("pairs rotate", 50)],
+            f"< 1 it ({errs[('pairs rotate', 1)]:.3f})",
+            errs[("pairs rotate", 50)] < errs[("pairs rotate", 1)],
+        ),
+        ("8c pure noise: 95th pct max|W/W_unif - 1|, c = 2", q95[2.0], "< 0.05", q95[2.0] < 0.05),
+        (
+            "8c pure noise: same without shrinkage (c = 0)",
+            q95[0.0],
+            "> 4x the shrunk",
+            q95[0.0] > 4 * max(q95[2.0], 0.01),
+        ),
+    ]
     # (d) plenty of samples: the shrunk W recovers the exact W
     stats, _ = credit_iteration(MIX1, rewards, "rotate", 12000, 0, 4, torch.Generator().manual_seed(99))
     W_big, _, _, rho = credit_W(stats, sig)
@@ -655,9 +744,15 @@ def check_credit(quick, out=None):
     D_x, se_x = np.concatenate([np.zeros((2, 1)), exact[:, 1:]], 1), np.full((2, T + 1), 1e-9)
     W_lim = recast.solve_W([1.0, 1.0], recast.credit_profiles(D_x, se_x, sig, n_exact)[2])
     err_lim = np.abs(W_lim - W_exact).max() / 0.1
-    rows += [("8d many samples (4 sub-steps): mean|W - W*| / W_unif", err_big, f"< uniform's {err_unif:.3f} / 2 (rho {rho.round(2).tolist()})",
-              err_big < err_unif / 2),
-             ("8d exact levels, se -> 0: max|W - W*| / W_unif", err_lim, "< 1e-3", err_lim < 1e-3)]
+    rows += [
+        (
+            "8d many samples (4 sub-steps): mean|W - W*| / W_unif",
+            err_big,
+            f"< uniform's {err_unif:.3f} / 2 (rho {rho.round(2).tolist()})",
+            err_big < err_unif / 2,
+        ),
+        ("8d exact levels, se -> 0: max|W - W*| / W_unif", err_lim, "< 1e-3", err_lim < 1e-3),
+    ]
     print("\n".join(lines))
     print("  exact W / 0.1:\n" + "\n".join("    " + " ".join(f"{w / 0.1:5.2f}" for w in row) for row in W_exact))
     print("  many-sample W / 0.1:\n" + "\n".join("    " + " ".join(f"{w / 0.1:5.2f}" for w in row) for row in W_big))
@@ -703,19 +798,25 @@ def check_rvge(quick, out=None):
     kap_err = max(abs(rvge.posterior_var(t, s2) - gm.posterior_cov(xb, t)[0, 0, 0]) for t in (0.1, 0.5, 0.9))
     tilted, ts = gm.tilted_linear(w, beta), np.array([0.1, 0.3, 0.7, 0.9])
     xq = (1 - ts[:, None]) * x0[:4] + ts[:, None] * rng.standard_normal((4, 4))  # queries: noised members
-    v_old = np.stack([gm.velocity(xq[i:i + 1], t)[0] for i, t in enumerate(ts)])
-    v_star = np.stack([tilted.velocity(xq[i:i + 1], t)[0] for i, t in enumerate(ts)])
+    v_old = np.stack([gm.velocity(xq[i : i + 1], t)[0] for i, t in enumerate(ts)])
+    v_star = np.stack([tilted.velocity(xq[i : i + 1], t)[0] for i, t in enumerate(ts)])
     v_tgt = rvge.target_velocity(v_old, np.repeat(d_B[None], 4, 0), ts, t_b, s2)
     tr_err = max(rel(v_tgt[i] - v_old[i], v_star[i] - v_old[i]) for i in range(4))
-    rows += [("6a kappa(t) vs exact Cov(x0|x_t)", kap_err, "< 1e-12", kap_err < 1e-12),
-             ("6a KL direction: cosine to Cov w / beta", cos_a, "> 0.99", cos_a > 0.99),
-             ("6a KL direction: rel. norm error", rel(d_B, kappa * w / beta), "< 0.05", rel(d_B, kappa * w / beta) < 0.05),
-             ("6a first order: rel. error to eta Cov w", rel(d_lin, eta * kappa * w), "< 0.05",
-              rel(d_lin, eta * kappa * w) < 0.05),
-             ("6a transfer t_b=.5 -> t: rel. error of dv", tr_err, "< 0.05", tr_err < 0.05)]
+    rows += [
+        ("6a kappa(t) vs exact Cov(x0|x_t)", kap_err, "< 1e-12", kap_err < 1e-12),
+        ("6a KL direction: cosine to Cov w / beta", cos_a, "> 0.99", cos_a > 0.99),
+        ("6a KL direction: rel. norm error", rel(d_B, kappa * w / beta), "< 0.05", rel(d_B, kappa * w / beta) < 0.05),
+        (
+            "6a first order: rel. error to eta Cov w",
+            rel(d_lin, eta * kappa * w),
+            "< 0.05",
+            rel(d_lin, eta * kappa * w) < 0.05,
+        ),
+        ("6a transfer t_b=.5 -> t: rel. error of dv", tr_err, "< 0.05", tr_err < 0.05),
+    ]
     # (b) Mixture base, smooth reward, KL beta
     beta, n_st = 0.5, 100 if quick else 300
-    s2_pop = float(np.mean(MIX2.w @ (MIX2.var + MIX2.mu ** 2) - (MIX2.w @ MIX2.mu) ** 2))
+    s2_pop = float(np.mean(MIX2.w @ (MIX2.var + MIX2.mu**2) - (MIX2.w @ MIX2.mu) ** 2))
     table, med = [], {}
     for t_b in (0.1, 0.3, 0.6, 1.0):
         for G in (8, 32, 128):
@@ -728,17 +829,33 @@ def check_rvge(quick, out=None):
         for t in tq:  # query: a member noised to t, direction transferred from t_b
             xq = (1 - t) * members[:, 0] + t * rng.standard_normal(members[:, 0].shape)
             est = rvge.transfer_ratio(t, t_b, s2_pop) * d_B
-            tr.append(np.median(np.linalg.norm(est - MIX2.tilted_shift(xq, t, COARSE2, beta), axis=1)
-                                / np.linalg.norm(MIX2.tilted_shift(xq, t, COARSE2, beta), axis=1)))
+            tr.append(
+                np.median(
+                    np.linalg.norm(est - MIX2.tilted_shift(xq, t, COARSE2, beta), axis=1)
+                    / np.linalg.norm(MIX2.tilted_shift(xq, t, COARSE2, beta), axis=1)
+                )
+            )
         table.append((t_b, med[t_b, 8], med[t_b, 32], med[t_b, 128], cos, *tr))
     print("\n6b mixture + smooth reward (beta=0.5): median rel. error of d_B vs exact shift")
     print("  t_b   G=8    G=32   G=128  cos(G=128) | transfer to t=" + " ".join(f"{t:<6}" for t in tq))
     for row in table:
-        print("  " + f"{row[0]:<4}  " + "  ".join(f"{v:.3f}" for v in row[1:5]) + "      | " + " ".join(f"{v:.3f} " for v in row[5:]))
+        print(
+            "  "
+            + f"{row[0]:<4}  "
+            + "  ".join(f"{v:.3f}" for v in row[1:5])
+            + "      | "
+            + " ".join(f"{v:.3f} " for v in row[5:])
+        )
     shrink = all(med[t_b, 128] < med[t_b, 32] < med[t_b, 8] for t_b in (0.1, 0.3, 0.6, 1.0))
-    rows += [("6b rel. error shrinks with G at each t_b", max(med[t_b, 128] for t_b in (0.1, 0.3, 0.6, 1.0)),
-              "G=8 > 32 > 128", shrink),
-             ("6b min mean cosine at G=128", min(r[4] for r in table), "> 0.9", min(r[4] for r in table) > 0.9)]
+    rows += [
+        (
+            "6b rel. error shrinks with G at each t_b",
+            max(med[t_b, 128] for t_b in (0.1, 0.3, 0.6, 1.0)),
+            "G=8 > 32 > 128",
+            shrink,
+        ),
+        ("6b min mean cosine at G=128", min(r[4] for r in table), "> 0.9", min(r[4] for r in table) > 0.9),
+    ]
     # (c) smooth vs discrete reward across bandwidth t_b (G = 16)
     bands, res = (0.02, 0.05, 0.1, 0.2, 0.4, 0.7, 1.0), {}
     smooth, step = sigmoid_reward(E1, 0.0, 0.3), step_reward(E1, 0.0)
@@ -759,9 +876,11 @@ def check_rvge(quick, out=None):
         ax.semilogx(bands, [res["step", b][1] for b in bands], "s:", label="discrete: share tied")
         ax.set_xlabel("group bandwidth t_b"), ax.set_ylabel("mean cosine to exact shift"), ax.legend(fontsize=7)
         fig.tight_layout(), fig.savefig(os.path.join(out, "6_rvge_bandwidth.png"), dpi=110), plt.close(fig)
-    rows += [("6c discrete, local t_b=.05: share tied", res["step", 0.05][1], "> 0.5", res["step", 0.05][1] > 0.5),
-             ("6c discrete, broad t_b=1: mean cosine", res["step", 1.0][0], "> 0.5", res["step", 1.0][0] > 0.5),
-             ("6c smooth, local t_b=.05: mean cosine", res["coarse", 0.05][0], "> 0.8", res["coarse", 0.05][0] > 0.8)]
+    rows += [
+        ("6c discrete, local t_b=.05: share tied", res["step", 0.05][1], "> 0.5", res["step", 0.05][1] > 0.5),
+        ("6c discrete, broad t_b=1: mean cosine", res["step", 1.0][0], "> 0.5", res["step", 1.0][0] > 0.5),
+        ("6c smooth, local t_b=.05: mean cosine", res["coarse", 0.05][0], "> 0.8", res["coarse", 0.05][0] > 0.8),
+    ]
     return rows
 
 
@@ -771,9 +890,10 @@ def check_rvge(quick, out=None):
 
 
 def mixture_16d(seed=16):
-    """d = 16 mixture with anisotropic components, as image latents are: 4 modes with means ~ N(0, 0.6^2 I), per-dimension
-    variances log-spaced 0.02 ... 0.5 (shuffled per mode). With G << d a group's centred samples span at most G - 1 of
-    the 16 directions (DESIGN §4.2's subspace argument), so the estimator noise shows here and not in d = 2."""
+    """d = 16 mixture with anisotropic components, as image latents are: 4 modes with means ~ N(0, 0.6^2 I),
+    per-dimension variances log-spaced 0.02 ... 0.5 (shuffled per mode). With G << d a group's centred samples span
+    at most G - 1 of the 16 directions (DESIGN §4.2's subspace argument), so the estimator noise shows here and not
+    in d = 2."""
     rng = np.random.default_rng(seed)
     var = np.geomspace(0.02, 0.5, 16)
     means = 0.6 * rng.standard_normal((4, 16))
@@ -782,7 +902,7 @@ def mixture_16d(seed=16):
 
 def reward_moments0(gm, reward):
     """Mean and std of r(x0) under p0, exact (1-D moments per component)."""
-    mz, q = gm.mu @ reward.u, gm.var @ reward.u ** 2
+    mz, q = gm.mu @ reward.u, gm.var @ reward.u**2
     m1, m2 = gm.w @ reward.moments(mz, q)[0], gm.w @ reward.moments(mz, q, lambda r: r * r)[0]
     return m1, np.sqrt(m2 - m1 * m1)
 
@@ -791,7 +911,8 @@ def nft_empirical_shift(x0, r, xq, t, x0_hat, b=1.0):
     """DiffusionNFT's implied target from G rollouts, in x0 units: the minimiser over v(x_q) of its (unweighted) loss on
     the rollouts' empirical distribution with fresh noise, -t (v* - v_old) = (1/b) sum_i w_i (2 r_i - 1)(x0_i - x0_hat),
     w_i propto N(x_q; (1 - t) x0_i, t^2 I) (the rollouts' noising likelihoods; derivations.ipynb §3, before E[u|x_t] =
-    v_old is used). v_old is the exact old velocity (x0_hat = E[x0 | x_q]). x0 (n, G, d), r (n, G), xq (n, d) -> (n, d)."""
+    v_old is used). v_old is the exact old velocity (x0_hat = E[x0 | x_q]).
+    x0 (n, G, d), r (n, G), xq (n, d) -> (n, d)."""
     logw = -((xq[:, None] - (1 - t) * x0) ** 2).sum(-1) / (2 * t * t)
     w = np.exp(logw - logw.max(1, keepdims=True))
     w /= w.sum(1, keepdims=True)
@@ -812,8 +933,12 @@ def check_nft_closed_form(rng):
     x_t, v_old = T(xq), T((xq - x0_hat) / t)
 
     def loss(v):
-        return (w * recast.nft_loss(v.expand(G, d), v_old, x_t, torch.as_tensor(x0[0] * sc), torch.full((G,), t),
-                                    torch.as_tensor(r[0]))).sum()
+        return (
+            w
+            * recast.nft_loss(
+                v.expand(G, d), v_old, x_t, torch.as_tensor(x0[0] * sc), torch.full((G,), t), torch.as_tensor(r[0])
+            )
+        ).sum()
 
     v0 = v_old[:1].clone()
     H = torch.autograd.functional.hessian(loss, v0).reshape(d, d)
@@ -838,7 +963,7 @@ def diagnose(gm, reward, t_b, G, n, ts, rng, eta=0.2, b=1.0, cap=4.0):
     the share of groups whose rewards all tie, and (len(ts),) the relative gap between the first-order shift and the
     exact tilt p propto p exp(eta A) (is eta small enough for first order)."""
     _, std = reward_moments0(gm, reward)
-    var = gm.w @ (gm.var + gm.mu ** 2) - (gm.w @ gm.mu) ** 2  # (d,) population variance per dimension
+    var = gm.w @ (gm.var + gm.mu**2) - (gm.w @ gm.mu) ** 2  # (d,) population variance per dimension
     s2 = float(var.mean())  # pooled per-dimension variance (what rvge.py logs as rvge/s2)
     xs = gm.sample(n, rng, t=t_b)
     x0 = gm.sample_posterior(np.repeat(xs, G, 0), t_b, rng).reshape(n, G, gm.d)
@@ -853,8 +978,10 @@ def diagnose(gm, reward, t_b, G, n, ts, rng, eta=0.2, b=1.0, cap=4.0):
     x_n = sample_bridge(x0, xs[:, None], t_b, t_n, rng)
     d_noisy = direction(gm.posterior_mean(x_n.reshape(-1, gm.d), t_n).reshape(n, G, gm.d), A)
     # The bias: value_direction is unbiased for eta Cov(x0, A | x_{t_b}), so a network that regresses on the targets
-    # converges to E[ratio eta Cov(x0, A | x_{t_b}) | x_q]; x0 ~ x0 | x_q and x_{t_b} ~ N((1 - t_b) x0, t_b^2) (K draws).
+    # converges to E[ratio eta Cov(x0, A | x_{t_b}) | x_q]; x0 ~ x0 | x_q and x_{t_b} ~ N((1 - t_b) x0, t_b^2)
+    # (K draws).
     K = 16
+
     def bias_at(xq, t):
         x_b = (1 - t_b) * gm.sample_posterior(np.repeat(xq, K, 0), t, rng) + t_b * rng.standard_normal((n * K, gm.d))
         return gm.tilted_shift(x_b, t_b, reward, eta=eta / std).reshape(n, K, gm.d).mean(1)
@@ -868,23 +995,35 @@ def diagnose(gm, reward, t_b, G, n, ts, rng, eta=0.2, b=1.0, cap=4.0):
         xq = (1 - t) * x0[:, 0] + t * rng.standard_normal((n, gm.d))
         exact = gm.tilted_shift(xq, t, reward, eta=eta / std)
         full = gm.tilted_shift(xq, t, reward, beta=std / eta)
-        nonlin[i] = np.sqrt(((full - exact) ** 2).sum() / (full ** 2).sum())
+        nonlin[i] = np.sqrt(((full - exact) ** 2).sum() / (full**2).sum())
         ratio, qw = rvge.transfer_ratio(t, t_b, s2, cap), rvge.query_weight(t, t_b, s2)
         d_inf = bias_at(xq, t)
         x0_hat = gm.posterior_mean(xq, t)
-        est = {"clean, direct": ratio * d_clean, "clean, none": d_clean, "noisy, direct": ratio * d_noisy,
-               "clean, direct, qw": qw * ratio * d_clean, "bias (G=inf), direct": ratio * d_inf,
-               "bias (G=inf), none": d_inf, "fix: per-dim s2": rvge.transfer_ratio(t, t_b, var, cap) * d_clean}
+        est = {
+            "clean, direct": ratio * d_clean,
+            "clean, none": d_clean,
+            "noisy, direct": ratio * d_noisy,
+            "clean, direct, qw": qw * ratio * d_clean,
+            "bias (G=inf), direct": ratio * d_inf,
+            "bias (G=inf), none": d_inf,
+            "fix: per-dim s2": rvge.transfer_ratio(t, t_b, var, cap) * d_clean,
+        }
         if t_b < 1:  # proposal: the leaf's local direction at t <= t_b, its broad one (transferred from 1) above
-            est["fix: local<=t_b<broad"] = ratio * d_clean if t <= t_b else rvge.transfer_ratio(t, 1.0, s2, cap) * d_broad
+            est["fix: local<=t_b<broad"] = (
+                ratio * d_clean if t <= t_b else rvge.transfer_ratio(t, 1.0, s2, cap) * d_broad
+            )
         else:  # DiffusionNFT regresses on independent rollouts: the broad group
             est["NFT empirical optimum"] = nft_empirical_shift(x0, r, xq, t, x0_hat, b)
             est["NFT 1 sample"] = (2 * r[:, 0:1] - 1) * (x0[:, 0] - x0_hat) / b
-        ee = (exact ** 2).sum()
+        ee = (exact**2).sum()
         for k, e in est.items():
             dot = (e * exact).sum()
-            res.setdefault(k, np.zeros((len(ts), 4)))[i] = [cosine(e, exact).mean(), np.sqrt(((e - exact) ** 2).sum() / ee),
-                                                           dot / ee, dot / max((e * e).sum(), 1e-300)]
+            res.setdefault(k, np.zeros((len(ts), 4)))[i] = [
+                cosine(e, exact).mean(),
+                np.sqrt(((e - exact) ** 2).sum() / ee),
+                dot / ee,
+                dot / max((e * e).sum(), 1e-300),
+            ]
     return res, tied, nonlin
 
 
@@ -893,8 +1032,12 @@ def diagnosis_cases():
     direction, centred on the population mean of u . x0."""
     gm16, u16 = mixture_16d(), np.full(16, 0.25)
     c16 = float(gm16.w @ gm16.mu @ u16)
-    return {("d=2", "sigmoid"): (MIX2, sigmoid_reward([0.6, 0.8], 0.0, 0.3)), ("d=2", "0/1"): (MIX2, step_reward([0.6, 0.8], 0.0)),
-            ("d=16", "sigmoid"): (gm16, sigmoid_reward(u16, c16, 0.3)), ("d=16", "0/1"): (gm16, step_reward(u16, c16))}
+    return {
+        ("d=2", "sigmoid"): (MIX2, sigmoid_reward([0.6, 0.8], 0.0, 0.3)),
+        ("d=2", "0/1"): (MIX2, step_reward([0.6, 0.8], 0.0)),
+        ("d=16", "sigmoid"): (gm16, sigmoid_reward(u16, c16, 0.3)),
+        ("d=16", "0/1"): (gm16, step_reward(u16, c16)),
+    }
 
 
 def print_diagnosis(Q, ties, cases, ts, Gs, G_show=8):
@@ -902,7 +1045,10 @@ def print_diagnosis(Q, ties, cases, ts, Gs, G_show=8):
     (means over t); c*(t); the share of tied groups."""
     cell = "{cos:5.2f}/{rel:5.2f}({gain:4.2f})"
     for case in cases:
-        print(f"\n6d {case[0]}, {case[1]} reward, G = {G_show}: cosine / rel. error (gain) vs the exact tilted shift, per query t")
+        print(
+            f"\n6d {case[0]}, {case[1]} reward, G = {G_show}: "
+            "cosine / rel. error (gain) vs the exact tilted shift, per query t"
+        )
         print(f"  {'t_b':<4} {'variant':<22} " + " ".join(f"t={t:<13}" for t in ts))
         for t_b in (0.3, 1.0):
             for k in dict.fromkeys(key[4] for key in Q if key[:3] == (*case, t_b)):
@@ -914,10 +1060,17 @@ def print_diagnosis(Q, ties, cases, ts, Gs, G_show=8):
                 mean = lambda f, G: np.mean([Q[(*case, t_b, G, k, t)][f] for t in ts])  # noqa: E731
                 print(f"  {t_b:<4} {k:<22} " + "  ".join(f"{mean('cos', G):4.2f}/{mean('rel', G):5.2f}" for G in Gs))
         for t_b in (0.3, 1.0):
-            print(f"  c*(t) of clean, direct at t_b = {t_b}, G = 2 | 8 | {Gs[-1]}: " + "  ".join(
-                "/".join(f"{Q[(*case, t_b, G, 'clean, direct', t)]['c_star']:.2f}" for G in (2, 8, Gs[-1])) for t in ts))
-        print("  groups that tie (t_b = 0.3 | 1): "
-              + "  ".join(f"G={G}: {ties[(*case, 0.3, G)]:.2f} | {ties[(*case, 1.0, G)]:.2f}" for G in Gs))
+            print(
+                f"  c*(t) of clean, direct at t_b = {t_b}, G = 2 | 8 | {Gs[-1]}: "
+                + "  ".join(
+                    "/".join(f"{Q[(*case, t_b, G, 'clean, direct', t)]['c_star']:.2f}" for G in (2, 8, Gs[-1]))
+                    for t in ts
+                )
+            )
+        print(
+            "  groups that tie (t_b = 0.3 | 1): "
+            + "  ".join(f"G={G}: {ties[(*case, 0.3, G)]:.2f} | {ties[(*case, 1.0, G)]:.2f}" for G in Gs)
+        )
 
 
 def check_rvge_diagnosis(quick, out=None):
@@ -938,8 +1091,22 @@ def check_rvge_diagnosis(quick, out=None):
             for G in Gs:
                 res, ties[(*case, t_b, G)], nl = diagnose(gm, rew, t_b, G, n, np.array(ts), rng)
                 nonlin.append(nl.max())
-                records += [dict(d=case[0], reward=case[1], t_b=t_b, G=G, method=k, t=t, cos=a[i, 0], rel=a[i, 1], gain=a[i, 2],
-                                 c_star=a[i, 3]) for k, a in res.items() for i, t in enumerate(ts)]
+                records += [
+                    dict(
+                        d=case[0],
+                        reward=case[1],
+                        t_b=t_b,
+                        G=G,
+                        method=k,
+                        t=t,
+                        cos=a[i, 0],
+                        rel=a[i, 1],
+                        gain=a[i, 2],
+                        c_star=a[i, 3],
+                    )
+                    for k, a in res.items()
+                    for i, t in enumerate(ts)
+                ]
     Q = {(q["d"], q["reward"], q["t_b"], q["G"], q["method"], q["t"]): q for q in records}
     print_diagnosis(Q, ties, cases, ts, Gs)
     if out:
@@ -956,40 +1123,69 @@ def check_rvge_diagnosis(quick, out=None):
     noise = (m(d16s, 0.3, 2, "clean, direct", tt=below), m(d16s, 0.3, Gs[-1], "clean, direct", tt=below))
     sub = (m(d2s, 0.3, 2, "clean, direct", tt=below), m(d16s, 0.3, 2, "clean, direct", tt=below))
     conv = (m(d16s, 0.3, 8, "bias (G=inf), direct", tt=below), m(d16s, 0.3, 8, "clean, direct", tt=below))
-    broad_bias = (m(d16s, 1.0, 8, "bias (G=inf), direct", tt=below), m(d16s, 1.0, 8, "bias (G=inf), direct", "rel", below))
-    pooled = lambda gm: float(np.mean(gm.w @ (gm.var + gm.mu ** 2) - (gm.w @ gm.mu) ** 2))  # noqa: E731
-    qw_gap = max(abs(Q[(*c, 0.3, G, "clean, direct, qw", t)][f] - Q[(*c, 0.3, G, "clean, none", t)][f])
-                 for c in cases for G in Gs for t in above if rvge.transfer_ratio(t, 0.3, pooled(cases[c][0])) < 4.0
-                 for f in ("cos", "rel", "gain"))
-    tie = (min(ties[(*c, 0.3, 2)] for c in cases if c[1] == "0/1"), max(ties[(*c, 1.0, 8)] for c in cases if c[1] == "0/1"))
-    coords = (np.mean([m(c, 0.3, 8, "clean, direct") - m(c, 0.3, 8, "noisy, direct") for c in cases]),
-              min(m(c, 1.0, 8, "clean, direct") - m(c, 1.0, 8, "noisy, direct") for c in cases))
+    broad_bias = (
+        m(d16s, 1.0, 8, "bias (G=inf), direct", tt=below),
+        m(d16s, 1.0, 8, "bias (G=inf), direct", "rel", below),
+    )
+    pooled = lambda gm: float(np.mean(gm.w @ (gm.var + gm.mu**2) - (gm.w @ gm.mu) ** 2))  # noqa: E731
+    qw_gap = max(
+        abs(Q[(*c, 0.3, G, "clean, direct, qw", t)][f] - Q[(*c, 0.3, G, "clean, none", t)][f])
+        for c in cases
+        for G in Gs
+        for t in above
+        if rvge.transfer_ratio(t, 0.3, pooled(cases[c][0])) < 4.0
+        for f in ("cos", "rel", "gain")
+    )
+    tie = (
+        min(ties[(*c, 0.3, 2)] for c in cases if c[1] == "0/1"),
+        max(ties[(*c, 1.0, 8)] for c in cases if c[1] == "0/1"),
+    )
+    coords = (
+        np.mean([m(c, 0.3, 8, "clean, direct") - m(c, 0.3, 8, "noisy, direct") for c in cases]),
+        min(m(c, 1.0, 8, "clean, direct") - m(c, 1.0, 8, "noisy, direct") for c in cases),
+    )
     hybrid = min(m(c, 0.3, 8, "fix: local<=t_b<broad") - m(c, 0.3, 8, "clean, direct") for c in cases if c != d2s)
     vs_nft = min(m(c, 1.0, 8, "clean, direct") - m(c, 1.0, 8, "NFT empirical optimum") for c in cases)
     overshoot = min(Q[(*c, 1.0, 8, "clean, none", 0.1)]["gain"] for c in cases)
     steps = [Q[(*c, 1.0, 8, "bias (G=inf), direct", 0.9)]["gain"] for c in cases]
     f2 = lambda v: "/".join(f"{x:.2f}" for x in v)  # noqa: E731
-    return [("6d NFT closed form = argmin recast.nft_loss", nft_err, "< 1e-6", nft_err < 1e-6),
-            ("6d first order vs exp tilt at eta=0.2 (max rel)", max(nonlin), "< 0.2", max(nonlin) < 0.2),
-            ("6d noise: local cos t<=t_b, d=16, G=2/G=max", f2(noise), "G=max > G=2 + 0.3", noise[1] > noise[0] + 0.3),
-            ("6d subspace: local G=2 cos t<=t_b, d=2/d=16", f2(sub), "d=2 > d=16 + 0.25", sub[0] > sub[1] + 0.25),
-            ("6d local t<=t_b, d=16: cos G=inf/G=8", f2(conv), "> 0.9 / < 0.75", conv[0] > 0.9 and conv[1] < 0.75),
-            ("6d broad->t<=.3, d=16, G=inf: cos/rel err", f2(broad_bias), "< 0.75 / > 1", broad_bias[0] < 0.75 and broad_bias[1] > 1),
-            ("6d t>t_b, ratio<cap: weight x ratio = none", qw_gap, "< 1e-9", qw_gap < 1e-9),
-            ("6d 0/1 tied: local G=2 (min) / broad G=8 (max)", f2(tie), "> 0.6 / < 0.1", tie[0] > 0.6 and tie[1] < 0.1),
-            ("6d clean - noisy cos, G=8: local mean/broad min", f2(coords), "> 0.03 / > 0.3", coords[0] > 0.03 and coords[1] > 0.3),
-            ("6d fix local<=t_b<broad - local cos (min, G=8)", hybrid, "> 0.1 (not d=2 smooth)", hybrid > 0.1),
-            ("6d RVGE broad - NFT optimum cos, G=8 (min)", vs_nft, "> 0.15", vs_nft > 0.15),
-            ("6d broad, no transfer: gain at t=0.1 (min)", overshoot, "> 3", overshoot > 3),
-            ("6d broad step at t=0.9, G=inf: gain min/max", f2((min(steps), max(steps))), "0.9 .. 1.1",
-             0.9 < min(steps) and max(steps) < 1.1)]
+    return [
+        ("6d NFT closed form = argmin recast.nft_loss", nft_err, "< 1e-6", nft_err < 1e-6),
+        ("6d first order vs exp tilt at eta=0.2 (max rel)", max(nonlin), "< 0.2", max(nonlin) < 0.2),
+        ("6d noise: local cos t<=t_b, d=16, G=2/G=max", f2(noise), "G=max > G=2 + 0.3", noise[1] > noise[0] + 0.3),
+        ("6d subspace: local G=2 cos t<=t_b, d=2/d=16", f2(sub), "d=2 > d=16 + 0.25", sub[0] > sub[1] + 0.25),
+        ("6d local t<=t_b, d=16: cos G=inf/G=8", f2(conv), "> 0.9 / < 0.75", conv[0] > 0.9 and conv[1] < 0.75),
+        (
+            "6d broad->t<=.3, d=16, G=inf: cos/rel err",
+            f2(broad_bias),
+            "< 0.75 / > 1",
+            broad_bias[0] < 0.75 and broad_bias[1] > 1,
+        ),
+        ("6d t>t_b, ratio<cap: weight x ratio = none", qw_gap, "< 1e-9", qw_gap < 1e-9),
+        ("6d 0/1 tied: local G=2 (min) / broad G=8 (max)", f2(tie), "> 0.6 / < 0.1", tie[0] > 0.6 and tie[1] < 0.1),
+        (
+            "6d clean - noisy cos, G=8: local mean/broad min",
+            f2(coords),
+            "> 0.03 / > 0.3",
+            coords[0] > 0.03 and coords[1] > 0.3,
+        ),
+        ("6d fix local<=t_b<broad - local cos (min, G=8)", hybrid, "> 0.1 (not d=2 smooth)", hybrid > 0.1),
+        ("6d RVGE broad - NFT optimum cos, G=8 (min)", vs_nft, "> 0.15", vs_nft > 0.15),
+        ("6d broad, no transfer: gain at t=0.1 (min)", overshoot, "> 3", overshoot > 3),
+        (
+            "6d broad step at t=0.9, G=inf: gain min/max",
+            f2((min(steps), max(steps))),
+            "0.9 .. 1.1",
+            0.9 < min(steps) and max(steps) < 1.1,
+        ),
+    ]
 
 
 # =============================================================================
 # Check 7: end to end in 2-D (torch): flow-matching base, NFT credit modes, RVGE
 # =============================================================================
 
-MIX7 = GaussianMixture([0.25] * 4, [[-1.0, -1.0], [-1.0, 1.0], [1.0, -1.0], [1.0, 1.0]], 0.3 ** 2)
+MIX7 = GaussianMixture([0.25] * 4, [[-1.0, -1.0], [-1.0, 1.0], [1.0, -1.0], [1.0, 1.0]], 0.3**2)
 REWARDS7 = (sigmoid_reward(E1, 0.0, 0.3), vonmises_reward([0.0, 1.0], 8.0))  # coarse: right column; fine: x_2 detail
 LAM7 = np.array([1.0, 1.0])
 
@@ -1001,9 +1197,15 @@ def velocity_mlp(width=128):
     class VelocityMLP(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.net = torch.nn.Sequential(torch.nn.Linear(5, width), torch.nn.SiLU(), torch.nn.Linear(width, width),
-                                           torch.nn.SiLU(), torch.nn.Linear(width, width), torch.nn.SiLU(),
-                                           torch.nn.Linear(width, 2))
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(5, width),
+                torch.nn.SiLU(),
+                torch.nn.Linear(width, width),
+                torch.nn.SiLU(),
+                torch.nn.Linear(width, width),
+                torch.nn.SiLU(),
+                torch.nn.Linear(width, 2),
+            )
 
         def forward(self, x, t):
             t = t.reshape(-1, 1).expand(len(x), 1)
@@ -1043,8 +1245,11 @@ def rollout(model, sig, n_groups, n_roots, n_branch, branch_steps, gen, a=0.7):
             if j in branch_steps:
                 x = x.repeat_interleave(n_branch, 0)
             v = model(x, torch.full((1,), s))
-            x = recast.ode_step(x, v, s, sn) if j < first else \
-                recast.sde_step(x, v, s, sn, a, float(sig[1]), torch.randn(x.shape, generator=gen))
+            x = (
+                recast.ode_step(x, v, s, sn)
+                if j < first
+                else recast.sde_step(x, v, s, sn, a, float(sig[1]), torch.randn(x.shape, generator=gen))
+            )
     L = len(branch_steps)
     idx = np.indices((n_groups, n_roots) + (n_branch,) * L).reshape(L + 2, -1).T
     return x, idx[:, 0], idx[:, 1:]
@@ -1074,15 +1279,21 @@ def finetune(base, method, iters, n_groups=16, seed=0, beta=0.25, lr=1e-3, log_e
     eval_gen_seed, curve = 1234, []
     for it in range(iters + 1):
         if it % log_every == 0 or it == iters:
-            x_eval, _, _ = rollout(model, recast.shifted_sigmas(20, 3.0), 2000, 1, 1, [], torch.Generator().manual_seed(eval_gen_seed))
+            x_eval, _, _ = rollout(
+                model, recast.shifted_sigmas(20, 3.0), 2000, 1, 1, [], torch.Generator().manual_seed(eval_gen_seed)
+            )
             curve.append((it, rewards7(x_eval).mean(0)))
         if it == iters:
             break
         if method == "rvge":
             x0, groups, _ = rollout(old, sig, n_groups, 24, 1, [], gen)  # broad groups: 24 independent samples
             R = rewards7(x0) @ LAM7 / LAM7.sum()
-            d = np.stack([rvge.value_direction(x0.numpy()[groups == g].astype(np.float64), R[groups == g], beta=beta)
-                          for g in range(n_groups)])
+            d = np.stack(
+                [
+                    rvge.value_direction(x0.numpy()[groups == g].astype(np.float64), R[groups == g], beta=beta)
+                    for g in range(n_groups)
+                ]
+            )
             s2 = float(x0.var(0).mean())
             d_B = torch.as_tensor(d[groups], dtype=torch.float32)
         else:
@@ -1112,11 +1323,15 @@ def finetune(base, method, iters, n_groups=16, seed=0, beta=0.25, lr=1e-3, log_e
             v = model(xt, t)
             if method == "rvge":
                 v_tgt = rvge.target_velocity(v_old, d_B[i], t, torch.tensor(1.0), s2)
-                err = (t[:, None] * (v - v_tgt))  # x0-space error, NFT-style adaptive weight
+                err = t[:, None] * (v - v_tgt)  # x0-space error, NFT-style adaptive weight
                 w_q = rvge.query_weight(t, torch.tensor(1.0), s2)
-                loss = w_q * (err ** 2).mean(1) / err.detach().abs().mean(1).clamp_min(1e-5)
+                loss = w_q * (err**2).mean(1) / err.detach().abs().mean(1).clamp_min(1e-5)
             else:
-                r_j = r[i] if method == "nft" else recast.mix_optimality(rk[i], torch.as_tensor(W, dtype=torch.float32), j)
+                r_j = (
+                    r[i]
+                    if method == "nft"
+                    else recast.mix_optimality(rk[i], torch.as_tensor(W, dtype=torch.float32), j)
+                )
                 loss = recast.nft_loss(v, v_old, xt, x0b, t, r_j, b=1.0)
             loss = loss.mean() + 1e-4 * ((v - v_ref) ** 2).mean()
             opt.zero_grad(), loss.backward()
@@ -1169,9 +1384,15 @@ def check_end_to_end(quick, out=None):
         base = train_base(MIX7, 200 if quick else 1500)
         iters, n_groups = (5, 6) if quick else (40, 16)
         runs = {m: finetune(base, m, iters, n_groups, log_every=5) for m in ("nft", "uniform", "recast", "rvge")}
-        x_base, _, _ = rollout(base, recast.shifted_sigmas(20, 3.0), 2000, 1, 1, [], torch.Generator().manual_seed(1234))
-        finals = {m: rollout(mod, recast.shifted_sigmas(20, 3.0), 2000, 1, 1, [], torch.Generator().manual_seed(1234))[0].numpy()
-                  for m, (mod, _, _) in runs.items()}
+        x_base, _, _ = rollout(
+            base, recast.shifted_sigmas(20, 3.0), 2000, 1, 1, [], torch.Generator().manual_seed(1234)
+        )
+        finals = {
+            m: rollout(mod, recast.shifted_sigmas(20, 3.0), 2000, 1, 1, [], torch.Generator().manual_seed(1234))[
+                0
+            ].numpy()
+            for m, (mod, _, _) in runs.items()
+        }
     finally:
         torch.set_num_threads(threads)
     rng = np.random.default_rng(7)
@@ -1187,14 +1408,26 @@ def check_end_to_end(quick, out=None):
         Rm = rewards7(x)
         gain = (Rm.mean(0) - base_R.mean(0)) @ LAM7 / LAM7.sum()
         mmd, inv = tilt_matched_mmd(x, exact, R_exact, (Rm @ LAM7 / LAM7.sum()).mean())
-        print(f"  {m:8} {Rm[:, 0].mean():7.3f} {Rm[:, 1].mean():7.3f} {Rm.mean(0) @ LAM7 / 2:8.3f}  {mmd:21.4f}  {inv:6.2f}")
+        print(
+            f"  {m:8} {Rm[:, 0].mean():7.3f} {Rm[:, 1].mean():7.3f} {Rm.mean(0) @ LAM7 / 2:8.3f}  "
+            f"{mmd:21.4f}  {inv:6.2f}"
+        )
         finite = bool(np.isfinite(x).all() and all(np.isfinite(c).all() for _, c in runs[m][1]))
         rows.append((f"7 {m}: weighted reward gain over base", gain, "> 0.01, finite", finite and gain > 0.01))
-        rows.append((f"7 {m}: coarse / fine gain; MMD^2 matched tilt", f"{Rm[:, 0].mean() - base_R[:, 0].mean():+.3f} / "
-                     f"{Rm[:, 1].mean() - base_R[:, 1].mean():+.3f}; {mmd:.4f}", "(info)", True))
+        rows.append(
+            (
+                f"7 {m}: coarse / fine gain; MMD^2 matched tilt",
+                f"{Rm[:, 0].mean() - base_R[:, 0].mean():+.3f} / "
+                f"{Rm[:, 1].mean() - base_R[:, 1].mean():+.3f}; {mmd:.4f}",
+                "(info)",
+                True,
+            )
+        )
     if runs["recast"][2] is not None:
-        print("  recast W (last iteration), coarse share per step: "
-              + " ".join(f"{s:.2f}" for s in runs["recast"][2][0] / runs["recast"][2].sum(0)))
+        print(
+            "  recast W (last iteration), coarse share per step: "
+            + " ".join(f"{s:.2f}" for s in runs["recast"][2][0] / runs["recast"][2].sum(0))
+        )
     if out:
         import matplotlib.pyplot as plt
 
@@ -1216,7 +1449,17 @@ def check_end_to_end(quick, out=None):
 # Main
 # =============================================================================
 
-CHECKS = ("exact_mixture", "telescoping", "coarse_fine", "pairs", "sde", "credit", "rvge", "rvge_diagnosis", "end_to_end")
+CHECKS = (
+    "exact_mixture",
+    "telescoping",
+    "coarse_fine",
+    "pairs",
+    "sde",
+    "credit",
+    "rvge",
+    "rvge_diagnosis",
+    "end_to_end",
+)
 
 
 def main(argv=None):
