@@ -32,6 +32,7 @@ import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 from tqdm import tqdm
@@ -109,6 +110,12 @@ def combine_raw(rewards, budgets):
     """DiffusionNFT's multi-reward baseline (--credit nft): R = sum_k lambda_k R_k, before normalising.
     rewards (N, K) -> (N,); a non-finite reward makes the sum non-finite (then r = 0.5)."""
     return np.asarray(rewards, dtype=np.float64) @ np.asarray(budgets, dtype=np.float64)
+
+
+def budget_mean(values, budgets):
+    """The budget-weighted mean sum_k lambda_k v_k / Lam of per-reward values (K,): the metrics `reward/weighted`
+    and `eval/weighted`."""
+    return np.asarray(budgets) @ values / sum(budgets)
 
 
 # =============================================================================
@@ -1309,55 +1316,78 @@ def training_pairs(N, T, per_leaf, gen):
     return pairs[torch.randperm(len(pairs), generator=gen)]
 
 
-def nft_update(
-    transformer, opt, leaves, groups, r_mix_table, W, emb, pooled, sigmas, args, gen, all_reduce_grads, on_step
-):
-    """The iteration's (leaf, timestep) samples in --updates-per-iter equal chunks, one AdamW step per
-    chunk on the mean loss over its samples (all processes; N = 1 is DiffusionNFT's one step per epoch).
-    Per sample: fresh noise, x_t = (1 - s) x0 + s eps, nft_loss(v_theta, v_old, r~) + base_reg
-    |v_theta - v_base|^2. r_mix_table (N, K) optimality per reward; W (K, T): the loss at t = sigmas[j]
-    (the velocity that moves s_j -> s_{j+1}) uses r~ = sum_k (T / Lam) W_kj r_k. `on_step()` runs after
-    every optimizer step (the EMA). Returns mean losses, the last gradient norm and the counts."""
+def nft_update(run, b, r_mix_table, W, args, gen, on_step):
+    """ReCAST's update: `update_loop` with DiffusionNFT's loss (`nft_loss`) on the mixed optimality. The loss at
+    t = sigmas[j] (the velocity that moves s_j -> s_{j+1}) uses r~ = sum_k (T / Lam) W_kj r_k (`mix_optimality`).
+    b: the iteration's rollout (leaves, groups, emb, pooled); r_mix_table (N, K) optimality per reward; W (K, T)."""
     import torch
 
-    device = leaves.device
-    pairs = training_pairs(len(leaves), len(sigmas) - 1, args.train_steps_per_leaf, gen)
     r_t = torch.as_tensor(r_mix_table, dtype=torch.float32)
     W_t = torch.as_tensor(W / W.sum(), dtype=torch.float32)  # scale-free before float32 (budgets of 1e-40 or 1e300)
+
+    def policy_loss(nb, v_theta, v_old):
+        r = mix_optimality(r_t[nb.i], W_t, nb.j).to(nb.x0.device)
+        return nft_loss(v_theta, v_old, nb.x_t, nb.x0, nb.s, r, b=args.nft_b)
+
+    return update_loop(run, b, args, gen, on_step, policy_loss)
+
+
+def update_loop(run, b, args, gen, on_step, policy_loss):
+    """The update both methods share (DESIGN §2, §4.3): the iteration's (leaf, timestep) samples in
+    --updates-per-iter equal chunks, one AdamW step per chunk on the mean loss over its samples (all processes;
+    1 chunk is DiffusionNFT's one step per epoch). Per micro-batch: fresh noise (`noised_batch`), the frozen
+    v_old / v_base, v_theta, and loss = mean(policy_loss(nb, v_theta, v_old)) + base_reg mean(|v_theta - v_base|^2),
+    policy_loss the method's per-sample loss (B,). `on_step()` runs after every optimizer step (the EMA).
+    Returns mean losses, the last gradient norm and the counts."""
+    import torch
+
+    transformer, sigmas, leaves, groups = run.transformer, run.sigmas, b.leaves, torch.as_tensor(b.groups)
+    pairs = training_pairs(len(leaves), len(sigmas) - 1, args.train_steps_per_leaf, gen)
     params = lora_params(transformer, "default")
     totals = {"loss/policy": 0.0, "loss/base_reg": 0.0, "train/opt_steps": 0, "train/samples": len(pairs)}
     for chunk in pairs.tensor_split(args.updates_per_iter):
         batches = [
-            noised_batch(batch, leaves, groups, emb, pooled, sigmas, gen) for batch in chunk.split(args.train_batch)
+            noised_batch(mb, leaves, groups, b.emb, b.pooled, sigmas, gen) for mb in chunk.split(args.train_batch)
         ]
+        with_base = args.base_reg > 0
         frozen = (
-            frozen_velocities_ahead(transformer, batches, args.frozen_batch, args.base_reg > 0)
-            if args.frozen_batch
-            else None
+            frozen_velocities_ahead(transformer, batches, args.frozen_batch, with_base) if args.frozen_batch else None
         )
-        for b_idx, (batch, i, j, x0, s, x_t, cond) in enumerate(batches):
-            v_old, v_base = frozen[b_idx] if frozen else frozen_velocities(transformer, x_t, s, cond, args.base_reg > 0)
-            v_theta = velocity(transformer, x_t, s, *cond)
-            r = mix_optimality(r_t[i], W_t, j).to(device)
-            policy = nft_loss(v_theta, v_old, x_t, x0, s, r, args.nft_b).mean()
+        for k, nb in enumerate(batches):
+            v_old, v_base = frozen[k] if frozen else frozen_velocities(transformer, nb.x_t, nb.s, nb.cond, with_base)
+            v_theta = velocity(transformer, nb.x_t, nb.s, *nb.cond)
+            policy = policy_loss(nb, v_theta, v_old).mean()
             base = ((v_theta - v_base) ** 2).mean()
-            ((policy + args.base_reg * base) * (len(batch) / len(chunk))).backward()
-            totals["loss/policy"] += policy.item() * len(batch) / len(pairs)
-            totals["loss/base_reg"] += base.item() * len(batch) / len(pairs)
-        optimizer_step(opt, params, totals, args.grad_clip, all_reduce_grads)
+            ((policy + args.base_reg * base) * (len(nb.pairs) / len(chunk))).backward()
+            totals["loss/policy"] += policy.item() * len(nb.pairs) / len(pairs)
+            totals["loss/base_reg"] += base.item() * len(nb.pairs) / len(pairs)
+        optimizer_step(run.opt, params, totals, args.grad_clip, run.all_reduce_grads)
         on_step()
     return totals
 
 
-def noised_batch(batch, leaves, groups, emb, pooled, sigmas, gen):
-    """One micro-batch of (leaf, step) pairs -> (batch, i, j, x0, s, x_t = (1 - s) x0 + s eps with fresh eps, cond)."""
+class NoisedBatch(NamedTuple):
+    """One micro-batch of training samples. pairs (B, 2) (leaf, grid step); i, j (B,) its columns; x0 (B, C, h, w)
+    the leaves; s (B,) sigmas[j]; x_t (B, C, h, w) = (1 - s) x0 + s eps; cond (emb (B, L, D), pooled (B, D'))."""
+
+    pairs: object
+    i: object
+    j: object
+    x0: object
+    s: object
+    x_t: object
+    cond: tuple
+
+
+def noised_batch(pairs, leaves, groups, emb, pooled, sigmas, gen):
+    """One micro-batch of (leaf, step) pairs -> NoisedBatch, with fresh noise eps from gen."""
     import torch
 
-    i, j = batch[:, 0], batch[:, 1]
+    i, j = pairs[:, 0], pairs[:, 1]
     x0, s = leaves[i], sigmas[j].to(leaves.device)
     eps = torch.randn(x0.shape, generator=gen).to(leaves.device)
     x_t = (1 - s.view(-1, *[1] * (x0.dim() - 1))) * x0 + s.view(-1, *[1] * (x0.dim() - 1)) * eps
-    return batch, i, j, x0, s, x_t, (emb[groups[i]], pooled[groups[i]])
+    return NoisedBatch(pairs, i, j, x0, s, x_t, (emb[groups[i]], pooled[groups[i]]))
 
 
 def frozen_velocities_ahead(transformer, batches, size, with_base):
@@ -1366,9 +1396,8 @@ def frozen_velocities_ahead(transformer, batches, size, with_base):
     split back per micro-batch. The same numbers as `frozen_velocities` per micro-batch."""
     import torch
 
-    cat = lambda k: torch.cat([b[k] for b in batches])  # noqa: E731
-    x_t, s = cat(5), cat(4)
-    cond = (torch.cat([b[6][0] for b in batches]), torch.cat([b[6][1] for b in batches]))
+    x_t, s = torch.cat([nb.x_t for nb in batches]), torch.cat([nb.s for nb in batches])
+    cond = (torch.cat([nb.cond[0] for nb in batches]), torch.cat([nb.cond[1] for nb in batches]))
     v_old, v_base = zip(
         *(
             frozen_velocities(
@@ -1381,7 +1410,7 @@ def frozen_velocities_ahead(transformer, batches, size, with_base):
             for k in range(0, len(x_t), size)
         )
     )
-    sizes = [len(b[0]) for b in batches]
+    sizes = [len(nb.pairs) for nb in batches]
     return list(zip(torch.cat(v_old).split(sizes), torch.cat(v_base).split(sizes)))
 
 
@@ -1525,7 +1554,7 @@ def evaluate(run, args):
     images = decode(run.pipe, latents)
     R = score(run.rewards, images, run.eval_prompts)
     metrics = {f"eval/{n}": float(np.nanmean(R[:, k])) for k, n in enumerate(run.names)}
-    metrics["eval/weighted"] = float(np.asarray(run.budgets) @ np.nanmean(R, 0) / sum(run.budgets))
+    metrics["eval/weighted"] = float(budget_mean(np.nanmean(R, 0), run.budgets))
     for name, fn in (run.judges or {}).items():
         metrics[f"eval/judge/{name}"] = float(np.nanmean(fn(images, run.eval_prompts)))
     if run.frechet:
@@ -1671,16 +1700,16 @@ def rollout_and_score(run, args, it, gen, probe_steps=()):
         emb,
         pooled,
         run.sigmas,
-        args.n_roots,
-        args.n_branch,
-        layouts if tree else [],
-        args.sde_a,
-        gen,
-        run.shape,
-        args.rollout_batch,
-        layouts if probe_steps == "layout" else probe_steps,
-        args.sde_substeps,
-        "euler" if tree else "dpm2",
+        n_roots=args.n_roots,
+        n_branch=args.n_branch,
+        branch=layouts if tree else [],
+        sde_a=args.sde_a,
+        gen=gen,
+        shape=run.shape,
+        chunk=args.rollout_batch,
+        probe_steps=layouts if probe_steps == "layout" else probe_steps,
+        substeps=args.sde_substeps,
+        solver="euler" if tree else "dpm2",
     )
     run.transformer.set_adapter("default")
     t_rollout = time.perf_counter()
@@ -1708,6 +1737,33 @@ def global_stats(R, reduce):
     n = reduce(finite.sum(0))
     mean = reduce(Rz.sum(0)) / np.maximum(n, 1)
     return n, mean, np.sqrt(np.maximum(reduce((Rz**2).sum(0)) / np.maximum(n, 1) - mean**2, 0.0))
+
+
+def stop_if_a_reward_failed(run, it, n_valid, state):
+    """Stop the run when a reward returned NaN/inf for every image of iteration `it` (all processes): the state
+    before it is checkpointed, and the message names the reward(s) and how to continue. n_valid (K,)."""
+    if (n_valid == 0).any():
+        if run.acc.is_main_process:
+            save_checkpoint(run.out, max(it - 1, 0), run.transformer, run.opt, state)
+        bad = [n for n, c in zip(run.names, n_valid) if c == 0]
+        raise SystemExit(
+            f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; checkpoint saved in {run.out}. "
+            f"Fix the reward, then continue with --resume {run.out}"
+        )
+
+
+def reward_metrics(run, it, b, n_valid, mean_R, losses):
+    """The first entries of an iteration's metrics line: training rewards per reward and budget-weighted, the
+    count of non-finite ones (all processes), the update's losses and sample count."""
+    nonfinite = (run.reduce(len(b.R)) - n_valid).astype(int).tolist()
+    return {
+        "iteration": it,
+        **{f"reward/{n}": float(mean_R[k]) for k, n in enumerate(run.names)},
+        "reward/weighted": float(budget_mean(mean_R, run.budgets)),
+        **{f"reward_nonfinite/{n}": c for n, c in zip(run.names, nonfinite)},
+        **losses,
+        "train/samples": int(run.reduce(losses["train/samples"])),
+    }
 
 
 def finish_iteration(run, args, it, metrics, state, before=None):
@@ -1754,11 +1810,17 @@ def start_or_resume(run, args):
     return start, {"opt_steps": 0, "level_stats": None, **(state or {})}
 
 
+def nft_baseline(R, groups, budgets, T, reduce):
+    """--credit nft, DiffusionNFT's multi-reward baseline: one combined raw reward sum_k lambda_k R_k (`combine_raw`),
+    normalised once over all processes. Returns its optimality (N, 1) and the one-row W (1, T) that leaves it as is."""
+    Rc = combine_raw(R, budgets)[:, None]
+    _, _, std = global_stats(Rc, reduce)
+    return optimality(Rc, groups, std=std), uniform_W(budgets=[1.0], T=T)
+
+
 def train(args: Args, extra_rewards=None, judges=None):
     """The whole run: per iteration rollout -> rewards -> credit (D, W) -> NFT update -> soft update
     of "old" -> log / evaluate / checkpoint. Returns the run folder."""
-    import torch
-
     run = setup_run(args, extra_rewards, judges)
     start, state = start_or_resume(run, args)
     T, budgets = args.steps, run.budgets
@@ -1785,51 +1847,21 @@ def train(args: Args, extra_rewards=None, judges=None):
         t2 = time.perf_counter()
         # 2. per-reward optimality (global std across processes), Renyi curves with errors, W
         n_valid, mean_R, std = global_stats(b.R, run.reduce)
-        if (n_valid == 0).any():
-            if run.acc.is_main_process:
-                save_checkpoint(run.out, max(it - 1, 0), run.transformer, run.opt, state)
-            bad = [n for n, c in zip(run.names, n_valid) if c == 0]
-            raise SystemExit(
-                f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; checkpoint saved in {run.out}. "
-                f"Fix the reward, then continue with --resume {run.out}"
-            )
+        stop_if_a_reward_failed(run, it, n_valid, state)
         r = optimality(b.R, b.groups, std=std)
+        sigmas = run.sigmas.double().numpy()
         state["level_stats"], credit_info, W = credit(
-            args, state.get("level_stats"), r, std, b, budgets, run.sigmas.double().numpy(), run.reduce
+            args, state.get("level_stats"), r, std, b, budgets, sigmas, run.reduce
         )
-        r_train, W_train = r, W
-        if args.credit == "nft":  # DiffusionNFT: one combined raw reward, normalised once (K = 1, W irrelevant)
-            Rc = combine_raw(b.R, budgets)[:, None]
-            r_train, W_train = optimality(Rc, b.groups, std=global_stats(Rc, run.reduce)[2]), uniform_W([1.0], T)
+        r_train, W_train = nft_baseline(b.R, b.groups, budgets, T, run.reduce) if args.credit == "nft" else (r, W)
         t3 = time.perf_counter()
         # 3. NFT update of "default", then the soft update of "old"
-        losses = nft_update(
-            run.transformer,
-            run.opt,
-            b.leaves,
-            torch.as_tensor(b.groups),
-            r_train,
-            W_train,
-            b.emb,
-            b.pooled,
-            run.sigmas,
-            args,
-            gen,
-            run.all_reduce_grads,
-            on_step,
-        )
+        losses = nft_update(run, b, r_train, W_train, args, gen, on_step)
         copy_adapter(run.transformer, "default", "old", keep=old_decay(state["opt_steps"], args.old_decay))
         t4 = time.perf_counter()
         # 4. log, evaluate, checkpoint
         metrics = {
-            "iteration": it,
-            **{f"reward/{n}": float(mean_R[k]) for k, n in enumerate(run.names)},
-            "reward/weighted": float(np.asarray(budgets) @ mean_R / sum(budgets)),
-            **dict(
-                zip([f"reward_nonfinite/{n}" for n in run.names], (run.reduce(len(b.R)) - n_valid).astype(int).tolist())
-            ),
-            **losses,
-            "train/samples": int(run.reduce(losses["train/samples"])),
+            **reward_metrics(run, it, b, n_valid, mean_R, losses),
             **credit_info,
             "recast/sigmas": run.sigmas.tolist(),
             "time/rollout": b.t_rollout - t0,

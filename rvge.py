@@ -112,6 +112,13 @@ def optimality(rewards, groups, std=None, clip=5.0, eps=1e-4):
     return 0.5 + 0.5 * advantages(rewards, groups, std, clip, eps) / clip
 
 
+# Copied from recast.budget_mean
+def budget_mean(values, budgets):
+    """The budget-weighted mean sum_k lambda_k v_k / Lam of per-reward values (K,): the metrics `reward/weighted`
+    and `eval/weighted`."""
+    return np.asarray(budgets) @ values / sum(budgets)
+
+
 # =============================================================================
 # Math: the W solver (DESIGN §3.4)
 # =============================================================================
@@ -350,6 +357,21 @@ def reward_target(v_old, t, direction, s2, cap=4.0, transfer="direct", query_wei
     return target_velocity(v_old, d, t, t_used, s2, cap, transfer), q
 
 
+def mixture_weights(W, budgets):
+    """w_kj = T W_kj / Lam: each step's weights over the rewards, (K, T), every column summing to one (W's columns
+    sum to Lam / T). --credit budgets (W uniform): w_kj = lambda_k / Lam at every step."""
+    return W * W.shape[1] / sum(budgets)
+
+
+def mix_targets(targets, w):
+    """The target of a training query at step j over the K rewards: v_target = sum_k w_kj v_k and its weight
+    q = sum_k w_kj q_k. targets: K pairs (v_k (B, ...), q_k (B,)) from `reward_target`; w (K, B) each query's
+    column of the mixture weights (sum_k w_kj = 1). Returns (v_target (B, ...), q (B,))."""
+    v_target = sum(w[k].view(-1, *[1] * (v_k.dim() - 1)) * v_k for k, (v_k, _) in enumerate(targets))
+    q = sum(w[k] * q_k for k, (_, q_k) in enumerate(targets))
+    return v_target, q
+
+
 def split_half_cosine(x0, A, ids, beta=None):
     """Noise gauge: mean over groups of the cosine between the directions of the two halves of
     each group (alternate members); groups under 4 members or with a zero half are skipped (NaN if all)."""
@@ -408,8 +430,8 @@ def value_directions(b, A, sigmas, branch, bandwidths, names, args, reduce):
 
     x0 = b.leaves.float()
     N, K = len(x0), A.shape[1]
-    broad_ids = regression_groups(b.groups, b.ancestry, False)
-    local_ids = regression_groups(b.groups, b.ancestry, True) if branch else None
+    broad_ids = regression_groups(b.groups, b.ancestry, local=False)
+    local_ids = regression_groups(b.groups, b.ancestry, local=True) if branch else None
     ties, n_groups = reduce(tie_counts(A, local_ids)) if branch else (np.zeros(K), np.ones(K))
     tie_share = ties / np.maximum(n_groups, 1)
     total, dof = group_variance(x0, broad_ids)
@@ -418,8 +440,8 @@ def value_directions(b, A, sigmas, branch, bandwidths, names, args, reduce):
     coords = {"local": x0, "broad": x0}
     if args.coords == "noisy":
         coords = {
-            "local": denoised_coordinates(b.probes, branch[-1] + 1, N).float() if branch else None,
-            "broad": denoised_coordinates(b.probes, 1, N).float(),
+            "local": denoised_coordinates(b.probes, step=branch[-1] + 1, n_leaves=N).float() if branch else None,
+            "broad": denoised_coordinates(b.probes, step=1, n_leaves=N).float(),
         }
     A_t = torch.as_tensor(A, dtype=torch.float32, device=x0.device)
     t_b = torch.full((N,), t_local, device=x0.device)
@@ -1264,52 +1286,6 @@ def decode(pipe, latents, chunk=8):
 # =============================================================================
 
 
-def rvge_update(
-    transformer, opt, leaves, groups, directions, mix, s2, emb, pooled, sigmas, args, gen, all_reduce_grads, on_step
-):
-    """The iteration's (leaf, timestep) samples in --updates-per-iter equal chunks, one AdamW step per
-    chunk on the mean loss over its samples (as `recast.nft_update`). Per sample: fresh noise,
-    x_t = (1 - s) x0 + s eps, target v_target = sum_k w_kj v_k and query weight q = sum_k w_kj q_k
-    (w_kj = mix[k, j], sum_k w_kj = 1; v_k, q_k from `reward_target`), loss rvge_loss + base_reg
-    |v_theta - v_base|^2. directions: K RewardDirections (`value_directions`); mix (K, T).
-    `on_step()` runs after every optimizer step. Returns mean losses, the last gradient norm and the counts."""
-    import torch
-
-    device = leaves.device
-    pairs = training_pairs(len(leaves), len(sigmas) - 1, args.train_steps_per_leaf, gen)
-    mix_t = torch.as_tensor(mix, dtype=torch.float32)
-    params = lora_params(transformer, "default")
-    totals = {"loss/policy": 0.0, "loss/base_reg": 0.0, "train/opt_steps": 0, "train/samples": len(pairs)}
-    for chunk in pairs.tensor_split(args.updates_per_iter):
-        batches = [
-            noised_batch(batch, leaves, groups, emb, pooled, sigmas, gen) for batch in chunk.split(args.train_batch)
-        ]
-        frozen = (
-            frozen_velocities_ahead(transformer, batches, args.frozen_batch, args.base_reg > 0)
-            if args.frozen_batch
-            else None
-        )
-        for b_idx, (batch, i, j, x0, s, x_t, cond) in enumerate(batches):
-            v_old, v_base = frozen[b_idx] if frozen else frozen_velocities(transformer, x_t, s, cond, args.base_reg > 0)
-            with torch.no_grad():
-                w = mix_t[:, j].to(device)  # (K, B)
-                per_reward = [
-                    reward_target(v_old, s, d.rows(i), s2, args.transfer_cap, args.transfer, args.query_weights)
-                    for d in directions
-                ]
-                v_target = sum(w[k].view(-1, *[1] * (x0.dim() - 1)) * v_k for k, (v_k, _) in enumerate(per_reward))
-                q = sum(w[k] * q_k for k, (_, q_k) in enumerate(per_reward))
-            v_theta = velocity(transformer, x_t, s, *cond)
-            policy = rvge_loss(v_theta, v_target, v_old, x_t, x0, s, q).mean()
-            base = ((v_theta - v_base) ** 2).mean()
-            ((policy + args.base_reg * base) * (len(batch) / len(chunk))).backward()
-            totals["loss/policy"] += policy.item() * len(batch) / len(pairs)
-            totals["loss/base_reg"] += base.item() * len(batch) / len(pairs)
-        optimizer_step(opt, params, totals, args.grad_clip, all_reduce_grads)
-        on_step()
-    return totals
-
-
 # Copied from recast.training_pairs
 def training_pairs(N, T, per_leaf, gen):
     """(N * per_leaf, 2) (leaf, grid step) pairs in random order: each leaf trains on `per_leaf`
@@ -1321,16 +1297,87 @@ def training_pairs(N, T, per_leaf, gen):
     return pairs[torch.randperm(len(pairs), generator=gen)]
 
 
-# Copied from recast.noised_batch
-def noised_batch(batch, leaves, groups, emb, pooled, sigmas, gen):
-    """One micro-batch of (leaf, step) pairs -> (batch, i, j, x0, s, x_t = (1 - s) x0 + s eps with fresh eps, cond)."""
+def rvge_update(run, b, directions, mix, s2, args, gen, on_step):
+    """RVGE's update: `update_loop` with the regression loss (`rvge_loss`) to the mixed target of each query at
+    t = sigmas[j]: v_target = sum_k w_kj v_k, query weight q = sum_k w_kj q_k (`mix_targets`; w_kj = mix[k, j],
+    sum_k w_kj = 1; v_k, q_k from `reward_target`). b: the iteration's rollout (leaves, groups, emb, pooled);
+    directions: K RewardDirections (`value_directions`); mix (K, T); s2 the latent variance."""
     import torch
 
-    i, j = batch[:, 0], batch[:, 1]
+    mix_t = torch.as_tensor(mix, dtype=torch.float32)
+
+    def policy_loss(nb, v_theta, v_old):
+        with torch.no_grad():
+            w = mix_t[:, nb.j].to(nb.x0.device)  # (K, B)
+            targets = [
+                reward_target(v_old, nb.s, d.rows(nb.i), s2, args.transfer_cap, args.transfer, args.query_weights)
+                for d in directions
+            ]
+            v_target, q = mix_targets(targets, w)
+        return rvge_loss(v_theta, v_target, v_old, nb.x_t, nb.x0, nb.s, weight=q)
+
+    return update_loop(run, b, args, gen, on_step, policy_loss)
+
+
+# Copied from recast.update_loop
+def update_loop(run, b, args, gen, on_step, policy_loss):
+    """The update both methods share (DESIGN §2, §4.3): the iteration's (leaf, timestep) samples in
+    --updates-per-iter equal chunks, one AdamW step per chunk on the mean loss over its samples (all processes;
+    1 chunk is DiffusionNFT's one step per epoch). Per micro-batch: fresh noise (`noised_batch`), the frozen
+    v_old / v_base, v_theta, and loss = mean(policy_loss(nb, v_theta, v_old)) + base_reg mean(|v_theta - v_base|^2),
+    policy_loss the method's per-sample loss (B,). `on_step()` runs after every optimizer step (the EMA).
+    Returns mean losses, the last gradient norm and the counts."""
+    import torch
+
+    transformer, sigmas, leaves, groups = run.transformer, run.sigmas, b.leaves, torch.as_tensor(b.groups)
+    pairs = training_pairs(len(leaves), len(sigmas) - 1, args.train_steps_per_leaf, gen)
+    params = lora_params(transformer, "default")
+    totals = {"loss/policy": 0.0, "loss/base_reg": 0.0, "train/opt_steps": 0, "train/samples": len(pairs)}
+    for chunk in pairs.tensor_split(args.updates_per_iter):
+        batches = [
+            noised_batch(mb, leaves, groups, b.emb, b.pooled, sigmas, gen) for mb in chunk.split(args.train_batch)
+        ]
+        with_base = args.base_reg > 0
+        frozen = (
+            frozen_velocities_ahead(transformer, batches, args.frozen_batch, with_base) if args.frozen_batch else None
+        )
+        for k, nb in enumerate(batches):
+            v_old, v_base = frozen[k] if frozen else frozen_velocities(transformer, nb.x_t, nb.s, nb.cond, with_base)
+            v_theta = velocity(transformer, nb.x_t, nb.s, *nb.cond)
+            policy = policy_loss(nb, v_theta, v_old).mean()
+            base = ((v_theta - v_base) ** 2).mean()
+            ((policy + args.base_reg * base) * (len(nb.pairs) / len(chunk))).backward()
+            totals["loss/policy"] += policy.item() * len(nb.pairs) / len(pairs)
+            totals["loss/base_reg"] += base.item() * len(nb.pairs) / len(pairs)
+        optimizer_step(run.opt, params, totals, args.grad_clip, run.all_reduce_grads)
+        on_step()
+    return totals
+
+
+# Copied from recast.NoisedBatch
+class NoisedBatch(NamedTuple):
+    """One micro-batch of training samples. pairs (B, 2) (leaf, grid step); i, j (B,) its columns; x0 (B, C, h, w)
+    the leaves; s (B,) sigmas[j]; x_t (B, C, h, w) = (1 - s) x0 + s eps; cond (emb (B, L, D), pooled (B, D'))."""
+
+    pairs: object
+    i: object
+    j: object
+    x0: object
+    s: object
+    x_t: object
+    cond: tuple
+
+
+# Copied from recast.noised_batch
+def noised_batch(pairs, leaves, groups, emb, pooled, sigmas, gen):
+    """One micro-batch of (leaf, step) pairs -> NoisedBatch, with fresh noise eps from gen."""
+    import torch
+
+    i, j = pairs[:, 0], pairs[:, 1]
     x0, s = leaves[i], sigmas[j].to(leaves.device)
     eps = torch.randn(x0.shape, generator=gen).to(leaves.device)
     x_t = (1 - s.view(-1, *[1] * (x0.dim() - 1))) * x0 + s.view(-1, *[1] * (x0.dim() - 1)) * eps
-    return batch, i, j, x0, s, x_t, (emb[groups[i]], pooled[groups[i]])
+    return NoisedBatch(pairs, i, j, x0, s, x_t, (emb[groups[i]], pooled[groups[i]]))
 
 
 # Copied from recast.frozen_velocities_ahead
@@ -1340,9 +1387,8 @@ def frozen_velocities_ahead(transformer, batches, size, with_base):
     split back per micro-batch. The same numbers as `frozen_velocities` per micro-batch."""
     import torch
 
-    cat = lambda k: torch.cat([b[k] for b in batches])  # noqa: E731
-    x_t, s = cat(5), cat(4)
-    cond = (torch.cat([b[6][0] for b in batches]), torch.cat([b[6][1] for b in batches]))
+    x_t, s = torch.cat([nb.x_t for nb in batches]), torch.cat([nb.s for nb in batches])
+    cond = (torch.cat([nb.cond[0] for nb in batches]), torch.cat([nb.cond[1] for nb in batches]))
     v_old, v_base = zip(
         *(
             frozen_velocities(
@@ -1355,7 +1401,7 @@ def frozen_velocities_ahead(transformer, batches, size, with_base):
             for k in range(0, len(x_t), size)
         )
     )
-    sizes = [len(b[0]) for b in batches]
+    sizes = [len(nb.pairs) for nb in batches]
     return list(zip(torch.cat(v_old).split(sizes), torch.cat(v_base).split(sizes)))
 
 
@@ -1505,7 +1551,7 @@ def evaluate(run, args):
     images = decode(run.pipe, latents)
     R = score(run.rewards, images, run.eval_prompts)
     metrics = {f"eval/{n}": float(np.nanmean(R[:, k])) for k, n in enumerate(run.names)}
-    metrics["eval/weighted"] = float(np.asarray(run.budgets) @ np.nanmean(R, 0) / sum(run.budgets))
+    metrics["eval/weighted"] = float(budget_mean(np.nanmean(R, 0), run.budgets))
     for name, fn in (run.judges or {}).items():
         metrics[f"eval/judge/{name}"] = float(np.nanmean(fn(images, run.eval_prompts)))
     if run.frechet:
@@ -1655,16 +1701,16 @@ def rollout_and_score(run, args, it, gen, probe_steps=()):
         emb,
         pooled,
         run.sigmas,
-        args.n_roots,
-        args.n_branch,
-        layouts if tree else [],
-        args.sde_a,
-        gen,
-        run.shape,
-        args.rollout_batch,
-        layouts if probe_steps == "layout" else probe_steps,
-        args.sde_substeps,
-        "euler" if tree else "dpm2",
+        n_roots=args.n_roots,
+        n_branch=args.n_branch,
+        branch=layouts if tree else [],
+        sde_a=args.sde_a,
+        gen=gen,
+        shape=run.shape,
+        chunk=args.rollout_batch,
+        probe_steps=layouts if probe_steps == "layout" else probe_steps,
+        substeps=args.sde_substeps,
+        solver="euler" if tree else "dpm2",
     )
     run.transformer.set_adapter("default")
     t_rollout = time.perf_counter()
@@ -1693,6 +1739,35 @@ def global_stats(R, reduce):
     n = reduce(finite.sum(0))
     mean = reduce(Rz.sum(0)) / np.maximum(n, 1)
     return n, mean, np.sqrt(np.maximum(reduce((Rz**2).sum(0)) / np.maximum(n, 1) - mean**2, 0.0))
+
+
+# Copied from recast.stop_if_a_reward_failed
+def stop_if_a_reward_failed(run, it, n_valid, state):
+    """Stop the run when a reward returned NaN/inf for every image of iteration `it` (all processes): the state
+    before it is checkpointed, and the message names the reward(s) and how to continue. n_valid (K,)."""
+    if (n_valid == 0).any():
+        if run.acc.is_main_process:
+            save_checkpoint(run.out, max(it - 1, 0), run.transformer, run.opt, state)
+        bad = [n for n, c in zip(run.names, n_valid) if c == 0]
+        raise SystemExit(
+            f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; checkpoint saved in {run.out}. "
+            f"Fix the reward, then continue with --resume {run.out}"
+        )
+
+
+# Copied from recast.reward_metrics
+def reward_metrics(run, it, b, n_valid, mean_R, losses):
+    """The first entries of an iteration's metrics line: training rewards per reward and budget-weighted, the
+    count of non-finite ones (all processes), the update's losses and sample count."""
+    nonfinite = (run.reduce(len(b.R)) - n_valid).astype(int).tolist()
+    return {
+        "iteration": it,
+        **{f"reward/{n}": float(mean_R[k]) for k, n in enumerate(run.names)},
+        "reward/weighted": float(budget_mean(mean_R, run.budgets)),
+        **{f"reward_nonfinite/{n}": c for n, c in zip(run.names, nonfinite)},
+        **losses,
+        "train/samples": int(run.reduce(losses["train/samples"])),
+    }
 
 
 # Copied from recast.finish_iteration
@@ -1744,13 +1819,13 @@ def start_or_resume(run, args):
 def train(args: Args, extra_rewards=None, judges=None):
     """The whole run: per iteration rollout -> rewards -> per-reward group directions (bandwidth
     per reward) -> regression update to the transferred targets -> soft update of "old" ->
-    log / evaluate / checkpoint. Returns the run folder."""
-    import torch
+    log / evaluate / checkpoint. ReCAST's credit (W for --credit recast, its D curves logged either way) is
+    recast.py's, imported here. Returns the run folder."""
+    from recast import credit  # the pairs estimator, alpha = 2; with --credit budgets W is uniform
 
     run = setup_run(args, extra_rewards, judges)
     start, state = start_or_resume(run, args)
-    T, budgets, K = args.steps, run.budgets, len(run.names)
-    bandwidths = parse_bandwidths(args.bandwidth, K)
+    budgets, bandwidths = run.budgets, parse_bandwidths(args.bandwidth, len(run.names))
 
     def on_step():  # after every optimizer step: the EMA of the trained LoRA (DiffusionNFT's evaluation weights)
         state["opt_steps"] += 1
@@ -1774,62 +1849,25 @@ def train(args: Args, extra_rewards=None, judges=None):
         t2 = time.perf_counter()
         # 2. normalised rewards (global std across processes); bandwidth, t_b and directions per reward
         n_valid, mean_R, std = global_stats(b.R, run.reduce)
-        if (n_valid == 0).any():
-            if run.acc.is_main_process:
-                save_checkpoint(run.out, max(it - 1, 0), run.transformer, run.opt, state)
-            bad = [n for n, c in zip(run.names, n_valid) if c == 0]
-            raise SystemExit(
-                f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; checkpoint saved in {run.out}. "
-                f"Fix the reward, then continue with --resume {run.out}"
-            )
+        stop_if_a_reward_failed(run, it, n_valid, state)
         A = advantages(b.R, b.groups, std=std)  # clipped, in global-std units (NaN rewards: 0)
         r = optimality(b.R, b.groups, std=std)  # for the pairs estimator of --credit recast
-        from recast import credit  # ReCAST's credit (pairs estimator, alpha = 2) lives in recast.py; budgets: uniform W
-
+        sigmas = run.sigmas.double().numpy()
+        credit_args = SimpleNamespace(**asdict(args), gain_estimator="pairs", alpha=2.0)
         state["level_stats"], credit_info, W = credit(
-            SimpleNamespace(**asdict(args), gain_estimator="pairs", alpha=2.0),
-            state.get("level_stats"),
-            r,
-            std,
-            b,
-            budgets,
-            run.sigmas.double().numpy(),
-            run.reduce,
+            credit_args, state.get("level_stats"), r, std, b, budgets, sigmas, run.reduce
         )
         directions, s2, rvge_metrics = value_directions(
             b, A, run.sigmas, run.branch, bandwidths, run.names, args, run.reduce
         )
-        mix = W * T / sum(budgets)  # (K, T): each column sums to one
         t3 = time.perf_counter()
         # 3. regression update of "default", then the soft update of "old"
-        losses = rvge_update(
-            run.transformer,
-            run.opt,
-            b.leaves,
-            torch.as_tensor(b.groups),
-            directions,
-            mix,
-            s2,
-            b.emb,
-            b.pooled,
-            run.sigmas,
-            args,
-            gen,
-            run.all_reduce_grads,
-            on_step,
-        )
+        losses = rvge_update(run, b, directions, mixture_weights(W, budgets), s2, args, gen, on_step)
         copy_adapter(run.transformer, "default", "old", keep=old_decay(state["opt_steps"], args.old_decay))
         t4 = time.perf_counter()
         # 4. log, evaluate, checkpoint
         metrics = {
-            "iteration": it,
-            **{f"reward/{n}": float(mean_R[k]) for k, n in enumerate(run.names)},
-            "reward/weighted": float(np.asarray(budgets) @ mean_R / sum(budgets)),
-            **dict(
-                zip([f"reward_nonfinite/{n}" for n in run.names], (run.reduce(len(b.R)) - n_valid).astype(int).tolist())
-            ),
-            **losses,
-            "train/samples": int(run.reduce(losses["train/samples"])),
+            **reward_metrics(run, it, b, n_valid, mean_R, losses),
             **rvge_metrics,
             **credit_info,
             "recast/sigmas": run.sigmas.tolist(),
