@@ -668,6 +668,9 @@ class Args:
     dry_run: bool = flag(False, "I/O")
     """build SD3.5-Medium's transformer on the meta device, attach the LoRA, print trainable parameters and a memory
     plan, exit"""
+    report_to: str = flag("none", "I/O", choices=["none", "tensorboard", "wandb"])
+    """also log the metrics' numbers and strings, under the same keys, through accelerate's trackers: TensorBoard
+    (event files in <run>/tensorboard, W as an image) or Weights & Biases (project <script>); needs that package"""
     # reward models
     pickscore_model: str = flag(DEFAULTS["pickscore_model"], "reward models")
     """PickScore weights"""
@@ -806,6 +809,7 @@ def validate(args: Args, extra_rewards=None):
     import torch
 
     check_ranges(args)
+    check_report_to(args.report_to)
     if args.resolution % 16:
         raise SystemExit(
             f"--resolution {args.resolution}: SD3 needs a multiple of 16 (VAE 8 x patch 2), "
@@ -900,6 +904,19 @@ def validate(args: Args, extra_rewards=None):
         )
     args.out = str(run_folder(args))
     return names, budgets, branch
+
+
+# Copied from recast.check_report_to
+def check_report_to(report_to):
+    """--report-to's package is installed (no default run needs it); else SystemExit with the fix."""
+    import importlib.util
+
+    packages = {"tensorboard": ["tensorboard", "tensorboardX"], "wandb": ["wandb"]}.get(report_to, [])
+    if packages and not any(importlib.util.find_spec(p) for p in packages):
+        raise SystemExit(
+            f"--report-to {report_to} needs the {packages[0]} package: pip install {packages[0]}, "
+            "or leave --report-to at none"
+        )
 
 
 # Copied from recast.parse_branch_steps
@@ -1625,7 +1642,8 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
     names, budgets, branch = validate(args, extra_rewards)
     lock = lock_run(args.out) if int(os.environ.get("RANK", 0)) == 0 else None
     device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    acc = Accelerator(cpu=device_name == "cpu")
+    trackers = {} if args.report_to == "none" else {"log_with": args.report_to, "project_dir": args.out}
+    acc = Accelerator(cpu=device_name == "cpu", **trackers)
     dtype = getattr(torch, args.dtype or ("bfloat16" if acc.device.type == "cuda" else "float32"))
     seed_everything(args.seed)
     world = __import__("shapes_world") if is_embedded(args.model) else None
@@ -1785,21 +1803,51 @@ def finish_iteration(run, args, it, metrics, state, before=None):
                 save_grid(images, run.out / "samples_after.png")
         with open(run.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
+        log_to_trackers(run.acc, metrics, step=it)
         if (it + 1) % args.save_every == 0 or last:
             save_checkpoint(run.out, it, run.transformer, run.opt, state)
     run.acc.wait_for_everyone()
 
 
+# Copied from recast.start_trackers
+def start_trackers(run, args):
+    """--report-to tensorboard | wandb: accelerate's tracker, started with the run's flags (TensorBoard: event files
+    in <run>/tensorboard; W&B: a run named after the run folder, in project <script>). Nothing for none."""
+    if args.report_to == "none":
+        return
+    wandb = {"wandb": {"name": run.out.name, "dir": str(run.out)}}
+    name, kwargs = ("tensorboard", {}) if args.report_to == "tensorboard" else (Path(__file__).stem, wandb)
+    run.acc.init_trackers(name, config=asdict(args), init_kwargs=kwargs)
+
+
+# Copied from recast.log_to_trackers
+def log_to_trackers(acc, metrics, step):
+    """The metrics line's numbers and strings to the --report-to tracker under the same keys (lists such as D stay in
+    metrics.jsonl); W (K, T) also as an image on TensorBoard (viridis, 16 px a cell, scaled to its largest entry)."""
+    if not acc.trackers:
+        return
+    acc.log({k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}, step=step)
+    if "recast/W" in metrics and any(tracker.name == "tensorboard" for tracker in acc.trackers):
+        import matplotlib
+
+        W = np.asarray(metrics["recast/W"])
+        rgb = matplotlib.colormaps["viridis"](W / max(W.max(), 1e-300))[..., :3]  # (K, T, 3)
+        image = np.kron(rgb, np.ones((16, 16, 1)))
+        acc.get_tracker("tensorboard", unwrap=True).add_image("recast/W", image, step, dataformats="HWC")
+
+
 # Copied from recast.start_or_resume
 def start_or_resume(run, args):
     """Restore the newest intact checkpoint when resuming (metrics cut back to it), or clear the folder
-    for --overwrite; remove .tmp leftovers; write config.json. Returns (first iteration, state)."""
+    for --overwrite; remove .tmp leftovers; write config.json; start the --report-to tracker. Returns (first
+    iteration, state)."""
     state = load_checkpoint(run.out, run.transformer, run.opt) if args.resume else None
     start = state.pop("iteration") + 1 if state else 0
     if run.acc.is_main_process:
         if args.overwrite:
             for name in (
                 "config.json",
+                "tensorboard",
                 "metrics.jsonl",
                 "checkpoints",
                 "rewards.png",
@@ -1813,6 +1861,7 @@ def start_or_resume(run, args):
         config = {"args": asdict(args), "script": Path(__file__).stem, "rewards": run.names, "git_sha": git_sha()}
         write_atomic(run.out / "config.json", json.dumps(config, indent=2))
         keep_metrics_until(run.out / "metrics.jsonl", start)
+    start_trackers(run, args)
     return start, {"opt_steps": 0, "level_stats": None, **(state or {})}
 
 
@@ -1879,6 +1928,7 @@ def train(args: Args, extra_rewards=None, judges=None):
         finish_iteration(run, args, it, metrics, state, before)
     if run.acc.is_main_process:
         plot_run(run.out, run.names)
+    run.acc.end_training()  # closes the --report-to tracker
     return run.out
 
 

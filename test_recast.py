@@ -786,12 +786,44 @@ def test_recast_two_iterations_write_metrics_W_figures_and_a_loadable_lora(tiny,
     for fig in ("rewards.png", "credit.png", "samples_before.png", "samples_after.png"):
         assert (out / fig).stat().st_size > 0
     assert json.loads((out / "config.json").read_text())["args"]["credit"] == credit
+    assert not (out / "tensorboard").exists()  # --report-to none: metrics.jsonl only
     from diffusers import StableDiffusion3Pipeline
 
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny / "pipe", local_files_only=True)
     ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
     pipe.load_lora_weights(ckpt)  # the diffusers loader takes our checkpoint as it is
     assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_report_to_tensorboard_logs_the_metrics_keys_and_W(tiny, tmp_path, module):
+    """--report-to tensorboard: event files in <run>/tensorboard hold every number of metrics.jsonl under the same key,
+    one point per iteration, and W as an image of 16 px a cell."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    script, out = __import__(module), tmp_path / "run"
+    argv = tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "1", "--report-to", "tensorboard")
+    script.train(script.parse_args(argv), extra_rewards=TINY_REWARDS)
+    rows = read_metrics(out)
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "images": 0}).Reload()
+    numbers = {k for m in rows for k, v in m.items() if isinstance(v, (int, float))}
+    assert numbers <= set(events.Tags()["scalars"]) and "eval_before/brightness" in numbers
+    for key in ("loss/policy", "reward/weighted", "eval/brightness", "grad_norm"):
+        assert [e.step for e in events.Scalars(key)] == [0, 1]
+        assert [e.value for e in events.Scalars(key)] == pytest.approx([m[key] for m in rows], rel=1e-6)
+    images = events.Images("recast/W")
+    assert [(i.step, i.height, i.width) for i in images] == [(0, 2 * 16, 10 * 16), (1, 2 * 16, 10 * 16)]
+
+
+def test_report_to_needs_its_package(tiny, tmp_path, monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
+    argv = tiny_argv(tiny, tmp_path / "run", "--report-to", "wandb")
+    with pytest.raises(SystemExit, match="needs the wandb package: pip install wandb"):
+        recast.validate(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("credit, beta", [("budgets", None), ("recast", "0.5")])
