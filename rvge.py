@@ -26,6 +26,7 @@ dimensions, then over the batch; numpy math is float64.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -1008,6 +1009,25 @@ def is_embedded(model):
 # =============================================================================
 
 
+# Copied from recast.no_torchvision_notice
+def no_torchvision_notice(record):
+    """A logging filter: drops transformers' notice that torchvision is absent (deliberately: the PIL image processors
+    it falls back to serve every model here) and nothing else."""
+    return "requires torchvision (not installed)" not in record.getMessage()
+
+
+# Copied from recast.quiet_start_up
+def quiet_start_up():
+    """The console of a run holds one progress bar and no library notices: the filter above on the logger that
+    prints the torchvision notice, and the loading bars of diffusers and transformers off in this process."""
+    logging.getLogger("transformers.utils.import_utils").addFilter(no_torchvision_notice)
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+
+
 # Copied from recast.load_pipeline
 def load_pipeline(args, device, dtype):
     """StableDiffusion3Pipeline (the real SD3.5-M or the embedded tiny one, same classes) with
@@ -1577,15 +1597,40 @@ def evaluate(run, args):
 
 
 # Copied from recast.save_grid
-def save_grid(images, path, cols=8):
-    from PIL import Image
+def save_grid(images, path, prompts=(), cols=8, cell=128):
+    """The images in rows of `cols`, each upscaled (nearest) to at least `cell` px wide, with its prompt written
+    under it (wrapped to the image's width). Returns the grid (PIL)."""
+    from PIL import Image, ImageDraw, ImageFont
 
-    w, h = images[0].size
+    scale = max(1, -(-cell // images[0].size[0]))  # ceil: small images grow to at least `cell` px
+    w, h = images[0].size[0] * scale, images[0].size[1] * scale
+    font = ImageFont.load_default(size=max(10, w // 12))
+    draw = ImageDraw.Draw(Image.new("RGB", (w, h)))
+    captions = [wrap_text(draw, text, font, w - 4) for text in list(prompts) + [""] * (len(images) - len(prompts))]
+    line = font.getbbox("Ag")[3] + 2
+    text_h = line * max(len(c) for c in captions) + 4
     rows = (len(images) + cols - 1) // cols
-    grid = Image.new("RGB", (cols * w, rows * h), "white")
-    for i, im in enumerate(images):
-        grid.paste(im, ((i % cols) * w, (i // cols) * h))
+    grid = Image.new("RGB", (cols * w, rows * (h + text_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, (im, caption) in enumerate(zip(images, captions)):
+        x, y = (i % cols) * w, (i // cols) * (h + text_h)
+        grid.paste(im.convert("RGB").resize((w, h), Image.NEAREST), (x, y))
+        for k, text in enumerate(caption):
+            draw.text((x + 2, y + h + 2 + k * line), text, fill="black", font=font)
     grid.save(path)
+    return grid
+
+
+# Copied from recast.wrap_text
+def wrap_text(draw, text, font, width):
+    """Lines of `text` (words kept whole) that fit in `width` px with `font`."""
+    lines = []
+    for word in text.split():
+        if lines and draw.textlength(f"{lines[-1]} {word}", font=font) <= width:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word)
+    return lines
 
 
 # Copied from recast.plot_run
@@ -1640,6 +1685,7 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
     from accelerate import Accelerator
 
     names, budgets, branch = validate(args, extra_rewards)
+    quiet_start_up()
     lock = lock_run(args.out) if int(os.environ.get("RANK", 0)) == 0 else None
     device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     trackers = {} if args.report_to == "none" else {"log_with": args.report_to, "project_dir": args.out}
@@ -1800,7 +1846,7 @@ def finish_iteration(run, args, it, metrics, state, before=None):
             metrics_eval, images = evaluate(run, args)
             metrics.update(metrics_eval)
             if last:
-                save_grid(images, run.out / "samples_after.png")
+                save_grid(images, run.out / "samples_after.png", prompts=run.eval_prompts)
         with open(run.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
         log_to_trackers(run.acc, metrics, step=it)
@@ -1881,17 +1927,18 @@ def train(args: Args, extra_rewards=None, judges=None):
         if args.ema:
             copy_adapter(run.transformer, "default", "ema", keep=ema_decay(state["opt_steps"]))
 
-    for it in tqdm(
+    bar = tqdm(
         range(start, args.iterations),
         desc="rvge",
         initial=start,
         total=args.iterations,
         disable=not run.acc.is_main_process,
-    ):
+    )
+    for it in bar:
         gen, before = iteration_generator(args.seed, it), None
         if it == 0 and args.eval_every and run.eval_prompts and run.acc.is_main_process:
             before, images = evaluate(run, args)
-            save_grid(images, run.out / "samples_before.png")
+            save_grid(images, run.out / "samples_before.png", prompts=run.eval_prompts)
         t0 = time.perf_counter()  # training time: the evaluation above is not part of it
         # 1. rollouts from the old policy, rewards
         b = rollout_and_score(run, args, it, gen, coordinate_steps(args.coords, run.branch))
@@ -1926,6 +1973,7 @@ def train(args: Args, extra_rewards=None, judges=None):
             "time/update": t4 - t3,
         }
         finish_iteration(run, args, it, metrics, state, before)
+        bar.set_postfix({"reward": f"{metrics['reward/weighted']:.3f}", "loss": f"{metrics['loss/policy']:.4g}"})
     if run.acc.is_main_process:
         plot_run(run.out, run.names)
     run.acc.end_training()  # closes the --report-to tracker

@@ -795,6 +795,37 @@ def test_recast_two_iterations_write_metrics_W_figures_and_a_loadable_lora(tiny,
     assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
 
 
+def test_sample_grid_upscales_each_image_and_writes_its_prompt_under_it(tmp_path):
+    colours = ["red", "blue", "green", "orange", "purple", "teal", "navy", "olive", "maroon", "gray"]
+    images = [Image.new("RGB", (16, 16), c) for c in colours]
+    prompts = ["a red circle on the left and a blue square", "two blue squares"] + [""] * 8
+    grid = np.asarray(recast.save_grid(images, tmp_path / "grid.png", prompts=prompts, cols=8, cell=128))
+    assert Image.open(tmp_path / "grid.png").size == (grid.shape[1], grid.shape[0])
+    assert grid.shape[1] == 8 * 128 and 2 * 128 < grid.shape[0] < 2 * 128 + 2 * 100  # two rows, room for captions
+    row_h = grid.shape[0] // 2
+    for i, c in enumerate(colours):  # nearest upscaling: each 16 px image fills its 128 px cell with its colour
+        x, y = (i % 8) * 128, (i // 8) * row_h
+        assert (grid[y : y + 128, x : x + 128] == Image.new("RGB", (1, 1), c).getpixel((0, 0))).all()
+    caption = lambda i: grid[128:row_h, i * 128 : (i + 1) * 128]  # noqa: E731
+    lines = lambda i: (caption(i).min(axis=(1, 2)) < 128).astype(int)  # noqa: E731
+    assert caption(0).min() < 100 and caption(1).min() < 100 and caption(2).min() == 255  # text only under prompts
+    assert (np.diff(lines(0)) == 1).sum() > (np.diff(lines(1)) == 1).sum() >= 1  # the long prompt wraps
+
+
+def test_the_main_command_prints_one_progress_bar_with_reward_and_loss_and_no_warnings(tmp_path):
+    """The README's first command (embedded model) for one small iteration, in a fresh process: stderr holds the
+    progress bar with its live reward and loss and nothing else (no library notice, no loading bar)."""
+    cmd = [sys.executable, str(Path(recast.__file__)), "--iterations", "1", "--prompts-per-iter", "2"]
+    cmd += ["--eval-every", "0", "--updates-per-iter", "1", "--out", str(tmp_path / "run")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in re.split(r"[\r\n]+", done.stderr) if line.strip()]
+    assert lines and all(line.startswith("recast: ") for line in lines), lines
+    assert re.search(r"1/1 .*reward=[-0-9.]+, loss=[-0-9.e]+", lines[-1]), lines[-1]
+    assert done.stdout.strip() == f"run folder: {tmp_path / 'run'}"
+
+
 @pytest.mark.parametrize("module", ["recast", "rvge"])
 def test_report_to_tensorboard_logs_the_metrics_keys_and_W(tiny, tmp_path, module):
     """--report-to tensorboard: event files in <run>/tensorboard hold every number of metrics.jsonl under the same key,
