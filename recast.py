@@ -18,6 +18,18 @@ Notation map (code name -> symbol)
 
 Conventions: x_t = (1 - t) x0 + t eps; all losses are means over latent
 dimensions, then over the batch; numpy math is float64.
+
+Where to change what
+    flags      Args (a field, its --help section in ARG_GROUPS, its checks), validate
+    sampler    tree_rollout (trees; sde_step / sde_continue after a branch, ode_step or dpm2_step before),
+               rollout_and_score (which adapter samples, what is decoded and scored)
+    rewards    reward_models.py (REWARD_MODELS, build_rewards; README "Add a reward"), score, reward_extras
+    credit     credit: level_observations -> level_curves -> credit_profiles -> solve_W; --credit nft: nft_baseline
+    loss       nft_loss, mix_optimality (r~ per step), nft_update; the loop shared with rvge.py: update_loop
+    old policy old_decay (the soft update of "old" each iteration), ema_decay (--ema)
+    logging    reward_metrics + train's metrics line, finish_iteration (metrics.jsonl, log_to_trackers,
+               checkpoints), progress bar in train, figures in plot_run and save_grid
+    the loop   train (steps 1-4), setup_run, start_or_resume
 """
 
 from __future__ import annotations

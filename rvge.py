@@ -21,6 +21,20 @@ Notation map (code name -> symbol)
 
 Conventions: x_t = (1 - t) x0 + t eps; dv = -dx0_hat / t; all losses are means over latent
 dimensions, then over the batch; numpy math is float64.
+
+Where to change what
+    flags       Args (a field, its --help section in ARG_GROUPS, its checks), validate
+    sampler     tree_rollout (trees; sde_step / sde_continue after a branch, ode_step or dpm2_step before),
+                rollout_and_score (which adapter samples, what is decoded and scored; probes for --coords noisy)
+    rewards     reward_models.py (REWARD_MODELS, build_rewards; README "Add a reward"), score, reward_extras
+    directions  value_directions: regression_groups, pick_bandwidth, group_directions -> value_direction
+    transfer    reward_target: uses_local, target_velocity (transfer_ratio, posterior_var), query_weight
+    credit      mixture_weights (w_kj from W); W itself is recast.credit (--credit recast), imported in train
+    loss        rvge_loss, mix_targets, rvge_update; the loop shared with recast.py: update_loop
+    old policy  old_decay (the soft update of "old" each iteration), ema_decay (--ema)
+    logging     reward_metrics + train's metrics line, finish_iteration (metrics.jsonl, log_to_trackers,
+                checkpoints), progress bar in train, figures in plot_run and save_grid
+    the loop    train (steps 1-4), setup_run, start_or_resume
 """
 
 from __future__ import annotations

@@ -795,6 +795,17 @@ def test_recast_two_iterations_write_metrics_W_figures_and_a_loadable_lora(tiny,
     assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
 
 
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_where_to_change_what_names_functions_that_exist(module):
+    script = __import__(module)
+    block = script.__doc__.split("Where to change what")[1]
+    words = {"reward_models", "w_kj", "README"}  # a file, a symbol and a file named in the map
+    names = set(re.findall(r"\b(?:[a-z0-9]+_[a-z0-9_]+|Args|[A-Z_]{4,})\b", block)) - words
+    assert len(names) > 20
+    missing = [n for n in names if not hasattr(script, n) and not hasattr(reward_models, n)]
+    assert not missing, f"the map in {module}.py's docstring names {missing}, which {module}.py does not define"
+
+
 def test_sample_grid_upscales_each_image_and_writes_its_prompt_under_it(tmp_path):
     colours = ["red", "blue", "green", "orange", "purple", "teal", "navy", "olive", "maroon", "gray"]
     images = [Image.new("RGB", (16, 16), c) for c in colours]
