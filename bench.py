@@ -33,13 +33,16 @@ step, gains at every step), side by side with 7e7c243 on the same loaded machine
 the 4 x 2 tree and 1.35x with its own default tree (SDE sub-steps after each branch). So
 `estimate_minutes` uses 0.75 s per prompt group-iteration (0.85 s for the experiments on recast.py's
 own tree), 1 s per evaluation and 12 s per start, and packs the runs in their order on --jobs
-workers (printed at start; `test_bench.py` checks each full size stays under 60 min):
+workers (printed at start; `test_bench.py` checks each full size stays under 60 min). The R = C = 4
+tree of rvge-single / rvge-joint (16 leaves per prompt group, SDE sub-steps) measured 1.25-1.3 s per
+prompt group-iteration with two runs side by side (their results' time/* sums, 8 runs of 40
+iterations), so those two use 1.3 s and were cut to 60 and 100 iterations to stay within the hour:
 
     experiment       cells  seeds  iterations x prompts     eval every  runs  estimate (2 cores, --jobs 2)
     multi               12      3       30 x 4                 30         36   ~31 min
-    rvge-single          4      5      100 x 4                  5         20   ~56 min
-    rvge-joint           3      5      180 x 4 (RVGE 1/5: 36)  10         15   ~53 min
-    recast-protocol     30      3       24 x 3                  8         90   ~58 min
+    rvge-single          4      5       60 x 4                  5         20   ~56 min
+    rvge-joint           3      5      100 x 4 (RVGE 1/5: 20)  10         15   ~51 min
+    recast-protocol     30      3       24 x 3                  8         90   ~58 min (+ its final evaluation)
     recast-100           3      3      100 x 8                 10          9   ~59 min
     nft-steps            2      3      100 x 8                 10          6   ~35 min
 
@@ -97,6 +100,7 @@ class Experiment:
     quick_keep: tuple[str, ...] = ()             # groups --quick keeps (empty: all)
     seconds_per_prompt_iter: float = 0.75        # sizing: measured cost of one prompt group-iteration, one thread (docstring)
     save_every: int = 0                          # checkpoint cadence (0: only at the end)
+    final_noises: int = 0                        # final evaluation of each run on held-out captions x this many noises (0: none)
     quick: dict = field(default_factory=lambda: {"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2})
 
 
@@ -113,12 +117,13 @@ MULTI_METHODS = {  # label -> (script, flags): each script's own default tree, 6
 MULTI_BUDGETS = ("0.4,0.3,0.2,0.1", "0.1,0.2,0.3,0.4")
 SMOOTH_REWARD = "saturation"
 DISCRETE_REWARD = "geneval_strict" if "geneval_strict" in shapes_world.REWARDS else "geneval"  # the checker's 0/1 verdict
-JOINT_REWARDS = tuple(shapes_world.REWARDS)  # all five world rewards
+JOINT_REWARDS = ("geneval", "geneval_strict", "sharpness", "jpeg", "saturation")  # the five world rewards of the RVGE paper's joint run
 SETTINGS = {  # setting -> its four training rewards, in budget order
     "A": tuple(shapes_world.DEFAULT_REWARDS),
-    # PLACEHOLDER until issue 11's second setting (rewards chosen from measured D_k(t) curves) lands:
-    # the strict checker instead of partial credit, so the layout reward turns 0/1 (informative later).
-    "B": ("geneval_strict", "saturation", "sharpness", "jpeg"),
+    # Chosen from the measured D_k(t) (`measure_profiles`, README "ReCAST's protocol"): of the checker's attribute
+    # scores and the colour-edge detail reward, the four whose profiles move W furthest from uniform (mean |K T W / Lam - 1|
+    # 0.079, shape late, the others early-mid), leaving out position (informative on 24 of 132 captions; D(0) 0.004 +- 0.002).
+    "B": ("count", "colour", "shape", "detail"),
 }
 
 
@@ -133,7 +138,8 @@ def budget_vectors(k=4, high=0.55):
 
 
 def _protocol_cells():
-    methods = {"nft": ("--credit", "nft"), "uniform": ("--credit", "uniform"), "recast": ("--credit", "recast")}
+    methods = {"nft": ("--credit", "nft"), "uniform": ("--credit", "uniform"),
+               "recast": ("--credit", "recast", "--gain-init", "{exp_dir}/profiles.json")}
     return tuple(Cell("recast", ("--rewards", ",".join(rewards), "--budgets", budgets, *flags), label, f"{setting}-{bname}")
                  for setting, rewards in SETTINGS.items() for bname, budgets in budget_vectors(len(rewards)).items()
                  for label, flags in methods.items())
@@ -147,14 +153,15 @@ EXPERIMENTS = {e.name: e for e in [
     Experiment("rvge-single", tuple(c for reward in (SMOOTH_REWARD, DISCRETE_REWARD) for c in (
                    Cell("recast", ("--credit", "nft", "--rewards", reward, "--budgets", "1"), "nft", reward),
                    Cell("rvge", ("--rewards", reward, "--budgets", "1"), "rvge", reward))),
-               iterations=100, prompts_per_iter=4, eval_every=5, seeds=5, report="report_rvge_single", common=TREE,
+               iterations=60, prompts_per_iter=4, eval_every=5, seeds=5, report="report_rvge_single", common=TREE, seconds_per_prompt_iter=1.3,
                quick_keep=(DISCRETE_REWARD,), quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 2, "eval_every": 1}),
     Experiment("rvge-joint", tuple(Cell(script, ("--rewards", ",".join(JOINT_REWARDS), "--budgets", ",".join(["0.2"] * len(JOINT_REWARDS)), *flags),
                                         label, "joint", compute) for script, flags, label, compute in [
                    ("recast", ("--credit", "nft"), "nft", 1.0), ("rvge", (), "rvge", 1.0), ("rvge", (), "rvge_fifth", 0.2)]),
-               iterations=180, prompts_per_iter=4, eval_every=10, seeds=5, report="report_rvge_joint", common=TREE),
+               iterations=100, prompts_per_iter=4, eval_every=10, seeds=5, report="report_rvge_joint", common=TREE, seconds_per_prompt_iter=1.3),
     Experiment("recast-protocol", _protocol_cells(), iterations=24, prompts_per_iter=3, eval_every=8, seeds=3,
-               report="report_protocol", quick_keep=("A-uniform",), seconds_per_prompt_iter=0.85),  # recast.py's own tree
+               report="report_protocol", quick_keep=("A-uniform",), seconds_per_prompt_iter=0.85, final_noises=8,  # recast.py's own tree
+               quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1}),
     Experiment("recast-100", tuple(Cell("recast", flags, label, "A") for label, flags in (
                    ("nft", ("--credit", "nft", "--updates-per-iter", "8")), ("uniform", ("--credit", "uniform")),
                    ("recast", ("--credit", "recast")))),
@@ -204,7 +211,8 @@ def plan_runs(exp: Experiment, exp_dir: Path) -> list[Run]:
             its = cell_iterations(exp, cell)
             run_id = slug(f"{cell.group}-{cell.label}") + f"-seed{seed}"
             settings = (*exp.common, "--seed", str(seed), "--iterations", str(its), "--prompts-per-iter", str(exp.prompts_per_iter),
-                        "--eval-every", str(exp.eval_every), "--save-every", str(exp.save_every or its), *cell.flags)
+                        "--eval-every", str(exp.eval_every), "--save-every", str(exp.save_every or its),
+                        *(f.replace("{exp_dir}", str(exp_dir)) for f in cell.flags))
             runs.append(Run(run_id, cell, seed, settings, exp_dir / "work" / run_id, exp_dir / "runs" / f"{run_id}.json"))
     return runs
 
@@ -646,58 +654,230 @@ def report_rvge_joint(res: Results, out: Path):
     return lines + ["![](reward_vs_time.png)", ""]
 
 
-def pretrained_spread(names, exp_dir: Path, n=64):
-    """Per-image standard deviation of each reward under the pretrained model (held-out prompts,
-    ODE sampler as in the runs' evaluation): the unit of the scale-free summary. Cached in
-    runs/pretrained_spread.json."""
-    path = exp_dir / "runs" / "pretrained_spread.json"
-    cached = json.loads(path.read_text()) if path.is_file() else {}
-    if all(k in cached for k in names) and cached.get("_n") == n:
-        return cached
-    pipe = shapes_world.load_pipeline()
-    prompts = shapes_world.sample_prompts(n, "heldout", 1)
-    images = shapes_world.generate(pipe, prompts, seed=1)
-    spread = {k: float(np.std(shapes_world.REWARDS[k](images, prompts))) for k in names} | {"_n": n}
+PROFILE_CANDIDATES = ("geneval", "saturation", "sharpness", "jpeg", "geneval_strict", "count", "colour", "shape", "position", "detail")
+
+
+def measure_profiles(exp_dir: Path, names=PROFILE_CANDIDATES, iterations=48, prompts=8, seed=0):
+    """D_k(t) of every candidate reward under the pretrained model: recast.py's own rollouts (rotated
+    branch layout, so each of the 8 inner levels is measured by prompts * iterations / 8 groups) and its
+    level statistics, with no update. Cached in exp_dir/profiles.json: names, sigmas, the statistics
+    (n, s1, s2: the file `recast.py --gain-init` starts from), D, se and the evidence rho of each reward."""
+    path = exp_dir / "profiles.json"
+    if path.is_file():
+        cached = json.loads(path.read_text())
+        if cached["names"] == list(names) and cached["iterations"] == iterations and cached["prompts"] == prompts:
+            return cached
+    import torch
+
+    import recast
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        args = recast.parse_args(["--rewards", ",".join(names), "--budgets", ",".join(["1"] * len(names)), "--seed", str(seed),
+                                  "--prompts-per-iter", str(prompts), "--eval-every", "0", "--out", str(exp_dir / "work" / "profiles"),
+                                  "--overwrite"])
+        run = recast.setup_run(args)
+        sigmas, stats = run.sigmas.double().numpy(), None
+        for it in range(iterations):
+            b = recast.rollout_and_score(run, args, it, recast.iteration_generator(seed, it))
+            r = recast.optimality(b.R, b.groups, std=recast.global_stats(b.R, run.reduce)[2])
+            new = recast.level_observations(r, b.groups, b.ancestry, b.layouts, args.steps)
+            stats = list(new) if stats is None else [a + c for a, c in zip(stats, new)]
+    finally:
+        torch.set_num_threads(threads)
+    D, se = recast.level_curves(*stats)
+    rho = recast.credit_profiles(D, se, sigmas, stats[0])[3]
+    out = {"names": list(names), "iterations": iterations, "prompts": prompts, "steps": args.steps, "estimator": "pairs",
+           "sigmas": sigmas.tolist(), "n": stats[0].tolist(), "s1": stats[1].tolist(), "s2": stats[2].tolist(),
+           "D": np.where(np.isfinite(D), D, -1.0).tolist(), "se": np.where(np.isfinite(se), se, -1.0).tolist(), "rho": rho.tolist()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(spread, indent=1))
-    return spread
+    path.write_text(json.dumps(out))
+    return out
 
 
-def scale_free(rows, names, budgets, spread):
-    """sum_k lambda_k (final_k - pretrained_k) / sd_k / sum_k lambda_k: each held-out reward's
-    change in units of its pretrained per-image spread, budget-weighted."""
+def setting_W(prof: dict, rewards, budgets):
+    """W that ReCAST builds from the measured profiles of `rewards` (recast.credit_profiles + solve_W
+    at the defaults): what the credit looks like with ~prompts * iterations groups of evidence."""
+    import recast
+
+    rows = [prof["names"].index(k) for k in rewards]
+    n, s1, s2 = np.asarray(prof["n"]), np.asarray(prof["s1"])[rows], np.asarray(prof["s2"])[rows]
+    D, se = recast.level_curves(n, s1, s2)
+    P, rho = recast.credit_profiles(D, se, np.asarray(prof["sigmas"]), n)[2:]
+    return recast.solve_W([float(b) for b in budgets], P), rho
+
+
+def profile_figure(prof: dict, path: Path):
+    """Left: each candidate's D_k(t) / D_k(0) against t with +- 1 se (the settings' rewards marked);
+    right: ReCAST's W for each setting at uniform budgets, from these measurements."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sig, names = np.asarray(prof["sigmas"]), prof["names"]
+    D, se = np.asarray(prof["D"]), np.asarray(prof["se"])
+    fig, axes = plt.subplots(1, 1 + len(SETTINGS), figsize=(5.5 + 3.6 * len(SETTINGS), 3.6),
+                             gridspec_kw={"width_ratios": [1.6] + [1] * len(SETTINGS)})
+    for k, name in enumerate(names):
+        ok = D[k] >= 0
+        where = [s for s, rw in SETTINGS.items() if name in rw]
+        style = "-" if where else ":"
+        top = D[k, -1] if D[k, -1] > 0 else 1.0
+        axes[0].errorbar(sig[ok], D[k, ok] / top, yerr=se[k, ok] / top, ls=style, marker="o", ms=3, capsize=2,
+                         label=f"{name}" + (f" ({'+'.join(where)})" if where else ""))
+    axes[0].set(xlabel="t (1 = noise, 0 = image)", ylabel="D_k(t) / D_k(0)", title="Rényi gain measured on the pretrained model",
+                xlim=(1.02, -0.02))
+    axes[0].legend(fontsize=7, ncol=2)
+    for ax, (setting, rewards) in zip(axes[1:], SETTINGS.items()):
+        W, rho = setting_W(prof, rewards, ["0.25"] * len(rewards))
+        im = ax.imshow(W * len(W[0]) / W.sum() * len(rewards), aspect="auto", cmap="coolwarm", vmin=0.5, vmax=1.5)
+        ax.set(title=f"setting {setting}: K T W / Lam", xlabel="step j (t from 1 to 0)", yticks=range(len(rewards)),
+               yticklabels=[f"{r} (rho {p:.2f})" for r, p in zip(rewards, rho)])
+        fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+EVAL_SEEDS = (1, 2)  # the final evaluation's noise seeds: the first for the tables, the second for the noise floor
+
+
+def final_eval_images(pipe, transformer_state, prompts, seed, steps=10):
+    """Held-out images of one LoRA state (None: the pretrained model): Euler ODE, fixed noise per seed."""
+    import torch
+    from peft.utils import set_peft_model_state_dict
+
+    import recast
+
+    tr = pipe.transformer
+    if transformer_state is None:
+        tr.disable_adapters()
+    else:
+        tr.enable_adapters()
+        set_peft_model_state_dict(tr, transformer_state, adapter_name="default")
+        tr.set_adapter("default")
+    emb, pooled = recast.encode(pipe, prompts, shapes_world.GEN_KWARGS["max_sequence_length"], "cpu")
+    shape = (tr.config.in_channels, shapes_world.RES // pipe.vae_scale_factor, shapes_world.RES // pipe.vae_scale_factor)
+    with torch.no_grad():
+        latents = recast.tree_rollout(tr, emb, pooled, recast.scheduler_sigmas(pipe, steps), n_roots=1, n_branch=1, branch=[],
+                                      sde_a=0.0, gen=torch.Generator().manual_seed(seed), shape=shape)[0]
+    tr.enable_adapters()
+    return recast.decode(pipe, latents)
+
+
+def final_scores(images, prompts):
+    """Per-image scores of every candidate reward, the CNN judge and the preference judge; the set's Fréchet distance."""
+    return {**{k: shapes_world.REWARDS[k](images, prompts).tolist() for k in PROFILE_CANDIDATES},
+            "judge/cnn": shapes_world.judge_cnn(images, prompts).tolist(), "judge/pref": shapes_world.judge_preference(images, prompts).tolist(),
+            "judge/frechet": shapes_world.frechet_distance(images, prompts)}
+
+
+def final_evals(runs: list[Run], exp_dir: Path, noises: int):
+    """The final evaluation of every finished run (and of the pretrained model), on a held-out set
+    larger than the runs' own: every held-out caption x `noises` noises, at each of EVAL_SEEDS
+    (same images for every method: paired). Cached next to each result as <run>.final.json (keyed by the
+    checkpoint); returns {run_id or "pretrained": {seed: scores}}."""
+    import torch
+
+    import recast
+
+    prompts = [c for c in shapes_world.splits()["heldout"] for _ in range(noises)]
+    out, pipe = {}, None
+    todo = [("pretrained", None, exp_dir / "runs" / "pretrained.final.json")]
+    todo += [(r.run_id, r.work / "checkpoints", r.result.with_name(r.run_id + ".final.json")) for r in runs if load_result(r) is not None]
+    for run_id, ckpts, path in todo:
+        latest = (ckpts / (ckpts / "latest").read_text().strip()) if ckpts else None
+        key = str(latest) if latest else "pretrained"
+        cached = json.loads(path.read_text()) if path.is_file() else {}
+        if cached.get("checkpoint") == key and cached.get("n") == len(prompts):
+            out[run_id] = cached["scores"]
+            continue
+        if ckpts and not (latest / "state.pt").is_file():
+            continue  # result without its checkpoint (work folder removed): no final evaluation
+        if pipe is None:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            pipe = recast.load_pipeline(recast.parse_args([]), "cpu", torch.float32)
+        state = torch.load(latest / "state.pt", weights_only=False)["lora"]["default"] if latest else None
+        scores = {str(seed): final_scores(final_eval_images(pipe, state, prompts, seed), prompts) for seed in EVAL_SEEDS}
+        path.write_text(json.dumps({"checkpoint": key, "n": len(prompts), "prompts": prompts, "scores": scores}))
+        out[run_id] = scores
+    if pipe is not None:
+        torch.set_num_threads(threads)
+    return out
+
+
+def final_value(scores: dict, metric: str, names=(), budgets=(), base: dict | None = None):
+    """One number of a final evaluation (`final_evals` scores at one seed): a reward's or judge's mean,
+    the frechet distance, `weighted` (budget-weighted raw mean) or `scale_free`: each reward's change
+    from the pretrained model (`base`, same images) in units of the pretrained per-image spread,
+    budget-weighted: sum_k lambda_k (mean_k - mean0_k) / sd0_k / sum_k lambda_k."""
+    if metric == "judge/frechet":
+        return float(scores[metric])
     lam = np.asarray(budgets, dtype=float)
-    z = [(final(rows, f"eval/{k}") - rows[0].get(f"eval_before/{k}", np.nan)) / max(spread.get(k, np.nan), 1e-12) for k in names]
-    return float(lam @ np.asarray(z) / lam.sum())
+    if metric == "weighted":
+        return float(lam @ [np.nanmean(scores[k]) for k in names] / lam.sum())
+    if metric == "scale_free":
+        z = [(np.nanmean(scores[k]) - np.nanmean(base[k])) / max(float(np.nanstd(base[k])), 1e-12) for k in names]
+        return float(lam @ z / lam.sum())
+    return float(np.nanmean(scores[metric]))
+
+
+def win_rate(a: dict, b: dict):
+    """Share of held-out images (same prompt, same noise) the preference judge prefers from a over b; ties count 1/2."""
+    sa, sb = np.asarray(a["judge/pref"]), np.asarray(b["judge/pref"])
+    return float(np.mean((sa > sb) + 0.5 * (sa == sb)))
 
 
 def report_protocol(res: Results, out: Path):
-    """Issue 11: per (setting, budget) cell, recast minus each other method, paired, on every training
-    reward and judge, raw and scale-free; then how often ReCAST improves each judge."""
+    """Issue 11: per (setting, budget) cell, recast minus each other method, paired by seed, on every
+    training reward and judge of the large final evaluation, raw and scale-free, plus the preference
+    judge's win rate; the noise floor of one evaluation; then how often ReCAST improves each judge."""
     lines = res.banner()
-    spread_path = res.exp_dir / "runs" / "pretrained_spread.json"
-    spread = json.loads(spread_path.read_text()) if spread_path.is_file() else {}
-    lines += ["Scale-free: each held-out reward's change from the pretrained model in units of its pretrained per-image "
-              f"spread, budget-weighted ({'sd: ' + ', '.join(f'{k} {v:.4f}' for k, v in spread.items() if k != '_n') if spread else 'n/a: no runs/pretrained_spread.json'}). "
-              "Raw: `eval/weighted`. Judges are never trained on; frechet: lower is better, so its difference is shown as is "
-              "and counts as an improvement when negative.", ""]
-    counts = {}  # (other, metric) -> [n improved, n significant, n cells]
+    finals = final_evals(plan_runs(res.exp, res.exp_dir), res.exp_dir, res.exp.final_noises)
+    seed_a, seed_b = (str(s) for s in EVAL_SEEDS)
+    base = finals.get("pretrained", {})
+    n_img = len(next(iter(base.values()))["judge/cnn"]) if base else 0
+    lines += [f"Final evaluation: every held-out caption x {res.exp.final_noises} noises ({n_img} images, Euler ODE, 10 steps), the same "
+              "images (prompt and noise) for every method and the pretrained model. Judges are never trained on: `cnn` (learned "
+              "attribute judge), `frechet` (distance of the judge's features to the data; lower is better: its difference counts "
+              "as an improvement when negative) and `pref` (pairwise preference judge, a Bradley-Terry CNN trained on its own "
+              "render-vs-corruption pairs: the share of images where it prefers ReCAST's image to the other method's, 0.5 = no preference). "
+              "`scale_free`: each training reward's change from the pretrained model in units of its pretrained per-image spread, "
+              "budget-weighted; `weighted`: the budget-weighted raw mean.", ""]
+    counts, floors = {}, {}
     for group, by_label in res.runs.items():
         cell = next(c for c in res.exp.cells if c.group == group)
         names, budgets = flag_value(cell.flags, "--rewards").split(","), [float(b) for b in flag_value(cell.flags, "--budgets").split(",")]
-        metrics = [f"eval/{k}" for k in names] + ["eval/weighted", "scale_free", "eval/judge/cnn", "eval/judge/frechet"]
+        metrics = names + ["weighted", "scale_free", "judge/cnn", "judge/frechet"]
+        ids = {label: {seed: slug(f"{group}-{label}") + f"-seed{seed}" for seed in by_seed} for label, by_seed in by_label.items()}
 
-        def value(rows, m):
-            return scale_free(rows, names, budgets, spread) if m == "scale_free" else final(rows, m)
+        def value(label, m, seed_key=seed_a):
+            return {s: final_value(finals[i][seed_key], m, names, budgets, base[seed_key]) for s, i in ids[label].items() if i in finals}
 
+        for label in ids:  # noise floor: the same weights, evaluated on the second noise set
+            for m in metrics:
+                a, b = value(label, m), value(label, m, seed_b)
+                floors.setdefault(m, []).extend(a[s] - b[s] for s in a if s in b)
         lines += [f"## setting {group.split('-')[0]} ({', '.join(names)}), budgets {','.join(f'{b:g}' for b in budgets)}", "",
-                  "| recast − | n | " + " | ".join(m.replace("eval/", "") for m in metrics) + " |", "|---" * (2 + len(metrics)) + "|"]
-        for other in by_label:
+                  "| method | n | " + " | ".join(metrics) + " |", "|---" * (2 + len(metrics)) + "|"]
+        if base:
+            lines.append("| pretrained | | " + " | ".join(f"{final_value(base[seed_a], m, names, budgets, base[seed_a]):.4f}" for m in metrics) + " |")
+        for label in ids:
+            lines.append(f"| {label} | {len(value(label, metrics[0]))} | " + " | ".join(mean_std(list(value(label, m).values())) for m in metrics) + " |")
+        lines += ["", "| recast − | n | " + " | ".join(metrics) + " | pref win rate |", "|---" * (3 + len(metrics)) + "|"]
+        for other in ids:
             if other == "recast":
                 continue
-            diffs = {m: mean_ci(paired(res.values(group, "recast", lambda r, m=m: value(r, m)), res.values(group, other, lambda r, m=m: value(r, m))))
-                     for m in metrics}
-            lines.append(f"| {other} | {max(d[3] for d in diffs.values())} | " + " | ".join(fmt_ci(*diffs[m]) for m in metrics) + " |")
+            diffs = {m: mean_ci(paired(value("recast", m), value(other, m))) for m in metrics}
+            wins = {s: win_rate(finals[ids["recast"][s]][seed_a], finals[ids[other][s]][seed_a])
+                    for s in ids["recast"] if s in ids[other] and ids["recast"][s] in finals and ids[other][s] in finals}
+            diffs["pref"] = mean_ci([w - 0.5 for w in wins.values()])
+            m_, lo, hi, n = diffs["pref"]
+            pref_txt = f"{0.5 + m_:.3f} [{0.5 + lo:.3f}, {0.5 + hi:.3f}] (n={n})" if n > 1 else (f"{0.5 + m_:.3f} (n={n})" if n else "n/a")
+            lines.append(f"| {other} | {max(d[3] for d in diffs.values())} | " + " | ".join(fmt_ci(*diffs[m]) for m in metrics) + f" | {pref_txt} |")
             for m, (mean, lo, hi, n) in diffs.items():
                 if n == 0:
                     continue
@@ -707,15 +887,26 @@ def report_protocol(res: Results, out: Path):
                 c[1] += verdict(m, lo, hi) == 1
         lines.append("")
     total = len(res.runs)
-    lines += ["## Summary", ""]
+    lines += ["## Noise floor of one evaluation", "",
+              f"The same weights evaluated on two noise sets (seeds {seed_a} and {seed_b}, same prompts): the standard deviation of one "
+              "evaluation is sd(difference) / sqrt(2) over all finished runs; a method difference below ~2x this is not resolved by "
+              "one evaluation (the paired intervals above include it, since each seed's difference is a separate evaluation).", "",
+              "| metric | noise sd of one evaluation | runs |", "|---|---|---|"]
+    lines += [f"| {m} | {np.std(v, ddof=1) / np.sqrt(2):.4f} | {len(v)} |" for m, v in floors.items() if len(v) > 1]
+    lines += ["", "## Summary", ""]
     for (other, m), (n, sig, cells) in sorted(counts.items()):
-        if m.startswith("eval/judge/") or m in ("scale_free", "eval/weighted"):
-            what = f"judge {m[len('eval/judge/'):]}" if m.startswith("eval/judge/") else m.replace("eval/", "")
+        if m.startswith("judge/") or m in ("scale_free", "weighted", "pref"):
+            what = f"judge {m[len('judge/'):]}" if m.startswith("judge/") else ("judge pref (win rate > 0.5)" if m == "pref" else m)
             lines.append(f"- ReCAST improves {what} over {other} in {n} of {total} cells (significant in {sig})"
                          + (f"; {total - cells} cell(s) without results" if cells < total else ""))
-    curve_figure(res, out / "reward_vs_time.png")
+    prof_path = res.exp_dir / "profiles.json"
+    if prof_path.is_file():
+        profile_figure(json.loads(prof_path.read_text()), out / "profiles.png")
+    curve_figure(res, out / "reward_vs_time.png", x="iterations")
     w_figure(res, out / "W_final.png")
-    return lines + ["", "![](reward_vs_time.png)", "", "ReCAST's final W per cell (first seed): ![](W_final.png)", ""]
+    return lines + ["", "Measured D_k(t) of the candidate rewards and the W ReCAST builds from them: ![](profiles.png)", "",
+                    "Held-out `eval/weighted` of the runs' own small evaluation (16 prompts) along training: ![](reward_vs_time.png)", "",
+                    "ReCAST's final W per cell (first seed): ![](W_final.png)", ""]
 
 
 def w_figure(res: Results, path: Path, label="recast"):
@@ -862,8 +1053,8 @@ def main(argv=None):
         print(f"{exp.name}: {len(planned)} runs ({len(exp.cells)} cells x {exp.seeds} seeds), ~{estimate_minutes(exp, args.jobs):.0f} min "
               f"with --jobs {args.jobs} at 2-core CPU speed; results in {exp_dir / 'runs'}", flush=True)
         exp_dir.mkdir(parents=True, exist_ok=True)
-        if args.experiment == "recast-protocol":
-            pretrained_spread(sorted({n for c in exp.cells for n in flag_value(c.flags, "--rewards").split(",")}), exp_dir, n=16 if args.quick else 64)
+        if args.experiment == "recast-protocol":  # the gains ReCAST starts from (--gain-init), measured before any run
+            measure_profiles(exp_dir, iterations=2 if args.quick else 48, prompts=1 if args.quick else 8)
         failed = execute(planned, args.jobs)
     text, res = build_report(exp, exp_dir, planned)
     print(text)

@@ -552,6 +552,7 @@ class Args:
     eps: float = field(default=1e-3, metadata={"help": "profile smoothing P~ = (1 - eps) P + eps / T (> 0 keeps W unique)", "min": 0, "max": 1})
     gain_ema: float = field(default=0.9, metadata={"help": "discount of the level statistics across iterations (horizon ~ 1 / (1 - gain_ema) iterations)", "min": 0, "lt": 1})
     evidence: float = field(default=2.0, metadata={"help": "shrink each reward's profile towards uniform by rho = max(0, 1 - c p / Q), Q the chi^2 of its curve against uniform gains (0: no shrinkage)", "min": 0})
+    gain_init: str = field(default="", metadata={"help": "start the discounted level statistics from this JSON (bench.py's profiles.json: n, s1, s2 measured on the pretrained model with many groups) instead of from nothing; it must hold the run's rewards, with the same --steps"})
     iterations: int = field(default=120, metadata={"help": "training iterations (rollout + update); the default run takes ~8 min on 2 CPU cores", "min": 1})
     prompts_per_iter: int = field(default=8, metadata={"help": "prompt groups per iteration and process", "min": 1})
     n_roots: int = field(default=2, metadata={"help": "independent noises per prompt (tree roots)", "min": 1})
@@ -1445,8 +1446,11 @@ def train(args: Args, extra_rewards=None, judges=None):
     import torch
 
     run = setup_run(args, extra_rewards, judges)
+    prior = initial_level_stats(args.gain_init, run.names, args.steps) if args.gain_init else None
     start, state = start_or_resume(run, args)
     T, budgets = args.steps, run.budgets
+    if start == 0 and prior is not None:
+        state["level_stats"] = prior
 
     def on_step():  # after every optimizer step: the EMA of the trained LoRA (DiffusionNFT's evaluation weights)
         state["opt_steps"] += 1
@@ -1493,6 +1497,24 @@ def train(args: Args, extra_rewards=None, judges=None):
     if run.acc.is_main_process:
         plot_run(run.out, run.names)
     return run.out
+
+
+def initial_level_stats(path, names, T):
+    """[n (T+1,), s1 (K, T+1), s2 (K, T+1)]: the rows of `names` from a level-statistics file (bench.py
+    `measure_profiles`), the gain statistics a run starts from with --gain-init. They are discounted by
+    --gain-ema like the run's own, so the prior's weight halves every ~7 iterations at 0.9."""
+    try:
+        saved = json.loads(Path(path).read_text())
+        rows = [saved["names"].index(k) for k in names]
+        steps, estimator = saved["steps"], saved.get("estimator", "pairs")
+    except (OSError, ValueError, KeyError) as err:
+        raise SystemExit(f"--gain-init {path}: not a readable level-statistics file holding rewards {names} ({type(err).__name__}: {err}). "
+                         "Make one with bench.py's measure_profiles, or omit --gain-init") from None
+    if steps != T or estimator != "pairs":
+        raise SystemExit(f"--gain-init {path}: measured with {steps} steps ({estimator}), this run has --steps {T} (pairs): "
+                         "measure again with these settings, or omit --gain-init")
+    return [np.asarray(saved["n"], dtype=np.float64), np.asarray(saved["s1"], dtype=np.float64)[rows],
+            np.asarray(saved["s2"], dtype=np.float64)[rows]]
 
 
 def read_prompts(path, flag="prompts"):

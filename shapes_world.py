@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parent
 ASSETS = ROOT / "assets"
 PIPELINE_DIR = ASSETS / "shapes-sd3"
 JUDGE_PATH = ASSETS / "judge.safetensors"
+PREF_PATH = ASSETS / "pref_judge.safetensors"
 
 RES = 32  # image side in pixels; latents are 16x16x4
 GEN_KWARGS = dict(height=RES, width=RES, num_inference_steps=10, guidance_scale=1.0,
@@ -391,12 +392,71 @@ def reward_saturation(images: list, prompts: list[str] | None = None) -> np.ndar
     return np.array(out, np.float64)
 
 
+_CHECKS: dict = {}  # (image bytes, prompt) -> check(): the split checker scores share one detection per image
+
+
+def _checked(images: list, prompts: list[str], key: str, default: float = 1.0) -> np.ndarray:
+    """One attribute score of :func:`check` per image (``default`` where it does not apply)."""
+    if len(_CHECKS) > 4096:
+        _CHECKS.clear()
+    out = []
+    for img, prompt in zip(images, prompts):
+        k = (_as_array(img).astype(np.uint8).tobytes(), prompt)
+        if k not in _CHECKS:
+            _CHECKS[k] = check(img, prompt)
+        out.append(_CHECKS[k].get(key, default))
+    return np.array(out, np.float64)
+
+
+def reward_count(images: list, prompts: list[str]) -> np.ndarray:
+    """Object count score of :func:`check`: 1 - min(1, |n_det - n_exp| / n_exp). Set by the layout."""
+    return _checked(images, prompts, "count")
+
+
+def reward_colour(images: list, prompts: list[str]) -> np.ndarray:
+    """Colour score of :func:`check`: Dice of the detected and the prompt's colour multisets."""
+    return _checked(images, prompts, "colour")
+
+
+def reward_shape(images: list, prompts: list[str]) -> np.ndarray:
+    """Shape score of :func:`check`: Dice of the detected and the prompt's shape multisets (outlines)."""
+    return _checked(images, prompts, "shape")
+
+
+def reward_position(images: list, prompts: list[str]) -> np.ndarray:
+    """Position score of :func:`check` (1 iff the named object sits on the named half) for the
+    "... on the left/right" prompts; 1 for prompts without a position (nothing to get wrong)."""
+    return _checked(images, prompts, "position")
+
+
+DETAIL_SCALE = 0.05
+
+
+def reward_detail(images: list, prompts: list[str] | None = None) -> np.ndarray:
+    """Colour-edge crispness (fine detail): ``mean |lap(c)| / 0.05`` with c = (max - min) / 255 of RGB
+    per pixel (the chroma) at 32x32, over the 30x30 interior. Flat or grey image 0. Like sharpness but
+    on colour rather than grey edges: decided by the last denoising steps."""
+    out = []
+    for img in images:
+        a = _as_array(img)
+        c = (a.max(-1) - a.min(-1)) / 255.0
+        lap = 4 * c[1:-1, 1:-1] - c[:-2, 1:-1] - c[2:, 1:-1] - c[1:-1, :-2] - c[1:-1, 2:]
+        out.append(np.abs(lap).mean() / DETAIL_SCALE)
+    return np.array(out, np.float64)
+
+
 REWARDS = {
     "geneval": reward_geneval,
     "geneval_strict": reward_geneval_strict,
     "sharpness": reward_sharpness,
     "jpeg": reward_jpeg,
     "saturation": reward_saturation,
+    # the checker split into its attributes, and colour-edge detail: candidates for a second setting
+    "count": reward_count,
+    "colour": reward_colour,
+    "shape": reward_shape,
+    "position": reward_position,
+    "detail": reward_detail,
 }
 """name -> callable (images: list[PIL.Image], prompts: list[str]) -> np.ndarray (N,) float64."""
 
@@ -484,6 +544,176 @@ def judge_cnn(images: list, prompts: list[str]) -> np.ndarray:
 
 JUDGES = {"cnn": judge_cnn}
 """Held-out per-image judges, same interface as REWARDS."""
+
+
+# ------------------------------------------------ pairwise preference judge ----
+# The LLM-as-a-judge stand-in: shown two images for one prompt, which is better? A Bradley-Terry
+# model p(a > b | prompt) = sigmoid(s(a, prompt) - s(b, prompt)) with s a small CNN + the prompt's
+# attribute vector, trained on its own data: a ground-truth render against a corrupted one (wrong
+# content: one colour, shape, count or side changed; or degraded: blur, pixel noise, washed-out
+# colour, a smudge), and a mild against a strong degradation. It never calls the checker, the
+# rewards or the CNN judge, and it is never a training reward.
+PREF_BUILD = dict(steps=1500, batch=64, lr=2e-3, pool=4000)
+
+
+def _pref_net():
+    """CNN (~70k params) 32x32x3 -> 64 features f; the prompt vector v (22) -> 64 by a small MLP g;
+    score = <f, g(v)> (does the image show the prompt?) + q(f) (is it a clean image?)."""
+    import torch.nn as nn
+    return nn.ModuleDict(dict(
+        features=nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.GELU(),
+            nn.Conv2d(32, 48, 3, stride=2, padding=1), nn.GELU(),   # 16x16
+            nn.Conv2d(48, 64, 3, stride=2, padding=1), nn.GELU(),   # 8x8
+            nn.Conv2d(64, 64, 3, padding=1), nn.GELU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten()),
+        prompt=nn.Sequential(nn.Linear(22, 64), nn.GELU(), nn.Linear(64, 64)),
+        quality=nn.Linear(64, 1)))
+
+
+def _prompt_vector(prompt: str) -> np.ndarray:
+    """(22,) counts per colour (4), per shape (3), per (colour, shape) (12), side one-hot (none, left, right)."""
+    spec = parse_prompt(prompt)
+    objs = spec["objects"]
+    v = [sum(c == k for c, _ in objs) for k in COLORS] + [sum(s == k for _, s in objs) for k in SHAPES]
+    v += [sum(o == (c, k) for o in objs) for c in COLORS for k in SHAPES]
+    v += [spec["side"] is None, spec["side"] == "left", spec["side"] == "right"]
+    return np.array(v, np.float32)
+
+
+def _mutate(spec: dict, rng: np.random.Generator) -> dict:
+    """The spec with one thing wrong: an object's colour or shape, the count (one more or one fewer), or the side."""
+    objs, side = list(spec["objects"]), spec["side"]
+    kinds = ["colour", "shape", "count"] + (["side"] if side else [])
+    kind = kinds[rng.integers(len(kinds))]
+    i = int(rng.integers(len(objs)))
+    if kind == "colour":
+        objs[i] = (str(rng.choice([c for c in COLORS if c != objs[i][0]])), objs[i][1])
+    elif kind == "shape":
+        objs[i] = (objs[i][0], str(rng.choice([k for k in SHAPES if k != objs[i][1]])))
+    elif kind == "count":
+        objs = objs[:i] + objs[i + 1:] if len(objs) > 1 and (len(objs) == 3 or rng.random() < 0.5) else objs + [objs[i]]
+    else:
+        side = "left" if side == "right" else "right"
+    return {"objects": objs, "side": side}
+
+
+def _degrade(img: Image.Image, rng: np.random.Generator, strength: float, kind: int | None = None) -> Image.Image:
+    """Blur (kind 0), pixel noise (1), washed-out colour (2) or a smudge of the median colour (3), of the
+    given strength in (0, 1]; kind None: drawn from rng."""
+    from PIL import ImageFilter
+    kind = int(rng.integers(4)) if kind is None else kind
+    if kind == 0:
+        return img.filter(ImageFilter.GaussianBlur(0.4 + 1.2 * strength))
+    a = _as_array(img)
+    if kind == 1:
+        a = a + rng.normal(0, 6 + 24 * strength, a.shape)
+    elif kind == 2:
+        a = a + (0.25 + 0.6 * strength) * (a.mean(-1, keepdims=True) - a)
+    else:
+        cy, cx, r = *rng.uniform(6, RES - 6, 2), 3 + 6 * strength
+        yy, xx = np.mgrid[:RES, :RES]
+        m = (((yy - cy) ** 2 + (xx - cx) ** 2) < r * r)[..., None]
+        a = np.where(m, np.median(a.reshape(-1, 3), 0), a)
+    return Image.fromarray(np.clip(a, 0, 255).astype(np.uint8))
+
+
+def preference_pairs(n: int, split: str = "train", seed: int = 0) -> tuple[list, list, list[str]]:
+    """n (better, worse, prompt) triples: a render against a render with one thing wrong (same seed, 30%),
+    against a render of another caption (20%), against a degraded copy (30%), or a mild against a
+    strong degradation (20%)."""
+    rng = np.random.default_rng(seed)
+    prompts = sample_prompts(n, split, seed)
+    others = sample_prompts(n, split, seed + 1)
+    better, worse = [], []
+    for i, p in enumerate(prompts):
+        img_seed = 10_000_000 * (seed + 1) + i
+        gt, u = render(p, img_seed), rng.random()
+        if u < 0.3:
+            better.append(gt)
+            worse.append(render_spec(_mutate(parse_prompt(p), rng), img_seed))
+        elif u < 0.5:
+            better.append(gt)
+            worse.append(render(others[i] if others[i] != p else others[i - 1], img_seed))
+        elif u < 0.8:
+            better.append(gt)
+            worse.append(_degrade(gt, rng, rng.uniform(0.2, 1.0)))
+        else:
+            mild, more = rng.uniform(0.0, 0.4), rng.uniform(0.4, 0.6)
+            state = rng.bit_generator.state  # the same kind of degradation, two strengths
+            better.append(_degrade(gt, rng, mild))
+            rng.bit_generator.state = state
+            worse.append(_degrade(gt, rng, mild + more))
+    return better, worse, prompts
+
+
+def _pref_forward(net, x, v):
+    """Scores (B,) of image tensors x (B, 3, 32, 32) under prompt vectors v (B, 22)."""
+    f = net["features"](x)
+    return (f * net["prompt"](v)).sum(1) / 8.0 + net["quality"](f)[:, 0]
+
+
+def _pref_scores(net, images: list, prompts: list[str]):
+    import torch
+    return _pref_forward(net, _images_to_tensor(images), torch.from_numpy(np.stack([_prompt_vector(p) for p in prompts])))
+
+
+def train_pref_judge(steps: int, batch: int, lr: float, pool: int, seed: int = 0):
+    """Fit the Bradley-Terry judge on `pool` fresh training-split pairs (-log sigmoid(s_better - s_worse),
+    AdamW, cosine schedule). Returns the net."""
+    import torch
+    torch.manual_seed(seed)
+    net = _pref_net()
+    better, worse, prompts = preference_pairs(pool, "train", seed)
+    xb, xw = _images_to_tensor(better), _images_to_tensor(worse)
+    v = torch.from_numpy(np.stack([_prompt_vector(p) for p in prompts]))
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=1e-4)
+    sched = _warmup_cosine(opt, steps, steps // 20)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = torch.randint(len(prompts), (batch,), generator=gen)
+        flip = torch.rand(batch, generator=gen) < 0.5  # horizontal flips (side prompts keep their side: none flipped)
+        flip &= v[idx, 19] > 0
+        a, b = xb[idx], xw[idx]
+        a, b = torch.where(flip[:, None, None, None], a.flip(-1), a), torch.where(flip[:, None, None, None], b.flip(-1), b)
+        s = _pref_forward(net, torch.cat([a, b]), v[idx].repeat(2, 1))
+        loss = torch.nn.functional.softplus(s[batch:] - s[:batch]).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    return net.eval()
+
+
+def build_pref_judge(path: Path = PREF_PATH, seed: int = 0) -> dict:
+    """Train the preference judge and save it; returns its accuracy on fresh held-out-split pairs."""
+    import torch
+    from safetensors.torch import save_file
+    net = train_pref_judge(**PREF_BUILD, seed=seed)
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path))
+    better, worse, prompts = preference_pairs(1000, "heldout", seed + 1)
+    with torch.no_grad():
+        acc = float((_pref_scores(net, better, prompts) > _pref_scores(net, worse, prompts)).float().mean())
+    return {"pref_heldout_pair_accuracy": acc, **PREF_BUILD}
+
+
+_PREF = None
+
+
+def judge_preference(images: list, prompts: list[str]) -> np.ndarray:
+    """Per-image Bradley-Terry score s(image, prompt) of the shipped preference judge: image a is
+    preferred to image b for the same prompt iff s(a) > s(b), with probability sigmoid(s(a) - s(b)).
+    Only differences between images of one prompt mean anything."""
+    import torch
+    global _PREF
+    if _PREF is None:
+        from safetensors.torch import load_file
+        _PREF = _pref_net()
+        _PREF.load_state_dict(load_file(str(PREF_PATH)))
+        _PREF.eval()
+    with torch.no_grad():
+        return np.concatenate([_pref_scores(_PREF, images[i:i + 256], prompts[i:i + 256]).double().numpy()
+                               for i in range(0, len(images), 256)])
 
 
 def judge_features(images: list) -> np.ndarray:
@@ -946,9 +1176,12 @@ def main(argv=None):
     e.add_argument("--split", default="heldout", choices=["train", "heldout"])
     e.add_argument("--grid", default=str(ASSETS / "samples.png"))
     sub.add_parser("bench", help="rollout and LoRA-step timings")
+    sub.add_parser("pref-judge", help="retrain assets/pref_judge.safetensors (the pairwise preference judge, ~2 min)")
     a = ap.parse_args(argv)
     if a.cmd == "build":
         build(Path(a.out), **{k: getattr(a, k) for k in BUILD})
+    elif a.cmd == "pref-judge":
+        print(json.dumps(build_pref_judge(), indent=1))
     elif a.cmd == "eval":
         pipe = load_pipeline()
         m = world_metrics(pipe.vae)

@@ -124,6 +124,40 @@ def test_reward_known_values():
     assert sw.REWARDS["jpeg"]([_step_edge()], p)[0] < 1.0
 
 
+def test_split_checker_rewards_and_detail_by_hand():
+    # ground truth: every attribute right; position applies only to "on the ..." prompts (1 otherwise)
+    prompts = ["two blue squares", "a red circle on the left"]
+    gt = [sw.render(p, 3) for p in prompts]
+    for name in ("count", "colour", "shape", "position"):
+        assert sw.REWARDS[name](gt, prompts).tolist() == [1.0, 1.0], name
+    # one blue square drawn for "two blue squares": count 1 - 1/2, colours Dice 2*1/3, shapes Dice 2*1/3
+    one = sw.render_spec({"objects": [("blue", "square")], "side": None}, 3)
+    assert sw.REWARDS["count"]([one], prompts[:1])[0] == 0.5
+    assert sw.REWARDS["colour"]([one], prompts[:1])[0] == pytest.approx(2 / 3)
+    assert sw.REWARDS["shape"]([one], prompts[:1])[0] == pytest.approx(2 / 3)
+    right = sw.render_spec({"objects": [("red", "circle")], "side": "right"}, 3)
+    assert sw.REWARDS["position"]([right], prompts[1:])[0] == 0.0
+    # detail: 0 on a flat or grey image; a pure red | white edge: chroma steps 0 -> 1 on 2 of 30 columns
+    assert sw.REWARDS["detail"]([Image.new("RGB", (32, 32), (200, 50, 50))], ["a red circle"])[0] == pytest.approx(0, abs=1e-12)
+    half = np.full((32, 32, 3), 255, np.uint8)
+    half[:, :16] = (255, 0, 0)
+    assert sw.REWARDS["detail"]([Image.fromarray(half)], ["a red circle"])[0] == pytest.approx((1 / 15) / sw.DETAIL_SCALE)
+
+
+def test_preference_judge_prefers_the_right_image_on_unseen_pairs():
+    better, worse, prompts = sw.preference_pairs(300, "heldout", seed=123)  # held-out captions, a seed it never saw
+    s_better, s_worse = sw.judge_preference(better, prompts), sw.judge_preference(worse, prompts)
+    assert s_better.shape == (300,) and np.isfinite(s_better).all()
+    assert (s_better > s_worse).mean() > 0.85
+    # it reads the prompt: for one prompt, its render beats a render of another caption (scores compare within a prompt only)
+    other = [q for q in sw.splits()["heldout"]]
+    pairs = [(p, other[(i * 7 + 3) % len(other)]) for i, p in enumerate(prompts[:100])]
+    right = [sw.render(p, 77 + i) for i, (p, _) in enumerate(pairs) if p != pairs[i][1]]
+    wrong = [sw.render(q, 77 + i) for i, (p, q) in enumerate(pairs) if p != q]
+    asked = [p for p, q in pairs if p != q]
+    assert (sw.judge_preference(right, asked) > sw.judge_preference(wrong, asked)).mean() > 0.85
+
+
 def test_rewards_any_size():
     prompts = ["two yellow squares", "a red triangle on the right"]
     small = [sw.render(p, i) for i, p in enumerate(prompts)]
