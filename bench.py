@@ -33,13 +33,16 @@ step, gains at every step), side by side with 7e7c243 on the same loaded machine
 the 4 x 2 tree and 1.35x with its own default tree (SDE sub-steps after each branch). So
 `estimate_minutes` uses 0.75 s per prompt group-iteration (0.85 s for the experiments on recast.py's
 own tree), 1 s per evaluation and 12 s per start, and packs the runs in their order on --jobs
-workers (printed at start; `test_bench.py` checks each full size stays under 60 min):
+workers (printed at start; `test_bench.py` checks each full size stays under 60 min). The R = C = 4
+tree of rvge-single / rvge-joint (16 leaves per prompt group, SDE sub-steps) measured 1.25-1.3 s per
+prompt group-iteration with two runs side by side (their results' time/* sums, 8 runs of 40
+iterations), so those two use 1.3 s and were cut to 60 and 100 iterations to stay within the hour:
 
     experiment       cells  seeds  iterations x prompts     eval every  runs  estimate (2 cores, --jobs 2)
     multi               12      3       30 x 4                 30         36   ~31 min
-    rvge-single          4      5      100 x 4                  5         20   ~56 min
-    rvge-joint           3      5      180 x 4 (RVGE 1/5: 36)  10         15   ~53 min
-    recast-protocol     30      3       24 x 3                  8         90   ~58 min
+    rvge-single          4      5       60 x 4                  5         20   ~56 min
+    rvge-joint           3      5      100 x 4 (RVGE 1/5: 20)  10         15   ~51 min
+    recast-protocol     30      3       24 x 3                  8         90   ~58 min (+ its final evaluation)
     recast-100           3      3      100 x 8                 10          9   ~59 min
     nft-steps            2      3      100 x 8                 10          6   ~35 min
 
@@ -49,6 +52,7 @@ experiment in ~2 min, or buys ~30x the work in the hour (e.g. recast-protocol --
 --iterations 360, rvge-single --seeds 10 --iterations 1500: 30x each). Start-up (~12 s per run) does not
 shrink on a GPU: prefer more iterations per run over many short runs there.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,7 +71,13 @@ import numpy as np
 import shapes_world
 
 HERE = Path(__file__).resolve().parent
-PHASES = ["time/rollout", "time/reward", "time/gains_W", "time/regression", "time/update"]  # training time; eval excluded
+PHASES = [
+    "time/rollout",
+    "time/reward",
+    "time/gains_W",
+    "time/regression",
+    "time/update",
+]  # training time; eval excluded
 
 # =============================================================================
 # Experiments as data
@@ -76,11 +86,11 @@ PHASES = ["time/rollout", "time/reward", "time/gains_W", "time/regression", "tim
 
 @dataclass(frozen=True)
 class Cell:
-    script: str                # "recast" or "rvge": the module whose train() runs
-    flags: tuple[str, ...]     # extra CLI flags of this cell (rewards, budgets, method)
-    label: str                 # the method's name in tables and figures
-    group: str = ""            # cells of one group are compared with each other (a budget vector, a reward)
-    compute: float = 1.0       # share of the experiment's iterations this cell trains for
+    script: str  # "recast" or "rvge": the module whose train() runs
+    flags: tuple[str, ...]  # extra CLI flags of this cell (rewards, budgets, method)
+    label: str  # the method's name in tables and figures
+    group: str = ""  # cells of one group are compared with each other (a budget vector, a reward)
+    compute: float = 1.0  # share of the experiment's iterations this cell trains for
 
 
 @dataclass(frozen=True)
@@ -91,17 +101,28 @@ class Experiment:
     prompts_per_iter: int
     eval_every: int
     seeds: int
-    report: str                                  # name of the function that writes table.md
-    common: tuple[str, ...] = ()                 # flags every cell gets (the rollout tree)
-    baseline: str = "nft"                        # the label others are compared to
-    quick_keep: tuple[str, ...] = ()             # groups --quick keeps (empty: all)
-    seconds_per_prompt_iter: float = 0.75        # sizing: measured cost of one prompt group-iteration, one thread (docstring)
-    save_every: int = 0                          # checkpoint cadence (0: only at the end)
+    report: str  # name of the function that writes table.md
+    common: tuple[str, ...] = ()  # flags every cell gets (the rollout tree)
+    baseline: str = "nft"  # the label others are compared to
+    quick_keep: tuple[str, ...] = ()  # groups --quick keeps (empty: all)
+    seconds_per_prompt_iter: float = 0.75  # sizing: measured cost of one prompt group-iteration, one thread (docstring)
+    save_every: int = 0  # checkpoint cadence (0: only at the end)
+    final_noises: int = 0  # final evaluation of each run on held-out captions x this many noises (0: none)
     quick: dict = field(default_factory=lambda: {"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2})
 
 
-TREE = ("--n-roots", "4", "--n-branch", "4", "--branch-steps", "7")  # rvge.py's default R = C = 4 tree: 16 leaves per prompt
-SAME_IMAGES = ("--prompts-per-iter", "8")  # recast.py's own tree (2 roots x 4, rotated) at 8 prompts: the 64 images of 4 x 16
+TREE = (
+    "--n-roots",
+    "4",
+    "--n-branch",
+    "4",
+    "--branch-steps",
+    "7",
+)  # rvge.py's default R = C = 4 tree: 16 leaves per prompt
+SAME_IMAGES = (
+    "--prompts-per-iter",
+    "8",
+)  # recast.py's own tree (2 roots x 4, rotated) at 8 prompts: the 64 images of 4 x 16
 MULTI_METHODS = {  # label -> (script, flags): each script's own default tree, 64 images per iteration
     "nft": ("recast", ("--credit", "nft", *SAME_IMAGES)),
     "uniform": ("recast", ("--credit", "uniform", *SAME_IMAGES)),
@@ -112,13 +133,24 @@ MULTI_METHODS = {  # label -> (script, flags): each script's own default tree, 6
 }
 MULTI_BUDGETS = ("0.4,0.3,0.2,0.1", "0.1,0.2,0.3,0.4")
 SMOOTH_REWARD = "saturation"
-DISCRETE_REWARD = "geneval_strict" if "geneval_strict" in shapes_world.REWARDS else "geneval"  # the checker's 0/1 verdict
-JOINT_REWARDS = tuple(shapes_world.REWARDS)  # all five world rewards
+DISCRETE_REWARD = (
+    "geneval_strict" if "geneval_strict" in shapes_world.REWARDS else "geneval"
+)  # the checker's 0/1 verdict
+JOINT_REWARDS = (
+    "geneval",
+    "geneval_strict",
+    "sharpness",
+    "jpeg",
+    "saturation",
+)  # the five world rewards of the RVGE paper's joint run
 SETTINGS = {  # setting -> its four training rewards, in budget order
     "A": tuple(shapes_world.DEFAULT_REWARDS),
-    # PLACEHOLDER until issue 11's second setting (rewards chosen from measured D_k(t) curves) lands:
-    # the strict checker instead of partial credit, so the layout reward turns 0/1 (informative later).
-    "B": ("geneval_strict", "saturation", "sharpness", "jpeg"),
+    # Chosen from the measured D_k(t) (`measure_profiles`, README "ReCAST's protocol"): of the checker's attribute
+    # scores and the colour-edge detail reward, the four whose profiles move W furthest from uniform (mean |K T W /
+    # Lam - 1|
+    # 0.079, shape late, the others early-mid), leaving out position (informative on 24 of 132 captions; D(0) 0.004
+    # +- 0.002).
+    "B": ("count", "colour", "shape", "detail"),
 }
 
 
@@ -133,38 +165,127 @@ def budget_vectors(k=4, high=0.55):
 
 
 def _protocol_cells():
-    methods = {"nft": ("--credit", "nft"), "uniform": ("--credit", "uniform"), "recast": ("--credit", "recast")}
-    return tuple(Cell("recast", ("--rewards", ",".join(rewards), "--budgets", budgets, *flags), label, f"{setting}-{bname}")
-                 for setting, rewards in SETTINGS.items() for bname, budgets in budget_vectors(len(rewards)).items()
-                 for label, flags in methods.items())
+    methods = {
+        "nft": ("--credit", "nft"),
+        "uniform": ("--credit", "uniform"),
+        "recast": ("--credit", "recast", "--gain-init", "{exp_dir}/profiles.json"),
+    }
+    return tuple(
+        Cell("recast", ("--rewards", ",".join(rewards), "--budgets", budgets, *flags), label, f"{setting}-{bname}")
+        for setting, rewards in SETTINGS.items()
+        for bname, budgets in budget_vectors(len(rewards)).items()
+        for label, flags in methods.items()
+    )
 
 
-EXPERIMENTS = {e.name: e for e in [
-    Experiment("multi", tuple(Cell(script, ("--budgets", b, *flags), label, b)
-                              for b in MULTI_BUDGETS for label, (script, flags) in MULTI_METHODS.items()),
-               iterations=30, prompts_per_iter=4, eval_every=30, seeds=3, report="report_multi",
-               quick_keep=MULTI_BUDGETS[:1]),
-    Experiment("rvge-single", tuple(c for reward in (SMOOTH_REWARD, DISCRETE_REWARD) for c in (
-                   Cell("recast", ("--credit", "nft", "--rewards", reward, "--budgets", "1"), "nft", reward),
-                   Cell("rvge", ("--rewards", reward, "--budgets", "1"), "rvge", reward))),
-               iterations=100, prompts_per_iter=4, eval_every=5, seeds=5, report="report_rvge_single", common=TREE,
-               quick_keep=(DISCRETE_REWARD,), quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 2, "eval_every": 1}),
-    Experiment("rvge-joint", tuple(Cell(script, ("--rewards", ",".join(JOINT_REWARDS), "--budgets", ",".join(["0.2"] * len(JOINT_REWARDS)), *flags),
-                                        label, "joint", compute) for script, flags, label, compute in [
-                   ("recast", ("--credit", "nft"), "nft", 1.0), ("rvge", (), "rvge", 1.0), ("rvge", (), "rvge_fifth", 0.2)]),
-               iterations=180, prompts_per_iter=4, eval_every=10, seeds=5, report="report_rvge_joint", common=TREE),
-    Experiment("recast-protocol", _protocol_cells(), iterations=24, prompts_per_iter=3, eval_every=8, seeds=3,
-               report="report_protocol", quick_keep=("A-uniform",), seconds_per_prompt_iter=0.85),  # recast.py's own tree
-    Experiment("recast-100", tuple(Cell("recast", flags, label, "A") for label, flags in (
-                   ("nft", ("--credit", "nft", "--updates-per-iter", "8")), ("uniform", ("--credit", "uniform")),
-                   ("recast", ("--credit", "recast")))),
-               iterations=100, prompts_per_iter=8, eval_every=10, seeds=3, report="report_recast_100", save_every=50,
-               seconds_per_prompt_iter=0.85),
-    Experiment("nft-steps", tuple(Cell("recast", ("--credit", "nft", "--updates-per-iter", str(n)), f"updates_{n}", "nft")
-                                  for n in (1, 8)),
-               iterations=100, prompts_per_iter=8, eval_every=10, seeds=3, report="report_nft_steps", baseline="updates_1",
-               save_every=50, seconds_per_prompt_iter=0.85),
-]}
+EXPERIMENTS = {
+    e.name: e
+    for e in [
+        Experiment(
+            "multi",
+            tuple(
+                Cell(script, ("--budgets", b, *flags), label, b)
+                for b in MULTI_BUDGETS
+                for label, (script, flags) in MULTI_METHODS.items()
+            ),
+            iterations=30,
+            prompts_per_iter=4,
+            eval_every=30,
+            seeds=3,
+            report="report_multi",
+            quick_keep=MULTI_BUDGETS[:1],
+        ),
+        Experiment(
+            "rvge-single",
+            tuple(
+                c
+                for reward in (SMOOTH_REWARD, DISCRETE_REWARD)
+                for c in (
+                    Cell("recast", ("--credit", "nft", "--rewards", reward, "--budgets", "1"), "nft", reward),
+                    Cell("rvge", ("--rewards", reward, "--budgets", "1"), "rvge", reward),
+                )
+            ),
+            iterations=60,
+            prompts_per_iter=4,
+            eval_every=5,
+            seeds=5,
+            report="report_rvge_single",
+            common=TREE,
+            seconds_per_prompt_iter=1.3,
+            quick_keep=(DISCRETE_REWARD,),
+            quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 2, "eval_every": 1},
+        ),
+        Experiment(
+            "rvge-joint",
+            tuple(
+                Cell(
+                    script,
+                    ("--rewards", ",".join(JOINT_REWARDS), "--budgets", ",".join(["0.2"] * len(JOINT_REWARDS)), *flags),
+                    label,
+                    "joint",
+                    compute,
+                )
+                for script, flags, label, compute in [
+                    ("recast", ("--credit", "nft"), "nft", 1.0),
+                    ("rvge", (), "rvge", 1.0),
+                    ("rvge", (), "rvge_fifth", 0.2),
+                ]
+            ),
+            iterations=100,
+            prompts_per_iter=4,
+            eval_every=10,
+            seeds=5,
+            report="report_rvge_joint",
+            common=TREE,
+            seconds_per_prompt_iter=1.3,
+        ),
+        Experiment(
+            "recast-protocol",
+            _protocol_cells(),
+            iterations=24,
+            prompts_per_iter=3,
+            eval_every=8,
+            seeds=3,
+            report="report_protocol",
+            quick_keep=("A-uniform",),
+            seconds_per_prompt_iter=0.85,
+            final_noises=8,  # recast.py's own tree
+            quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1},
+        ),
+        Experiment(
+            "recast-100",
+            tuple(
+                Cell("recast", flags, label, "A")
+                for label, flags in (
+                    ("nft", ("--credit", "nft", "--updates-per-iter", "8")),
+                    ("uniform", ("--credit", "uniform")),
+                    ("recast", ("--credit", "recast")),
+                )
+            ),
+            iterations=100,
+            prompts_per_iter=8,
+            eval_every=10,
+            seeds=3,
+            report="report_recast_100",
+            save_every=50,
+            seconds_per_prompt_iter=0.85,
+        ),
+        Experiment(
+            "nft-steps",
+            tuple(
+                Cell("recast", ("--credit", "nft", "--updates-per-iter", str(n)), f"updates_{n}", "nft") for n in (1, 8)
+            ),
+            iterations=100,
+            prompts_per_iter=8,
+            eval_every=10,
+            seeds=3,
+            report="report_nft_steps",
+            baseline="updates_1",
+            save_every=50,
+            seconds_per_prompt_iter=0.85,
+        ),
+    ]
+}
 
 
 def quick_version(exp: Experiment) -> Experiment:
@@ -184,8 +305,8 @@ class Run:
     cell: Cell
     seed: int
     settings: tuple[str, ...]  # the script's flags without --out / --overwrite (what a result must match)
-    work: Path                 # the script's run folder
-    result: Path               # runs/<run_id>.json
+    work: Path  # the script's run folder
+    result: Path  # runs/<run_id>.json
 
 
 def slug(text):
@@ -203,9 +324,23 @@ def plan_runs(exp: Experiment, exp_dir: Path) -> list[Run]:
         for cell in exp.cells:
             its = cell_iterations(exp, cell)
             run_id = slug(f"{cell.group}-{cell.label}") + f"-seed{seed}"
-            settings = (*exp.common, "--seed", str(seed), "--iterations", str(its), "--prompts-per-iter", str(exp.prompts_per_iter),
-                        "--eval-every", str(exp.eval_every), "--save-every", str(exp.save_every or its), *cell.flags)
-            runs.append(Run(run_id, cell, seed, settings, exp_dir / "work" / run_id, exp_dir / "runs" / f"{run_id}.json"))
+            settings = (
+                *exp.common,
+                "--seed",
+                str(seed),
+                "--iterations",
+                str(its),
+                "--prompts-per-iter",
+                str(exp.prompts_per_iter),
+                "--eval-every",
+                str(exp.eval_every),
+                "--save-every",
+                str(exp.save_every or its),
+                *(f.replace("{exp_dir}", str(exp_dir)) for f in cell.flags),
+            )
+            runs.append(
+                Run(run_id, cell, seed, settings, exp_dir / "work" / run_id, exp_dir / "runs" / f"{run_id}.json")
+            )
     return runs
 
 
@@ -218,8 +353,10 @@ def check_flags(runs):
         try:
             module.check_ranges(module.parse_args(list(run.settings)))
         except SystemExit as err:
-            raise SystemExit(f"cell {run.cell.label} ({run.cell.group}): {run.cell.script}.py refuses {' '.join(run.settings)}"
-                             f"{f' ({err.code})' if isinstance(err.code, str) else ''}") from None
+            raise SystemExit(
+                f"cell {run.cell.label} ({run.cell.group}): {run.cell.script}.py refuses {' '.join(run.settings)}"
+                f"{f' ({err.code})' if isinstance(err.code, str) else ''}"
+            ) from None
 
 
 def load_result(run: Run):
@@ -233,9 +370,17 @@ def load_result(run: Run):
 
 def write_result(run: Run, wall_s: float):
     rows = [json.loads(line) for line in (run.work / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    record = {"run_id": run.run_id, "script": run.cell.script, "label": run.cell.label, "group": run.cell.group, "seed": run.seed,
-              "settings": list(run.settings), "command": f"python {run.cell.script}.py {' '.join(run.settings)} --out {run.work} --overwrite",
-              "wall_s": wall_s, "rows": rows}
+    record = {
+        "run_id": run.run_id,
+        "script": run.cell.script,
+        "label": run.cell.label,
+        "group": run.cell.group,
+        "seed": run.seed,
+        "settings": list(run.settings),
+        "command": f"python {run.cell.script}.py {' '.join(run.settings)} --out {run.work} --overwrite",
+        "wall_s": wall_s,
+        "rows": rows,
+    }
     run.result.parent.mkdir(parents=True, exist_ok=True)
     tmp = run.result.with_name(run.result.name + ".tmp")
     tmp.write_text(json.dumps(record))
@@ -268,12 +413,24 @@ def run_in_process(run: Run):
 
 def run_in_subprocess(run: Run):
     """`python <script>.py ...` with one thread (set before torch is imported); log in work/../<run>.log."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "TQDM_DISABLE": "1",
+    }
     run.work.mkdir(parents=True, exist_ok=True)
     log = run.work.with_name(run.run_id + ".log")
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, str(HERE / f"{run.cell.script}.py"), *argv_of(run)], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=HERE)
+        proc = subprocess.run(
+            [sys.executable, str(HERE / f"{run.cell.script}.py"), *argv_of(run)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=HERE,
+        )
     if proc.returncode:
         tail = log.read_text(errors="replace").strip().splitlines()[-3:]
         raise RuntimeError(f"exit {proc.returncode}: {' | '.join(tail)} (log: {log})")
@@ -317,7 +474,9 @@ def estimate_minutes(exp: Experiment, jobs=2):
     for run in plan_runs(exp, Path(".")):
         its = cell_iterations(exp, run.cell)
         evals = 1 + (its // exp.eval_every + (its % exp.eval_every > 0) if exp.eval_every else 0)
-        workers[workers.argmin()] += its * exp.prompts_per_iter * exp.seconds_per_prompt_iter + evals * SECONDS_PER_EVAL + SECONDS_PER_START
+        workers[workers.argmin()] += (
+            its * exp.prompts_per_iter * exp.seconds_per_prompt_iter + evals * SECONDS_PER_EVAL + SECONDS_PER_START
+        )
     return workers.max() / 60
 
 
@@ -333,7 +492,7 @@ def elapsed(rows):
 
 def smooth(y, k=3):
     y = np.asarray(y, dtype=float)
-    return np.array([y[max(0, i - k + 1): i + 1].mean() for i in range(len(y))])
+    return np.array([y[max(0, i - k + 1) : i + 1].mean() for i in range(len(y))])
 
 
 def eval_curve(rows, metric="eval/weighted"):
@@ -416,12 +575,21 @@ class Results:
 
     def banner(self):
         n = len(self.records) + len(self.missing)
-        head = [f"# {self.exp.name}", "", f"{len(self.records)} of {n} runs; seeds paired across methods (same prompts and noise); "
-                f"{self.exp.iterations} iterations x {self.exp.prompts_per_iter} prompt groups, held-out eval every {self.exp.eval_every}; "
-                "intervals: t, 95%, over seeds of paired differences.", ""]
+        head = [
+            f"# {self.exp.name}",
+            "",
+            f"{len(self.records)} of {n} runs; seeds paired across methods (same prompts and noise); "
+            f"{self.exp.iterations} iterations x {self.exp.prompts_per_iter} prompt groups, held-out eval every "
+            f"{self.exp.eval_every}; "
+            "intervals: t, 95%, over seeds of paired differences.",
+            "",
+        ]
         if self.missing:
-            head += [f"**PARTIAL: {len(self.missing)} run(s) missing** ({', '.join(self.missing[:8])}"
-                     f"{', ...' if len(self.missing) > 8 else ''}); rerun the command to complete them.", ""]
+            head += [
+                f"**PARTIAL: {len(self.missing)} run(s) missing** ({', '.join(self.missing[:8])}"
+                f"{', ...' if len(self.missing) > 8 else ''}); rerun the command to complete them.",
+                "",
+            ]
         return head
 
 
@@ -458,9 +626,11 @@ def curve_figure(res: Results, path: Path, metric="eval/weighted", x="seconds"):
             mean, sd = ys.mean(0), ys.std(0)
             ax.plot(grid, mean, marker="." if x != "seconds" else None, label=f"{label} (n={len(ys)})")
             ax.fill_between(grid, mean - sd, mean + sd, alpha=0.2)
-        ax.set(title=group, xlabel="training seconds" if x == "seconds" else "iteration", ylabel=f"held-out {metric[5:]}")
+        ax.set(
+            title=group, xlabel="training seconds" if x == "seconds" else "iteration", ylabel=f"held-out {metric[5:]}"
+        )
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(groups):]:
+    for ax in list(axes.flat)[len(groups) :]:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -476,21 +646,39 @@ def report_multi(res: Results, out: Path):
         if not by_label:
             continue
         first = next(iter(next(iter(by_label.values())).values()))[-1]
-        names = [k[len("reward/"):] for k in first if k.startswith("reward/")]
+        names = [k[len("reward/") :] for k in first if k.startswith("reward/")]
         evals = sorted(k for k in first if k.startswith("eval/"))
-        lines += [f"## budgets {budgets}", "", "Equal iterations (final iteration; training rewards of the rollouts smoothed over 3 "
-                  "iterations, then held-out evaluation: ODE sampler, fixed prompts and seeds), mean ± sd over seeds:", "",
-                  "| method | n | " + " | ".join(names + evals) + " |", "|---" * (2 + len(names) + len(evals)) + "|"]
+        lines += [
+            f"## budgets {budgets}",
+            "",
+            "Equal iterations (final iteration; training rewards of the rollouts smoothed over 3 "
+            "iterations, then held-out evaluation: ODE sampler, fixed prompts and seeds), mean ± sd over seeds:",
+            "",
+            "| method | n | " + " | ".join(names + evals) + " |",
+            "|---" * (2 + len(names) + len(evals)) + "|",
+        ]
         for label, runs in by_label.items():
             cells = [mean_std([smooth([m[f"reward/{n}"] for m in rows])[-1] for rows in runs.values()]) for n in names]
             cells += [mean_std([final(rows, e) for rows in runs.values()]) for e in evals]
             lines.append(f"| {label} | {len(runs)} | " + " | ".join(cells) + " |")
         budget_s = min(elapsed(rows)[-1] for runs in by_label.values() for rows in runs.values())
-        lines += ["", f"Equal wall-clock ({budget_s:.1f} s of training, the shortest run): smoothed training rewards", "",
-                  "| method | " + " | ".join(names) + " |", "|---" * (1 + len(names)) + "|"]
+        lines += [
+            "",
+            f"Equal wall-clock ({budget_s:.1f} s of training, the shortest run): smoothed training rewards",
+            "",
+            "| method | " + " | ".join(names) + " |",
+            "|---" * (1 + len(names)) + "|",
+        ]
         for label, runs in by_label.items():
-            cells = [mean_std([np.interp(budget_s, elapsed(rows), smooth([m[f"reward/{n}"] for m in rows])) for rows in runs.values()])
-                     for n in names]
+            cells = [
+                mean_std(
+                    [
+                        np.interp(budget_s, elapsed(rows), smooth([m[f"reward/{n}"] for m in rows]))
+                        for rows in runs.values()
+                    ]
+                )
+                for n in names
+            ]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         if "nft" in by_label:
             target = np.mean([smooth([m["reward/weighted"] for m in rows])[-1] for rows in by_label["nft"].values()])
@@ -499,16 +687,28 @@ def report_multi(res: Results, out: Path):
                 return first_crossing(elapsed(rows), smooth([m["reward/weighted"] for m in rows]), target)
 
             nft_t = {s: reach(rows) for s, rows in by_label["nft"].items()}
-            lines += ["", f"Time to reach DiffusionNFT's final budget-weighted training reward ({target:.4f}, smoothed over 3 "
-                      "iterations); speed-up = NFT's time / the method's time, paired by seed, geometric mean [95%] "
-                      "(n/a: not reached within the run):", "",
-                      "| method | seconds | speed-up vs nft | runs that reached it |", "|---|---|---|---|"]
+            lines += [
+                "",
+                f"Time to reach DiffusionNFT's final budget-weighted training reward ({target:.4f}, smoothed over 3 "
+                "iterations); speed-up = NFT's time / the method's time, paired by seed, geometric mean [95%] "
+                "(n/a: not reached within the run):",
+                "",
+                "| method | seconds | speed-up vs nft | runs that reached it |",
+                "|---|---|---|---|",
+            ]
             for label, runs in by_label.items():
                 t = {s: reach(rows) for s, rows in runs.items()}
-                lines.append(f"| {label} | {mean_std(list(t.values()), 1)} | {fmt_ratio(nft_t, t)} | "
-                             f"{int(np.isfinite(list(t.values())).sum())}/{len(runs)} |")
-        lines += ["", "Share of an iteration's time per phase:", "", "| method | " + " | ".join(p[5:] for p in PHASES) + " |",
-                  "|---" * (1 + len(PHASES)) + "|"]
+                lines.append(
+                    f"| {label} | {mean_std(list(t.values()), 1)} | {fmt_ratio(nft_t, t)} | "
+                    f"{int(np.isfinite(list(t.values())).sum())}/{len(runs)} |"
+                )
+        lines += [
+            "",
+            "Share of an iteration's time per phase:",
+            "",
+            "| method | " + " | ".join(p[5:] for p in PHASES) + " |",
+            "|---" * (1 + len(PHASES)) + "|",
+        ]
         for label, runs in by_label.items():
             totals = np.array([[sum(m.get(p, 0.0) for m in rows) for p in PHASES] for rows in runs.values()]).sum(0)
             lines.append(f"| {label} | " + " | ".join(f"{100 * x / totals.sum():.1f}%" for x in totals) + " |")
@@ -527,7 +727,9 @@ def multi_figures(budgets, by_label, out):
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, runs in by_label.items():
         grid = np.linspace(0, min(elapsed(rows)[-1] for rows in runs.values()), 50)
-        curves = np.array([np.interp(grid, elapsed(rows), smooth([m["reward/weighted"] for m in rows])) for rows in runs.values()])
+        curves = np.array(
+            [np.interp(grid, elapsed(rows), smooth([m["reward/weighted"] for m in rows])) for rows in runs.values()]
+        )
         ax.plot(grid, curves.mean(0), label=label)
         ax.fill_between(grid, curves.mean(0) - curves.std(0), curves.mean(0) + curves.std(0), alpha=0.15)
     ax.set(xlabel="training seconds", ylabel="budget-weighted training reward (smoothed)", title=f"budgets {budgets}")
@@ -543,7 +745,11 @@ def multi_figures(budgets, by_label, out):
 
 def fmt_ratio(num: dict, den: dict):
     """Paired ratio num[s] / den[s]: geometric mean with a 95% t interval on the log ratio."""
-    logs = [np.log(num[s] / den[s]) for s in sorted(set(num) & set(den)) if num[s] > 0 and den[s] > 0 and np.isfinite(num[s] / den[s])]
+    logs = [
+        np.log(num[s] / den[s])
+        for s in sorted(set(num) & set(den))
+        if num[s] > 0 and den[s] > 0 and np.isfinite(num[s] / den[s])
+    ]
     m, lo, hi, n = mean_ci(logs)
     if n == 0:
         return "n/a"
@@ -556,8 +762,11 @@ THRESHOLD_SHARES = (1 / 3, 2 / 3, 1.0)  # matched levels: pretrained + share x (
 def report_rvge_single(res: Results, out: Path):
     """Per reward: final held-out reward, then the time and iterations each method needs to reach
     matched thresholds (NFT's final value and two intermediate levels) and the paired speed-up."""
-    lines = res.banner() + ["Single-reward training (budget 1, so `eval/weighted` is the reward itself); thresholds on the held-out "
-                            "curve (evaluations linearly interpolated; training seconds exclude evaluation).", ""]
+    lines = res.banner() + [
+        "Single-reward training (budget 1, so `eval/weighted` is the reward itself); thresholds on the held-out "
+        "curve (evaluations linearly interpolated; training seconds exclude evaluation).",
+        "",
+    ]
     base = res.exp.baseline
     for reward, by_label in res.runs.items():
         if not by_label.get(base):
@@ -565,33 +774,62 @@ def report_rvge_single(res: Results, out: Path):
             continue
         pre = np.nanmean([eval_curve(rows)[2][0] for rows in by_label[base].values()])
         top = np.nanmean([final(rows, "eval/weighted") for rows in by_label[base].values()])
-        lines += [f"## {reward}", "", f"Pretrained {pre:.4f}; {base}'s final {top:.4f}.", "",
-                  "| method | n | final held-out | training seconds | final − " + base + " [95%] |", "|---|---|---|---|---|"]
+        lines += [
+            f"## {reward}",
+            "",
+            f"Pretrained {pre:.4f}; {base}'s final {top:.4f}.",
+            "",
+            "| method | n | final held-out | training seconds | final − " + base + " [95%] |",
+            "|---|---|---|---|---|",
+        ]
         for label, runs in by_label.items():
             fin = res.values(reward, label, lambda r: final(r, "eval/weighted"))
             secs = [elapsed(rows)[-1] for rows in runs.values()]
-            diff = fmt_ci(*mean_ci(paired(fin, res.values(reward, base, lambda r: final(r, "eval/weighted"))))) if label != base else "—"
+            diff = (
+                fmt_ci(*mean_ci(paired(fin, res.values(reward, base, lambda r: final(r, "eval/weighted")))))
+                if label != base
+                else "—"
+            )
             lines.append(f"| {label} | {len(runs)} | {mean_std(list(fin.values()))} | {mean_std(secs, 1)} | {diff} |")
         if top <= pre:
             lines += ["", f"{base} did not improve on the pretrained model here, so no threshold is meaningful.", ""]
             continue
-        lines += ["", "| threshold | method | seconds | iterations | reached | speed-up in time [95%] | in iterations [95%] |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| threshold | method | seconds | iterations | reached | speed-up in time [95%] | in iterations [95%] |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for share in THRESHOLD_SHARES:
             level = pre + share * (top - pre)
-            reach = {label: {s: (first_crossing(eval_curve(rows)[1], eval_curve(rows)[2], level),
-                                 first_crossing(eval_curve(rows)[0], eval_curve(rows)[2], level)) for s, rows in runs.items()}
-                     for label, runs in by_label.items()}
+            reach = {
+                label: {
+                    s: (
+                        first_crossing(eval_curve(rows)[1], eval_curve(rows)[2], level),
+                        first_crossing(eval_curve(rows)[0], eval_curve(rows)[2], level),
+                    )
+                    for s, rows in runs.items()
+                }
+                for label, runs in by_label.items()
+            }
             for label, r in reach.items():
                 secs, its = ({s: v[i] for s, v in r.items()} for i in (0, 1))
                 base_secs, base_its = ({s: v[i] for s, v in reach[base].items()} for i in (0, 1))
-                lines.append(f"| {share:.0%} ({level:.4f}) | {label} | {mean_std(list(secs.values()), 1)} | {mean_std(list(its.values()), 1)} | "
-                             f"{int(np.isfinite(list(secs.values())).sum())}/{len(r)} | "
-                             f"{fmt_ratio(base_secs, secs) if label != base else '1'} | {fmt_ratio(base_its, its) if label != base else '1'} |")
+                lines.append(
+                    f"| {share:.0%} ({level:.4f}) | {label} | {mean_std(list(secs.values()), 1)} | "
+                    f"{mean_std(list(its.values()), 1)} | "
+                    f"{int(np.isfinite(list(secs.values())).sum())}/{len(r)} | "
+                    f"{fmt_ratio(base_secs, secs) if label != base else '1'} | "
+                    f"{fmt_ratio(base_its, its) if label != base else '1'} |"
+                )
         lines.append("")
     curve_figure(res, out / "reward_vs_time.png")
-    return lines + ["Speed-up = the baseline's time / the method's time per seed (geometric mean; runs that never reach a "
-                    "level are left out of its ratio and counted in `reached`).", "", "![](reward_vs_time.png)", ""]
+    return lines + [
+        "Speed-up = the baseline's time / the method's time per seed (geometric mean; runs that never reach a "
+        "level are left out of its ratio and counted in `reached`).",
+        "",
+        "![](reward_vs_time.png)",
+        "",
+    ]
 
 
 LOWER_IS_BETTER = ("eval/judge/frechet",)
@@ -619,85 +857,408 @@ def report_rvge_joint(res: Results, out: Path):
         if any_rows is None:
             continue
         metrics = sorted(k for k in any_rows[-1] if k.startswith("eval/"))
-        lines += [f"## {group}: final held-out metrics (mean ± sd over seeds; frechet: lower is better)", "",
-                  "| method | n | iterations | training seconds | " + " | ".join(m[5:] for m in metrics) + " |", "|---" * (4 + len(metrics)) + "|"]
+        lines += [
+            f"## {group}: final held-out metrics (mean ± sd over seeds; frechet: lower is better)",
+            "",
+            "| method | n | iterations | training seconds | " + " | ".join(m[5:] for m in metrics) + " |",
+            "|---" * (4 + len(metrics)) + "|",
+        ]
         for label, runs in by_label.items():
             cell = res.cells[(group, label)]
-            lines.append(f"| {label} | {len(runs)} | {cell_iterations(res.exp, cell)} | {mean_std([elapsed(r)[-1] for r in runs.values()], 1)} | "
-                         + " | ".join(mean_std([final(r, m) for r in runs.values()]) for m in metrics) + " |")
-        lines += ["", f"Paired differences method − {base} [95%]:", "", "| method | " + " | ".join(m[5:] for m in metrics) + " |",
-                  "|---" * (1 + len(metrics)) + "|"]
+            lines.append(
+                f"| {label} | {len(runs)} | {cell_iterations(res.exp, cell)} | "
+                f"{mean_std([elapsed(r)[-1] for r in runs.values()], 1)} | "
+                + " | ".join(mean_std([final(r, m) for r in runs.values()]) for m in metrics)
+                + " |"
+            )
+        lines += [
+            "",
+            f"Paired differences method − {base} [95%]:",
+            "",
+            "| method | " + " | ".join(m[5:] for m in metrics) + " |",
+            "|---" * (1 + len(metrics)) + "|",
+        ]
         summary = []
         for label in by_label:
             if label == base:
                 continue
-            diffs = {m: mean_ci(paired(res.values(group, label, lambda r, m=m: final(r, m)), res.values(group, base, lambda r, m=m: final(r, m))))
-                     for m in metrics}
+            diffs = {
+                m: mean_ci(
+                    paired(
+                        res.values(group, label, lambda r, m=m: final(r, m)),
+                        res.values(group, base, lambda r, m=m: final(r, m)),
+                    )
+                )
+                for m in metrics
+            }
             lines.append(f"| {label} | " + " | ".join(fmt_ci(*diffs[m]) for m in metrics) + " |")
             better = sum(better_sign(m) * d[0] > 0 for m, d in diffs.items() if np.isfinite(d[0]))
             sig = [verdict(m, d[1], d[2]) for m, d in diffs.items()]
             with_ci = sum(np.isfinite(d[1]) for d in diffs.values())
-            summary.append(f"- {label} vs {base}: better on average on {better} of {len(metrics)} held-out metrics; "
-                           + (f"significantly better on {sig.count(1)}, significantly worse on {sig.count(-1)} "
-                              f"(matches or beats on {len(metrics) - sig.count(-1)} of {len(metrics)})." if with_ci
-                              else "no intervals (fewer than 2 paired seeds)."))
+            summary.append(
+                f"- {label} vs {base}: better on average on {better} of {len(metrics)} held-out metrics; "
+                + (
+                    f"significantly better on {sig.count(1)}, significantly worse on {sig.count(-1)} "
+                    f"(matches or beats on {len(metrics) - sig.count(-1)} of {len(metrics)})."
+                    if with_ci
+                    else "no intervals (fewer than 2 paired seeds)."
+                )
+            )
         lines += [""] + summary + [""]
     curve_figure(res, out / "reward_vs_time.png")
     return lines + ["![](reward_vs_time.png)", ""]
 
 
-def pretrained_spread(names, exp_dir: Path, n=64):
-    """Per-image standard deviation of each reward under the pretrained model (held-out prompts,
-    ODE sampler as in the runs' evaluation): the unit of the scale-free summary. Cached in
-    runs/pretrained_spread.json."""
-    path = exp_dir / "runs" / "pretrained_spread.json"
-    cached = json.loads(path.read_text()) if path.is_file() else {}
-    if all(k in cached for k in names) and cached.get("_n") == n:
-        return cached
-    pipe = shapes_world.load_pipeline()
-    prompts = shapes_world.sample_prompts(n, "heldout", 1)
-    images = shapes_world.generate(pipe, prompts, seed=1)
-    spread = {k: float(np.std(shapes_world.REWARDS[k](images, prompts))) for k in names} | {"_n": n}
+PROFILE_CANDIDATES = (
+    "geneval",
+    "saturation",
+    "sharpness",
+    "jpeg",
+    "geneval_strict",
+    "count",
+    "colour",
+    "shape",
+    "position",
+    "detail",
+)
+
+
+def measure_profiles(exp_dir: Path, names=PROFILE_CANDIDATES, iterations=48, prompts=8, seed=0):
+    """D_k(t) of every candidate reward under the pretrained model: recast.py's own rollouts (rotated
+    branch layout, so each of the 8 inner levels is measured by prompts * iterations / 8 groups) and its
+    level statistics, with no update. Cached in exp_dir/profiles.json: names, sigmas, the statistics
+    (n, s1, s2: the file `recast.py --gain-init` starts from), D, se and the evidence rho of each reward."""
+    path = exp_dir / "profiles.json"
+    if path.is_file():
+        cached = json.loads(path.read_text())
+        if cached["names"] == list(names) and cached["iterations"] == iterations and cached["prompts"] == prompts:
+            return cached
+    import torch
+
+    import recast
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        args = recast.parse_args(
+            [
+                "--rewards",
+                ",".join(names),
+                "--budgets",
+                ",".join(["1"] * len(names)),
+                "--seed",
+                str(seed),
+                "--prompts-per-iter",
+                str(prompts),
+                "--eval-every",
+                "0",
+                "--out",
+                str(exp_dir / "work" / "profiles"),
+                "--overwrite",
+            ]
+        )
+        run = recast.setup_run(args)
+        sigmas, stats = run.sigmas.double().numpy(), None
+        for it in range(iterations):
+            b = recast.rollout_and_score(run, args, it, recast.iteration_generator(seed, it))
+            r = recast.optimality(b.R, b.groups, std=recast.global_stats(b.R, run.reduce)[2])
+            new = recast.level_observations(r, b.groups, b.ancestry, b.layouts, args.steps)
+            stats = list(new) if stats is None else [a + c for a, c in zip(stats, new)]
+    finally:
+        torch.set_num_threads(threads)
+    D, se = recast.level_curves(*stats)
+    rho = recast.credit_profiles(D, se, sigmas, stats[0])[3]
+    out = {
+        "names": list(names),
+        "iterations": iterations,
+        "prompts": prompts,
+        "steps": args.steps,
+        "estimator": "pairs",
+        "sigmas": sigmas.tolist(),
+        "n": stats[0].tolist(),
+        "s1": stats[1].tolist(),
+        "s2": stats[2].tolist(),
+        "D": np.where(np.isfinite(D), D, -1.0).tolist(),
+        "se": np.where(np.isfinite(se), se, -1.0).tolist(),
+        "rho": rho.tolist(),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(spread, indent=1))
-    return spread
+    path.write_text(json.dumps(out))
+    return out
 
 
-def scale_free(rows, names, budgets, spread):
-    """sum_k lambda_k (final_k - pretrained_k) / sd_k / sum_k lambda_k: each held-out reward's
-    change in units of its pretrained per-image spread, budget-weighted."""
+def setting_W(prof: dict, rewards, budgets):
+    """W that ReCAST builds from the measured profiles of `rewards` (recast.credit_profiles + solve_W
+    at the defaults): what the credit looks like with ~prompts * iterations groups of evidence."""
+    import recast
+
+    rows = [prof["names"].index(k) for k in rewards]
+    n, s1, s2 = np.asarray(prof["n"]), np.asarray(prof["s1"])[rows], np.asarray(prof["s2"])[rows]
+    D, se = recast.level_curves(n, s1, s2)
+    P, rho = recast.credit_profiles(D, se, np.asarray(prof["sigmas"]), n)[2:]
+    return recast.solve_W([float(b) for b in budgets], P), rho
+
+
+def profile_figure(prof: dict, path: Path):
+    """Left: each candidate's D_k(t) / D_k(0) against t with +- 1 se (the settings' rewards marked);
+    right: ReCAST's W for each setting at uniform budgets, from these measurements."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sig, names = np.asarray(prof["sigmas"]), prof["names"]
+    D, se = np.asarray(prof["D"]), np.asarray(prof["se"])
+    fig, axes = plt.subplots(
+        1,
+        1 + len(SETTINGS),
+        figsize=(5.5 + 3.6 * len(SETTINGS), 3.6),
+        gridspec_kw={"width_ratios": [1.6] + [1] * len(SETTINGS)},
+    )
+    for k, name in enumerate(names):
+        ok = D[k] >= 0
+        where = [s for s, rw in SETTINGS.items() if name in rw]
+        style = "-" if where else ":"
+        top = D[k, -1] if D[k, -1] > 0 else 1.0
+        axes[0].errorbar(
+            sig[ok],
+            D[k, ok] / top,
+            yerr=se[k, ok] / top,
+            ls=style,
+            marker="o",
+            ms=3,
+            capsize=2,
+            label=f"{name}" + (f" ({'+'.join(where)})" if where else ""),
+        )
+    axes[0].set(
+        xlabel="t (1 = noise, 0 = image)",
+        ylabel="D_k(t) / D_k(0)",
+        title="Rényi gain measured on the pretrained model",
+        xlim=(1.02, -0.02),
+    )
+    axes[0].legend(fontsize=7, ncol=2)
+    for ax, (setting, rewards) in zip(axes[1:], SETTINGS.items()):
+        W, rho = setting_W(prof, rewards, ["0.25"] * len(rewards))
+        im = ax.imshow(W * len(W[0]) / W.sum() * len(rewards), aspect="auto", cmap="coolwarm", vmin=0.5, vmax=1.5)
+        ax.set(
+            title=f"setting {setting}: K T W / Lam",
+            xlabel="step j (t from 1 to 0)",
+            yticks=range(len(rewards)),
+            yticklabels=[f"{r} (rho {p:.2f})" for r, p in zip(rewards, rho)],
+        )
+        fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+EVAL_SEEDS = (1, 2)  # the final evaluation's noise seeds: the first for the tables, the second for the noise floor
+
+
+def final_eval_images(pipe, transformer_state, prompts, seed, steps=10):
+    """Held-out images of one LoRA state (None: the pretrained model): Euler ODE, fixed noise per seed."""
+    import torch
+    from peft.utils import set_peft_model_state_dict
+
+    import recast
+
+    tr = pipe.transformer
+    if transformer_state is None:
+        tr.disable_adapters()
+    else:
+        tr.enable_adapters()
+        set_peft_model_state_dict(tr, transformer_state, adapter_name="default")
+        tr.set_adapter("default")
+    emb, pooled = recast.encode(pipe, prompts, shapes_world.GEN_KWARGS["max_sequence_length"], "cpu")
+    shape = (
+        tr.config.in_channels,
+        shapes_world.RES // pipe.vae_scale_factor,
+        shapes_world.RES // pipe.vae_scale_factor,
+    )
+    with torch.no_grad():
+        latents = recast.tree_rollout(
+            tr,
+            emb,
+            pooled,
+            recast.scheduler_sigmas(pipe, steps),
+            n_roots=1,
+            n_branch=1,
+            branch=[],
+            sde_a=0.0,
+            gen=torch.Generator().manual_seed(seed),
+            shape=shape,
+        )[0]
+    tr.enable_adapters()
+    return recast.decode(pipe, latents)
+
+
+def final_scores(images, prompts):
+    """Per-image scores of every candidate reward, the CNN judge and the preference judge; the set's Fréchet
+    distance."""
+    return {
+        **{k: shapes_world.REWARDS[k](images, prompts).tolist() for k in PROFILE_CANDIDATES},
+        "judge/cnn": shapes_world.judge_cnn(images, prompts).tolist(),
+        "judge/pref": shapes_world.judge_preference(images, prompts).tolist(),
+        "judge/frechet": shapes_world.frechet_distance(images, prompts),
+    }
+
+
+def final_evals(runs: list[Run], exp_dir: Path, noises: int):
+    """The final evaluation of every finished run (and of the pretrained model), on a held-out set
+    larger than the runs' own: every held-out caption x `noises` noises, at each of EVAL_SEEDS
+    (same images for every method: paired). Cached next to each result as <run>.final.json (keyed by the
+    checkpoint); returns {run_id or "pretrained": {seed: scores}}."""
+    import torch
+
+    import recast
+
+    prompts = [c for c in shapes_world.splits()["heldout"] for _ in range(noises)]
+    out, pipe = {}, None
+    todo = [("pretrained", None, exp_dir / "runs" / "pretrained.final.json")]
+    todo += [
+        (r.run_id, r.work / "checkpoints", r.result.with_name(r.run_id + ".final.json"))
+        for r in runs
+        if load_result(r) is not None
+    ]
+    for run_id, ckpts, path in todo:
+        latest = (ckpts / (ckpts / "latest").read_text().strip()) if ckpts else None
+        key = str(latest) if latest else "pretrained"
+        cached = json.loads(path.read_text()) if path.is_file() else {}
+        if cached.get("checkpoint") == key and cached.get("n") == len(prompts):
+            out[run_id] = cached["scores"]
+            continue
+        if ckpts and not (latest / "state.pt").is_file():
+            continue  # result without its checkpoint (work folder removed): no final evaluation
+        if pipe is None:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            pipe = recast.load_pipeline(recast.parse_args([]), "cpu", torch.float32)
+        state = torch.load(latest / "state.pt", weights_only=False)["lora"]["default"] if latest else None
+        scores = {
+            str(seed): final_scores(final_eval_images(pipe, state, prompts, seed), prompts) for seed in EVAL_SEEDS
+        }
+        path.write_text(json.dumps({"checkpoint": key, "n": len(prompts), "prompts": prompts, "scores": scores}))
+        out[run_id] = scores
+    if pipe is not None:
+        torch.set_num_threads(threads)
+    return out
+
+
+def final_value(scores: dict, metric: str, names=(), budgets=(), base: dict | None = None):
+    """One number of a final evaluation (`final_evals` scores at one seed): a reward's or judge's mean,
+    the frechet distance, `weighted` (budget-weighted raw mean) or `scale_free`: each reward's change
+    from the pretrained model (`base`, same images) in units of the pretrained per-image spread,
+    budget-weighted: sum_k lambda_k (mean_k - mean0_k) / sd0_k / sum_k lambda_k."""
+    if metric == "judge/frechet":
+        return float(scores[metric])
     lam = np.asarray(budgets, dtype=float)
-    z = [(final(rows, f"eval/{k}") - rows[0].get(f"eval_before/{k}", np.nan)) / max(spread.get(k, np.nan), 1e-12) for k in names]
-    return float(lam @ np.asarray(z) / lam.sum())
+    if metric == "weighted":
+        return float(lam @ [np.nanmean(scores[k]) for k in names] / lam.sum())
+    if metric == "scale_free":
+        z = [(np.nanmean(scores[k]) - np.nanmean(base[k])) / max(float(np.nanstd(base[k])), 1e-12) for k in names]
+        return float(lam @ z / lam.sum())
+    return float(np.nanmean(scores[metric]))
+
+
+def win_rate(a: dict, b: dict):
+    """Share of held-out images (same prompt, same noise) the preference judge prefers from a over b; ties count 1/2."""
+    sa, sb = np.asarray(a["judge/pref"]), np.asarray(b["judge/pref"])
+    return float(np.mean((sa > sb) + 0.5 * (sa == sb)))
 
 
 def report_protocol(res: Results, out: Path):
-    """Issue 11: per (setting, budget) cell, recast minus each other method, paired, on every training
-    reward and judge, raw and scale-free; then how often ReCAST improves each judge."""
+    """Issue 11: per (setting, budget) cell, recast minus each other method, paired by seed, on every
+    training reward and judge of the large final evaluation, raw and scale-free, plus the preference
+    judge's win rate; the noise floor of one evaluation; then how often ReCAST improves each judge."""
     lines = res.banner()
-    spread_path = res.exp_dir / "runs" / "pretrained_spread.json"
-    spread = json.loads(spread_path.read_text()) if spread_path.is_file() else {}
-    lines += ["Scale-free: each held-out reward's change from the pretrained model in units of its pretrained per-image "
-              f"spread, budget-weighted ({'sd: ' + ', '.join(f'{k} {v:.4f}' for k, v in spread.items() if k != '_n') if spread else 'n/a: no runs/pretrained_spread.json'}). "
-              "Raw: `eval/weighted`. Judges are never trained on; frechet: lower is better, so its difference is shown as is "
-              "and counts as an improvement when negative.", ""]
-    counts = {}  # (other, metric) -> [n improved, n significant, n cells]
+    finals = final_evals(plan_runs(res.exp, res.exp_dir), res.exp_dir, res.exp.final_noises)
+    seed_a, seed_b = (str(s) for s in EVAL_SEEDS)
+    base = finals.get("pretrained", {})
+    n_img = len(next(iter(base.values()))["judge/cnn"]) if base else 0
+    lines += [
+        f"Final evaluation: every held-out caption x {res.exp.final_noises} noises ({n_img} images, Euler ODE, 10 "
+        "steps), the same "
+        "images (prompt and noise) for every method and the pretrained model. Judges are never trained on: `cnn` "
+        "(learned "
+        "attribute judge), `frechet` (distance of the judge's features to the data; lower is better: its difference "
+        "counts "
+        "as an improvement when negative) and `pref` (pairwise preference judge, a Bradley-Terry CNN trained on its "
+        "own "
+        "render-vs-corruption pairs: the share of images where it prefers ReCAST's image to the other method's, 0.5 = "
+        "no preference). "
+        "`scale_free`: each training reward's change from the pretrained model in units of its pretrained per-image "
+        "spread, "
+        "budget-weighted; `weighted`: the budget-weighted raw mean.",
+        "",
+    ]
+    counts, floors = {}, {}
     for group, by_label in res.runs.items():
         cell = next(c for c in res.exp.cells if c.group == group)
-        names, budgets = flag_value(cell.flags, "--rewards").split(","), [float(b) for b in flag_value(cell.flags, "--budgets").split(",")]
-        metrics = [f"eval/{k}" for k in names] + ["eval/weighted", "scale_free", "eval/judge/cnn", "eval/judge/frechet"]
+        names, budgets = (
+            flag_value(cell.flags, "--rewards").split(","),
+            [float(b) for b in flag_value(cell.flags, "--budgets").split(",")],
+        )
+        metrics = names + ["weighted", "scale_free", "judge/cnn", "judge/frechet"]
+        ids = {
+            label: {seed: slug(f"{group}-{label}") + f"-seed{seed}" for seed in by_seed}
+            for label, by_seed in by_label.items()
+        }
 
-        def value(rows, m):
-            return scale_free(rows, names, budgets, spread) if m == "scale_free" else final(rows, m)
+        def value(label, m, seed_key=seed_a):
+            return {
+                s: final_value(finals[i][seed_key], m, names, budgets, base[seed_key])
+                for s, i in ids[label].items()
+                if i in finals
+            }
 
-        lines += [f"## setting {group.split('-')[0]} ({', '.join(names)}), budgets {','.join(f'{b:g}' for b in budgets)}", "",
-                  "| recast − | n | " + " | ".join(m.replace("eval/", "") for m in metrics) + " |", "|---" * (2 + len(metrics)) + "|"]
-        for other in by_label:
+        for label in ids:  # noise floor: the same weights, evaluated on the second noise set
+            for m in metrics:
+                a, b = value(label, m), value(label, m, seed_b)
+                floors.setdefault(m, []).extend(a[s] - b[s] for s in a if s in b)
+        lines += [
+            f"## setting {group.split('-')[0]} ({', '.join(names)}), budgets {','.join(f'{b:g}' for b in budgets)}",
+            "",
+            "| method | n | " + " | ".join(metrics) + " |",
+            "|---" * (2 + len(metrics)) + "|",
+        ]
+        if base:
+            lines.append(
+                "| pretrained | | "
+                + " | ".join(f"{final_value(base[seed_a], m, names, budgets, base[seed_a]):.4f}" for m in metrics)
+                + " |"
+            )
+        for label in ids:
+            lines.append(
+                f"| {label} | {len(value(label, metrics[0]))} | "
+                + " | ".join(mean_std(list(value(label, m).values())) for m in metrics)
+                + " |"
+            )
+        lines += [
+            "",
+            "| recast − | n | " + " | ".join(metrics) + " | pref win rate |",
+            "|---" * (3 + len(metrics)) + "|",
+        ]
+        for other in ids:
             if other == "recast":
                 continue
-            diffs = {m: mean_ci(paired(res.values(group, "recast", lambda r, m=m: value(r, m)), res.values(group, other, lambda r, m=m: value(r, m))))
-                     for m in metrics}
-            lines.append(f"| {other} | {max(d[3] for d in diffs.values())} | " + " | ".join(fmt_ci(*diffs[m]) for m in metrics) + " |")
+            diffs = {m: mean_ci(paired(value("recast", m), value(other, m))) for m in metrics}
+            wins = {
+                s: win_rate(finals[ids["recast"][s]][seed_a], finals[ids[other][s]][seed_a])
+                for s in ids["recast"]
+                if s in ids[other] and ids["recast"][s] in finals and ids[other][s] in finals
+            }
+            diffs["pref"] = mean_ci([w - 0.5 for w in wins.values()])
+            m_, lo, hi, n = diffs["pref"]
+            pref_txt = (
+                f"{0.5 + m_:.3f} [{0.5 + lo:.3f}, {0.5 + hi:.3f}] (n={n})"
+                if n > 1
+                else (f"{0.5 + m_:.3f} (n={n})" if n else "n/a")
+            )
+            lines.append(
+                f"| {other} | {max(d[3] for d in diffs.values())} | "
+                + " | ".join(fmt_ci(*diffs[m]) for m in metrics)
+                + f" | {pref_txt} |"
+            )
             for m, (mean, lo, hi, n) in diffs.items():
                 if n == 0:
                     continue
@@ -707,15 +1268,47 @@ def report_protocol(res: Results, out: Path):
                 c[1] += verdict(m, lo, hi) == 1
         lines.append("")
     total = len(res.runs)
-    lines += ["## Summary", ""]
+    lines += [
+        "## Noise floor of one evaluation",
+        "",
+        f"The same weights evaluated on two noise sets (seeds {seed_a} and {seed_b}, same prompts): the standard "
+        "deviation of one "
+        "evaluation is sd(difference) / sqrt(2) over all finished runs; a method difference below ~2x this is not "
+        "resolved by "
+        "one evaluation (the paired intervals above include it, since each seed's difference is a separate "
+        "evaluation).",
+        "",
+        "| metric | noise sd of one evaluation | runs |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {m} | {np.std(v, ddof=1) / np.sqrt(2):.4f} | {len(v)} |" for m, v in floors.items() if len(v) > 1]
+    lines += ["", "## Summary", ""]
     for (other, m), (n, sig, cells) in sorted(counts.items()):
-        if m.startswith("eval/judge/") or m in ("scale_free", "eval/weighted"):
-            what = f"judge {m[len('eval/judge/'):]}" if m.startswith("eval/judge/") else m.replace("eval/", "")
-            lines.append(f"- ReCAST improves {what} over {other} in {n} of {total} cells (significant in {sig})"
-                         + (f"; {total - cells} cell(s) without results" if cells < total else ""))
-    curve_figure(res, out / "reward_vs_time.png")
+        if m.startswith("judge/") or m in ("scale_free", "weighted", "pref"):
+            what = (
+                f"judge {m[len('judge/') :]}"
+                if m.startswith("judge/")
+                else ("judge pref (win rate > 0.5)" if m == "pref" else m)
+            )
+            lines.append(
+                f"- ReCAST improves {what} over {other} in {n} of {total} cells (significant in {sig})"
+                + (f"; {total - cells} cell(s) without results" if cells < total else "")
+            )
+    prof_path = res.exp_dir / "profiles.json"
+    if prof_path.is_file():
+        profile_figure(json.loads(prof_path.read_text()), out / "profiles.png")
+    curve_figure(res, out / "reward_vs_time.png", x="iterations")
     w_figure(res, out / "W_final.png")
-    return lines + ["", "![](reward_vs_time.png)", "", "ReCAST's final W per cell (first seed): ![](W_final.png)", ""]
+    return lines + [
+        "",
+        "Measured D_k(t) of the candidate rewards and the W ReCAST builds from them: ![](profiles.png)",
+        "",
+        "Held-out `eval/weighted` of the runs' own small evaluation (16 prompts) along training: "
+        "![](reward_vs_time.png)",
+        "",
+        "ReCAST's final W per cell (first seed): ![](W_final.png)",
+        "",
+    ]
 
 
 def w_figure(res: Results, path: Path, label="recast"):
@@ -729,13 +1322,18 @@ def w_figure(res: Results, path: Path, label="recast"):
     if not found:
         return
     cols = min(len(found), 5)
-    fig, axes = plt.subplots((len(found) + cols - 1) // cols, cols, figsize=(3.4 * cols, 2.6 * ((len(found) + cols - 1) // cols)), squeeze=False)
+    fig, axes = plt.subplots(
+        (len(found) + cols - 1) // cols,
+        cols,
+        figsize=(3.4 * cols, 2.6 * ((len(found) + cols - 1) // cols)),
+        squeeze=False,
+    )
     for ax, (group, rows) in zip(axes.flat, found):
         names = flag_value(res.cells[(group, label)].flags, "--rewards").split(",")
         im = ax.imshow(np.array(rows[-1]["recast/W"]), aspect="auto", cmap="viridis")
         ax.set(title=group, xlabel="step j (t from 1 to 0)", yticks=range(len(names)), yticklabels=names)
         fig.colorbar(im, ax=ax)
-    for ax in list(axes.flat)[len(found):]:
+    for ax in list(axes.flat)[len(found) :]:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -752,36 +1350,90 @@ def report_recast_100(res: Results, out: Path):
     by_label = res.runs["A"]
     labels = [lbl for lbl, runs in by_label.items() if runs]
     rows0 = next(iter(by_label[labels[0]].values()))
-    metrics = ["eval/weighted"] + sorted(k for k in rows0[-1] if k.startswith("eval/") and k != "eval/weighted" and k not in JUDGES) + list(JUDGES)
+    metrics = (
+        ["eval/weighted"]
+        + sorted(k for k in rows0[-1] if k.startswith("eval/") and k != "eval/weighted" and k not in JUDGES)
+        + list(JUDGES)
+    )
     before = {m: rows0[0].get(m.replace("eval/", "eval_before/")) for m in metrics}
-    lines += ["Final held-out evaluation (iteration 100; 16 held-out prompts, fixed seeds; mean ± sd over seeds). "
-              "`frechet` is lower-is-better (drift from the data).", "",
-              "| method | " + " | ".join(m[5:] for m in metrics) + " |", "|---" * (1 + len(metrics)) + "|",
-              "| pretrained | " + " | ".join(f"{before[m]:.4f}" if before[m] is not None else "" for m in metrics) + " |"]
+    lines += [
+        "Final held-out evaluation (iteration 100; 16 held-out prompts, fixed seeds; mean ± sd over seeds). "
+        "`frechet` is lower-is-better (drift from the data).",
+        "",
+        "| method | " + " | ".join(m[5:] for m in metrics) + " |",
+        "|---" * (1 + len(metrics)) + "|",
+        "| pretrained | " + " | ".join(f"{before[m]:.4f}" if before[m] is not None else "" for m in metrics) + " |",
+    ]
     for label in labels:
-        lines.append(f"| {label} (n={len(by_label[label])}) | " + " | ".join(mean_std(list(res.values('A', label, lambda r, m=m: final(r, m)).values()))
-                                                                          for m in metrics) + " |")
-    pairs = [(a, b) for a, b in (("recast", "nft"), ("recast", "uniform"), ("uniform", "nft")) if a in labels and b in labels]
-    lines += ["", "Paired differences at the final evaluation (same seeds: same prompts and noise), mean [95% t interval]:", "",
-              "| difference | " + " | ".join(m[5:] for m in metrics) + " |", "|---" * (1 + len(metrics)) + "|"]
+        lines.append(
+            f"| {label} (n={len(by_label[label])}) | "
+            + " | ".join(mean_std(list(res.values("A", label, lambda r, m=m: final(r, m)).values())) for m in metrics)
+            + " |"
+        )
+    pairs = [
+        (a, b) for a, b in (("recast", "nft"), ("recast", "uniform"), ("uniform", "nft")) if a in labels and b in labels
+    ]
+    lines += [
+        "",
+        "Paired differences at the final evaluation (same seeds: same prompts and noise), mean [95% t interval]:",
+        "",
+        "| difference | " + " | ".join(m[5:] for m in metrics) + " |",
+        "|---" * (1 + len(metrics)) + "|",
+    ]
     for a, b in pairs:
-        lines.append(f"| {a} − {b} | " + " | ".join(fmt_ci(*mean_ci(paired(res.values('A', a, lambda r, m=m: final(r, m)),
-                                                                          res.values('A', b, lambda r, m=m: final(r, m))))) for m in metrics) + " |")
-    floor = [np.std([m["eval/weighted"] for m in rows if "eval/weighted" in m][-3:], ddof=1)
-             for lbl in labels for rows in by_label[lbl].values()]
-    lines += ["", f"Noise floor of one evaluation: the sd of `eval/weighted` over each run's last three evaluations "
-              f"(iterations 80, 90, 100; the weights move little there) is {np.mean(floor):.4f} on average over the {len(floor)} runs.", ""]
+        lines.append(
+            f"| {a} − {b} | "
+            + " | ".join(
+                fmt_ci(
+                    *mean_ci(
+                        paired(
+                            res.values("A", a, lambda r, m=m: final(r, m)),
+                            res.values("A", b, lambda r, m=m: final(r, m)),
+                        )
+                    )
+                )
+                for m in metrics
+            )
+            + " |"
+        )
+    floor = [
+        np.std([m["eval/weighted"] for m in rows if "eval/weighted" in m][-3:], ddof=1)
+        for lbl in labels
+        for rows in by_label[lbl].values()
+    ]
+    lines += [
+        "",
+        f"Noise floor of one evaluation: the sd of `eval/weighted` over each run's last three evaluations "
+        f"(iterations 80, 90, 100; the weights move little there) is {np.mean(floor):.4f} on average over the "
+        f"{len(floor)} runs.",
+        "",
+    ]
     if "recast" in labels:
-        dev = [np.abs(np.array(rows[-1]["recast/W"]) / (np.array(rows[-1]["recast/W"]).sum(1, keepdims=True) / 10) - 1).max()
-               for rows in by_label["recast"].values()]
+        dev = [
+            np.abs(
+                np.array(rows[-1]["recast/W"]) / (np.array(rows[-1]["recast/W"]).sum(1, keepdims=True) / 10) - 1
+            ).max()
+            for rows in by_label["recast"].values()
+        ]
         rho = [rows[-1]["recast/evidence"] for rows in by_label["recast"].values()]
         moved = [np.mean([max(m["recast/evidence"]) > 0 for m in rows]) for rows in by_label["recast"].values()]
-        mean_dev = [np.mean([np.abs(np.array(m["recast/W"]) / (np.array(m["recast/W"]).sum(1, keepdims=True) / 10) - 1).max()
-                             for m in rows]) for rows in by_label["recast"].values()]
-        lines += [f"ReCAST's final W: max_kj |W / (lambda_k / T) - 1| = {', '.join(f'{d:.3f}' for d in dev)} (per seed); "
-                  f"evidence rho per reward: {'; '.join(str([round(v, 2) for v in r]) for r in rho)}. Over the run, W left "
-                  f"uniform (some rho > 0) in {', '.join(f'{v:.0%}' for v in moved)} of iterations; the mean over iterations of "
-                  f"that max deviation: {', '.join(f'{v:.3f}' for v in mean_dev)}.", ""]
+        mean_dev = [
+            np.mean(
+                [
+                    np.abs(np.array(m["recast/W"]) / (np.array(m["recast/W"]).sum(1, keepdims=True) / 10) - 1).max()
+                    for m in rows
+                ]
+            )
+            for rows in by_label["recast"].values()
+        ]
+        lines += [
+            f"ReCAST's final W: max_kj |W / (lambda_k / T) - 1| = {', '.join(f'{d:.3f}' for d in dev)} (per seed); "
+            f"evidence rho per reward: {'; '.join(str([round(v, 2) for v in r]) for r in rho)}. Over the run, W left "
+            f"uniform (some rho > 0) in {', '.join(f'{v:.0%}' for v in moved)} of iterations; the mean over "
+            "iterations of "
+            f"that max deviation: {', '.join(f'{v:.3f}' for v in mean_dev)}.",
+            "",
+        ]
     curve_figure(res, out / "eval_vs_iteration.png", x="iteration")
     for judge in JUDGES:
         curve_figure(res, out / f"{judge.split('/')[-1]}_vs_iteration.png", metric=judge, x="iteration")
@@ -796,12 +1448,17 @@ def report_nft_steps(res: Results, out: Path):
         labels = [label for label, runs in by_label.items() if runs]
         if not labels:
             continue
-        curves = {label: {s: dict(zip(*eval_curve(rows)[::2])) for s, rows in by_label[label].items()} for label in labels}
+        curves = {
+            label: {s: dict(zip(*eval_curve(rows)[::2])) for s, rows in by_label[label].items()} for label in labels
+        }
         its = sorted({i for c in curves.values() for per_seed in c.values() for i in per_seed})
         others = [lbl for lbl in labels if lbl != base]
-        lines += ["Held-out `eval/weighted` (mean ± sd over seeds) and the paired difference to " + base + " [95%]:", "",
-                  "| iteration | " + " | ".join(labels) + " | " + " | ".join(f"{o} − {base}" for o in others) + " |",
-                  "|---" * (1 + len(labels) + len(others)) + "|"]
+        lines += [
+            "Held-out `eval/weighted` (mean ± sd over seeds) and the paired difference to " + base + " [95%]:",
+            "",
+            "| iteration | " + " | ".join(labels) + " | " + " | ".join(f"{o} − {base}" for o in others) + " |",
+            "|---" * (1 + len(labels) + len(others)) + "|",
+        ]
         for i in its:
             at = {label: {s: c[i] for s, c in curves[label].items() if i in c} for label in labels}
             row = [mean_std(list(at[label].values())) for label in labels]
@@ -809,10 +1466,18 @@ def report_nft_steps(res: Results, out: Path):
             lines.append(f"| {int(i)} | " + " | ".join(row) + " |")
         lines.append("")
         judges = [j for j in JUDGES if any(j in rows[-1] for by in by_label.values() for rows in by.values())]
-        lines += ["Held-out judges at the final evaluation (mean ± sd over seeds; `frechet`: lower is closer to the data):", "",
-                  "| method | " + " | ".join(j[11:] for j in judges) + " |", "|---" * (1 + len(judges)) + "|"]
-        lines += [f"| {label} (n={len(by_label[label])}) | " + " | ".join(mean_std(list(res.values(group, label, lambda r, j=j: final(r, j)).values()))
-                                                                        for j in judges) + " |" for label in labels]
+        lines += [
+            "Held-out judges at the final evaluation (mean ± sd over seeds; `frechet`: lower is closer to the data):",
+            "",
+            "| method | " + " | ".join(j[11:] for j in judges) + " |",
+            "|---" * (1 + len(judges)) + "|",
+        ]
+        lines += [
+            f"| {label} (n={len(by_label[label])}) | "
+            + " | ".join(mean_std(list(res.values(group, label, lambda r, j=j: final(r, j)).values())) for j in judges)
+            + " |"
+            for label in labels
+        ]
         lines.append("")
     curve_figure(res, out / "eval_vs_iteration.png", x="iteration")
     curve_figure(res, out / "eval_vs_time.png")
@@ -828,48 +1493,86 @@ def build_report(exp: Experiment, exp_dir: Path, planned: list[Run]) -> tuple[st
     records = [rec for rec in (load_result(run) for run in planned) if rec is not None]
     res = Results(exp, records, planned)
     res.exp_dir = exp_dir
-    text = "\n".join(globals()[exp.report](res, exp_dir)) if records else "\n".join(res.banner() + ["No finished runs yet.", ""])
+    text = (
+        "\n".join(globals()[exp.report](res, exp_dir))
+        if records
+        else "\n".join(res.banner() + ["No finished runs yet.", ""])
+    )
     (exp_dir / "table.md").write_text(text)
     return text, res
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:3]))
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[1:3]),
+    )
     parser.add_argument("experiment", choices=list(EXPERIMENTS), help="which experiment")
-    parser.add_argument("--quick", action="store_true", help="seconds, not an hour: 1-2 iterations, 1 prompt, 1-2 seeds, fewer cells (what the tests run)")
-    parser.add_argument("--jobs", type=int, default=1, help="runs at once, one process (one thread) each; 1: one after the other in this process (one thread)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="seconds, not an hour: 1-2 iterations, 1 prompt, 1-2 seeds, fewer cells (what the tests run)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at once, one process (one thread) each; 1: one after the other in this process (one thread)",
+    )
     parser.add_argument("--seeds", type=int, default=None, help="seeds per cell (default: the experiment's)")
-    parser.add_argument("--iterations", type=int, default=None, help="iterations per run (default: the experiment's; a GPU affords ~30x)")
-    parser.add_argument("--prompts-per-iter", type=int, default=None, help="prompt groups per iteration (default: the experiment's)")
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        help="iterations per run (default: the experiment's; a GPU affords ~30x)",
+    )
+    parser.add_argument(
+        "--prompts-per-iter", type=int, default=None, help="prompt groups per iteration (default: the experiment's)"
+    )
     parser.add_argument("--out", default="runs/bench", help="results go to OUT/<experiment>/")
-    parser.add_argument("--tables-only", action="store_true", help="rebuild table.md and figures from the results that exist; run nothing")
+    parser.add_argument(
+        "--tables-only",
+        action="store_true",
+        help="rebuild table.md and figures from the results that exist; run nothing",
+    )
     args = parser.parse_args(argv)
     for flag in ("jobs", "seeds", "iterations", "prompts_per_iter"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give at least 1")
     exp = quick_version(EXPERIMENTS[args.experiment]) if args.quick else EXPERIMENTS[args.experiment]
-    exp = replace(exp, **{k: getattr(args, k) for k in ("seeds", "iterations", "prompts_per_iter") if getattr(args, k) is not None})
+    exp = replace(
+        exp,
+        **{k: getattr(args, k) for k in ("seeds", "iterations", "prompts_per_iter") if getattr(args, k) is not None},
+    )
     exp_dir = Path(args.out) / exp.name
     planned = plan_runs(exp, exp_dir)
     failed = {}
     if args.tables_only:
         if not any(load_result(run) for run in planned):
-            parser.error(f"--tables-only: no results of these settings under {exp_dir / 'runs'} yet; run the experiment first "
-                         f"(without --tables-only{', with --quick' if args.quick else ''})")
+            parser.error(
+                f"--tables-only: no results of these settings under {exp_dir / 'runs'} yet; run the experiment first "
+                f"(without --tables-only{', with --quick' if args.quick else ''})"
+            )
     else:
         check_flags(planned)
-        print(f"{exp.name}: {len(planned)} runs ({len(exp.cells)} cells x {exp.seeds} seeds), ~{estimate_minutes(exp, args.jobs):.0f} min "
-              f"with --jobs {args.jobs} at 2-core CPU speed; results in {exp_dir / 'runs'}", flush=True)
+        print(
+            f"{exp.name}: {len(planned)} runs ({len(exp.cells)} cells x {exp.seeds} seeds), "
+            f"~{estimate_minutes(exp, args.jobs):.0f} min "
+            f"with --jobs {args.jobs} at 2-core CPU speed; results in {exp_dir / 'runs'}",
+            flush=True,
+        )
         exp_dir.mkdir(parents=True, exist_ok=True)
-        if args.experiment == "recast-protocol":
-            pretrained_spread(sorted({n for c in exp.cells for n in flag_value(c.flags, "--rewards").split(",")}), exp_dir, n=16 if args.quick else 64)
+        if args.experiment == "recast-protocol":  # the gains ReCAST starts from (--gain-init), measured before any run
+            measure_profiles(exp_dir, iterations=2 if args.quick else 48, prompts=1 if args.quick else 8)
         failed = execute(planned, args.jobs)
     text, res = build_report(exp, exp_dir, planned)
     print(text)
     if failed:
-        raise SystemExit(f"{len(failed)} run(s) failed (the tables hold the others; rerun to retry):\n"
-                         + "\n".join(f"  {k}: {v}" for k, v in failed.items()))
+        raise SystemExit(
+            f"{len(failed)} run(s) failed (the tables hold the others; rerun to retry):\n"
+            + "\n".join(f"  {k}: {v}" for k, v in failed.items())
+        )
     return res
 
 

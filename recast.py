@@ -626,6 +626,9 @@ class Args:
     evidence: float = flag(2.0, "method", min=0)
     """shrink each reward's profile towards uniform by rho = max(0, 1 - c p / Q), Q the chi^2 of its curve against
     uniform gains (0: no shrinkage)"""
+    gain_init: str = flag("", "method")
+    """start the discounted level statistics from this JSON (bench.py's profiles.json: n, s1, s2 measured on the
+    pretrained model with many groups) instead of from nothing; it must hold the run's rewards, with the same --steps"""
     # rollout
     prompts_per_iter: int = flag(8, "rollout", min=1)
     """prompt groups per iteration and process"""
@@ -1923,8 +1926,11 @@ def train(args: Args, extra_rewards=None, judges=None):
     """The whole run: per iteration rollout -> rewards -> credit (D, W) -> NFT update -> soft update
     of "old" -> log / evaluate / checkpoint. Returns the run folder."""
     run = setup_run(args, extra_rewards, judges)
+    prior = initial_level_stats(args.gain_init, run.names, args.steps) if args.gain_init else None
     start, state = start_or_resume(run, args)
     T, budgets = args.steps, run.budgets
+    if start == 0 and prior is not None:
+        state["level_stats"] = prior
 
     def on_step():  # after every optimizer step: the EMA of the trained LoRA (DiffusionNFT's evaluation weights)
         state["opt_steps"] += 1
@@ -1977,6 +1983,32 @@ def train(args: Args, extra_rewards=None, judges=None):
         plot_run(run.out, run.names)
     run.acc.end_training()  # closes the --report-to tracker
     return run.out
+
+
+def initial_level_stats(path, names, T):
+    """[n (T+1,), s1 (K, T+1), s2 (K, T+1)]: the rows of `names` from a level-statistics file (bench.py
+    `measure_profiles`), the gain statistics a run starts from with --gain-init. They are discounted by
+    --gain-ema like the run's own, so the prior's weight halves every ~7 iterations at 0.9."""
+    try:
+        saved = json.loads(Path(path).read_text())
+        rows = [saved["names"].index(k) for k in names]
+        steps, estimator = saved["steps"], saved.get("estimator", "pairs")
+    except (OSError, ValueError, KeyError) as err:
+        raise SystemExit(
+            f"--gain-init {path}: not a readable level-statistics file holding rewards {names} ({type(err).__name__}: "
+            f"{err}). "
+            "Make one with bench.py's measure_profiles, or omit --gain-init"
+        ) from None
+    if steps != T or estimator != "pairs":
+        raise SystemExit(
+            f"--gain-init {path}: measured with {steps} steps ({estimator}), this run has --steps {T} (pairs): "
+            "measure again with these settings, or omit --gain-init"
+        )
+    return [
+        np.asarray(saved["n"], dtype=np.float64),
+        np.asarray(saved["s1"], dtype=np.float64)[rows],
+        np.asarray(saved["s2"], dtype=np.float64)[rows],
+    ]
 
 
 def read_prompts(path, flag="prompts"):

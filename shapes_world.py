@@ -30,6 +30,7 @@ transformer timestep ``1000 t``.
 `import shapes_world` is cheap: numpy/scipy/PIL only; torch and diffusers are imported
 inside the functions that need them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,10 +48,10 @@ ROOT = Path(__file__).resolve().parent
 ASSETS = ROOT / "assets"
 PIPELINE_DIR = ASSETS / "shapes-sd3"
 JUDGE_PATH = ASSETS / "judge.safetensors"
+PREF_PATH = ASSETS / "pref_judge.safetensors"
 
 RES = 32  # image side in pixels; latents are 16x16x4
-GEN_KWARGS = dict(height=RES, width=RES, num_inference_steps=10, guidance_scale=1.0,
-                  max_sequence_length=10)
+GEN_KWARGS = dict(height=RES, width=RES, num_inference_steps=10, guidance_scale=1.0, max_sequence_length=10)
 """Pipeline-call arguments the model was trained for: ``pipe(prompts, **GEN_KWARGS)``.
 ``max_sequence_length=10`` matters: the transformer saw 10 T5 tokens; the pipeline's
 default 256 lets the random T5 turn padding into features (accuracy falls to ~6%)."""
@@ -181,8 +182,11 @@ def _layout(spec: dict, rng: np.random.Generator) -> list[tuple[float, float, fl
             elif spec["side"] == "right":
                 xlo = max(lo, RES / 2 + 3.0)
             out.append((rng.uniform(xlo, xhi), rng.uniform(lo, hi), r))
-        ok = all(abs(a[0] - b[0]) > a[2] + b[2] + 2 or abs(a[1] - b[1]) > a[2] + b[2] + 2
-                 for i, a in enumerate(out) for b in out[i + 1:])
+        ok = all(
+            abs(a[0] - b[0]) > a[2] + b[2] + 2 or abs(a[1] - b[1]) > a[2] + b[2] + 2
+            for i, a in enumerate(out)
+            for b in out[i + 1 :]
+        )
         if ok:
             return out
     raise RuntimeError("layout failed")
@@ -218,7 +222,7 @@ def render(prompt: str, seed: int) -> Image.Image:
 
 # ========================================================== checker ====
 CHROMA = np.array([max(v) - min(v) for v in COLORS.values()], float)  # palette chroma
-MIN_AREA = 6     # components smaller than this (pixels) are ignored
+MIN_AREA = 6  # components smaller than this (pixels) are ignored
 
 
 def _as_array(img: Image.Image) -> np.ndarray:
@@ -246,6 +250,7 @@ def detect(img: Image.Image) -> list[dict]:
        e.g. VAE reconstructions: square diag >= 0.85 in 99.5% of cases.)
     """
     from scipy import ndimage
+
     a = _as_array(img)
     chroma = a.max(-1) - a.min(-1)
     hue = _hue_deg(a)
@@ -276,8 +281,16 @@ def detect(img: Image.Image) -> list[dict]:
                 shape = "triangle"
             else:
                 shape = "circle"
-            objs.append(dict(colour=colour, shape=shape, cx=float(xs.mean() + 0.5),
-                             cy=float(ys.mean() + 0.5), area=area, fill=float(fill)))
+            objs.append(
+                dict(
+                    colour=colour,
+                    shape=shape,
+                    cx=float(xs.mean() + 0.5),
+                    cy=float(ys.mean() + 0.5),
+                    area=area,
+                    fill=float(fill),
+                )
+            )
     return objs
 
 
@@ -286,6 +299,7 @@ def _dice(a: list, b: list) -> float:
     if not a and not b:
         return 1.0
     from collections import Counter
+
     inter = sum((Counter(a) & Counter(b)).values())
     return 2.0 * inter / (len(a) + len(b))
 
@@ -305,14 +319,17 @@ def check(img: Image.Image, prompt: str) -> dict:
     spec, objs = parse_prompt(prompt), detect(img)
     exp = spec["objects"]
     det_cs = [(o["colour"], o["shape"]) for o in objs]
-    s = dict(count=1.0 - min(1.0, abs(len(objs) - len(exp)) / len(exp)),
-             colour=_dice([o[0] for o in det_cs], [e[0] for e in exp]),
-             shape=_dice([o[1] for o in det_cs], [e[1] for e in exp]),
-             object=_dice(det_cs, exp))
+    s = dict(
+        count=1.0 - min(1.0, abs(len(objs) - len(exp)) / len(exp)),
+        colour=_dice([o[0] for o in det_cs], [e[0] for e in exp]),
+        shape=_dice([o[1] for o in det_cs], [e[1] for e in exp]),
+        object=_dice(det_cs, exp),
+    )
     pos_ok = True
     if spec["side"] is not None:
-        cands = [o for o in objs if (o["colour"], o["shape"]) == exp[0]] or \
-                [o for o in objs if o["colour"] == exp[0][0]]
+        cands = [o for o in objs if (o["colour"], o["shape"]) == exp[0]] or [
+            o for o in objs if o["colour"] == exp[0][0]
+        ]
         if cands:
             o = max(cands, key=lambda o: o["area"])
             pos_ok = (o["cx"] < RES / 2) if spec["side"] == "left" else (o["cx"] > RES / 2)
@@ -391,12 +408,71 @@ def reward_saturation(images: list, prompts: list[str] | None = None) -> np.ndar
     return np.array(out, np.float64)
 
 
+_CHECKS: dict = {}  # (image bytes, prompt) -> check(): the split checker scores share one detection per image
+
+
+def _checked(images: list, prompts: list[str], key: str, default: float = 1.0) -> np.ndarray:
+    """One attribute score of :func:`check` per image (``default`` where it does not apply)."""
+    if len(_CHECKS) > 4096:
+        _CHECKS.clear()
+    out = []
+    for img, prompt in zip(images, prompts):
+        k = (_as_array(img).astype(np.uint8).tobytes(), prompt)
+        if k not in _CHECKS:
+            _CHECKS[k] = check(img, prompt)
+        out.append(_CHECKS[k].get(key, default))
+    return np.array(out, np.float64)
+
+
+def reward_count(images: list, prompts: list[str]) -> np.ndarray:
+    """Object count score of :func:`check`: 1 - min(1, |n_det - n_exp| / n_exp). Set by the layout."""
+    return _checked(images, prompts, "count")
+
+
+def reward_colour(images: list, prompts: list[str]) -> np.ndarray:
+    """Colour score of :func:`check`: Dice of the detected and the prompt's colour multisets."""
+    return _checked(images, prompts, "colour")
+
+
+def reward_shape(images: list, prompts: list[str]) -> np.ndarray:
+    """Shape score of :func:`check`: Dice of the detected and the prompt's shape multisets (outlines)."""
+    return _checked(images, prompts, "shape")
+
+
+def reward_position(images: list, prompts: list[str]) -> np.ndarray:
+    """Position score of :func:`check` (1 iff the named object sits on the named half) for the
+    "... on the left/right" prompts; 1 for prompts without a position (nothing to get wrong)."""
+    return _checked(images, prompts, "position")
+
+
+DETAIL_SCALE = 0.05
+
+
+def reward_detail(images: list, prompts: list[str] | None = None) -> np.ndarray:
+    """Colour-edge crispness (fine detail): ``mean |lap(c)| / 0.05`` with c = (max - min) / 255 of RGB
+    per pixel (the chroma) at 32x32, over the 30x30 interior. Flat or grey image 0. Like sharpness but
+    on colour rather than grey edges: decided by the last denoising steps."""
+    out = []
+    for img in images:
+        a = _as_array(img)
+        c = (a.max(-1) - a.min(-1)) / 255.0
+        lap = 4 * c[1:-1, 1:-1] - c[:-2, 1:-1] - c[2:, 1:-1] - c[1:-1, :-2] - c[1:-1, 2:]
+        out.append(np.abs(lap).mean() / DETAIL_SCALE)
+    return np.array(out, np.float64)
+
+
 REWARDS = {
     "geneval": reward_geneval,
     "geneval_strict": reward_geneval_strict,
     "sharpness": reward_sharpness,
     "jpeg": reward_jpeg,
     "saturation": reward_saturation,
+    # the checker split into its attributes, and colour-edge detail: candidates for a second setting
+    "count": reward_count,
+    "colour": reward_colour,
+    "shape": reward_shape,
+    "position": reward_position,
+    "detail": reward_detail,
 }
 """name -> callable (images: list[PIL.Image], prompts: list[str]) -> np.ndarray (N,) float64."""
 
@@ -412,15 +488,26 @@ def _judge_net():
     """Small CNN (~100k params): 32x32x3 -> 64 features -> heads
     count (3-way: 1, 2, 3 objects), colour presence (4 logits), shape presence (3 logits)."""
     import torch.nn as nn
-    return nn.ModuleDict(dict(
-        features=nn.Sequential(
-            nn.Conv2d(3, 32, 3, padding=1), nn.GELU(),
-            nn.Conv2d(32, 32, 3, stride=2, padding=1), nn.GELU(),   # 16x16
-            nn.Conv2d(32, 64, 3, padding=1), nn.GELU(),
-            nn.Conv2d(64, 64, 3, stride=2, padding=1), nn.GELU(),   # 8x8
-            nn.Conv2d(64, 64, 3, padding=1), nn.GELU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten()),                 # (B, 64)
-        head=nn.Linear(64, 3 + len(COLORS) + len(SHAPES))))
+
+    return nn.ModuleDict(
+        dict(
+            features=nn.Sequential(
+                nn.Conv2d(3, 32, 3, padding=1),
+                nn.GELU(),
+                nn.Conv2d(32, 32, 3, stride=2, padding=1),
+                nn.GELU(),  # 16x16
+                nn.Conv2d(32, 64, 3, padding=1),
+                nn.GELU(),
+                nn.Conv2d(64, 64, 3, stride=2, padding=1),
+                nn.GELU(),  # 8x8
+                nn.Conv2d(64, 64, 3, padding=1),
+                nn.GELU(),
+                nn.AdaptiveAvgPool2d(1),
+                nn.Flatten(),
+            ),  # (B, 64)
+            head=nn.Linear(64, 3 + len(COLORS) + len(SHAPES)),
+        )
+    )
 
 
 def _judge_targets(prompt: str) -> np.ndarray:
@@ -428,12 +515,14 @@ def _judge_targets(prompt: str) -> np.ndarray:
     spec = parse_prompt(prompt)
     cols = {c for c, _ in spec["objects"]}
     shps = {s for _, s in spec["objects"]}
-    return np.array([min(len(spec["objects"]), 3) - 1] + [c in cols for c in COLORS]
-                    + [s in shps for s in SHAPES], np.float32)
+    return np.array(
+        [min(len(spec["objects"]), 3) - 1] + [c in cols for c in COLORS] + [s in shps for s in SHAPES], np.float32
+    )
 
 
 def _images_to_tensor(images: list):
     import torch
+
     a = np.stack([_as_array(i) for i in images]) / 127.5 - 1.0
     return torch.from_numpy(a).permute(0, 3, 1, 2).float()
 
@@ -446,6 +535,7 @@ def load_judge():
     global _JUDGE
     if _JUDGE is None:
         from safetensors.torch import load_file
+
         sd = load_file(str(JUDGE_PATH))
         net = _judge_net()
         net.load_state_dict({k: v for k, v in sd.items() if not k.startswith("ref_")})
@@ -456,11 +546,12 @@ def load_judge():
 
 def _judge_forward(images: list, net=None):
     import torch
+
     net = net if net is not None else load_judge()[0]
     feats, logits = [], []
     with torch.no_grad():
         for i in range(0, len(images), 256):
-            f = net["features"](_images_to_tensor(images[i:i + 256]))
+            f = net["features"](_images_to_tensor(images[i : i + 256]))
             feats.append(f)
             logits.append(net["head"](f))
     return torch.cat(feats).double().numpy(), torch.cat(logits).double()
@@ -471,6 +562,7 @@ def judge_cnn(images: list, prompts: list[str]) -> np.ndarray:
     the CNN: p(count = n), mean over colours of p(presence is as the prompt says), and the
     same over shapes. Range [0, 1]; ground truth ~0.95+."""
     import torch
+
     _, logits = _judge_forward(images)
     out = []
     for lg, p in zip(logits, prompts):
@@ -486,6 +578,203 @@ JUDGES = {"cnn": judge_cnn}
 """Held-out per-image judges, same interface as REWARDS."""
 
 
+# ------------------------------------------------ pairwise preference judge ----
+# The LLM-as-a-judge stand-in: shown two images for one prompt, which is better? A Bradley-Terry
+# model p(a > b | prompt) = sigmoid(s(a, prompt) - s(b, prompt)) with s a small CNN + the prompt's
+# attribute vector, trained on its own data: a ground-truth render against a corrupted one (wrong
+# content: one colour, shape, count or side changed; or degraded: blur, pixel noise, washed-out
+# colour, a smudge), and a mild against a strong degradation. It never calls the checker, the
+# rewards or the CNN judge, and it is never a training reward.
+PREF_BUILD = dict(steps=1500, batch=64, lr=2e-3, pool=4000)
+
+
+def _pref_net():
+    """CNN (~70k params) 32x32x3 -> 64 features f; the prompt vector v (22) -> 64 by a small MLP g;
+    score = <f, g(v)> (does the image show the prompt?) + q(f) (is it a clean image?)."""
+    import torch.nn as nn
+
+    return nn.ModuleDict(
+        dict(
+            features=nn.Sequential(
+                nn.Conv2d(3, 32, 3, padding=1),
+                nn.GELU(),
+                nn.Conv2d(32, 48, 3, stride=2, padding=1),
+                nn.GELU(),  # 16x16
+                nn.Conv2d(48, 64, 3, stride=2, padding=1),
+                nn.GELU(),  # 8x8
+                nn.Conv2d(64, 64, 3, padding=1),
+                nn.GELU(),
+                nn.AdaptiveAvgPool2d(1),
+                nn.Flatten(),
+            ),
+            prompt=nn.Sequential(nn.Linear(22, 64), nn.GELU(), nn.Linear(64, 64)),
+            quality=nn.Linear(64, 1),
+        )
+    )
+
+
+def _prompt_vector(prompt: str) -> np.ndarray:
+    """(22,) counts per colour (4), per shape (3), per (colour, shape) (12), side one-hot (none, left, right)."""
+    spec = parse_prompt(prompt)
+    objs = spec["objects"]
+    v = [sum(c == k for c, _ in objs) for k in COLORS] + [sum(s == k for _, s in objs) for k in SHAPES]
+    v += [sum(o == (c, k) for o in objs) for c in COLORS for k in SHAPES]
+    v += [spec["side"] is None, spec["side"] == "left", spec["side"] == "right"]
+    return np.array(v, np.float32)
+
+
+def _mutate(spec: dict, rng: np.random.Generator) -> dict:
+    """The spec with one thing wrong: an object's colour or shape, the count (one more or one fewer), or the side."""
+    objs, side = list(spec["objects"]), spec["side"]
+    kinds = ["colour", "shape", "count"] + (["side"] if side else [])
+    kind = kinds[rng.integers(len(kinds))]
+    i = int(rng.integers(len(objs)))
+    if kind == "colour":
+        objs[i] = (str(rng.choice([c for c in COLORS if c != objs[i][0]])), objs[i][1])
+    elif kind == "shape":
+        objs[i] = (objs[i][0], str(rng.choice([k for k in SHAPES if k != objs[i][1]])))
+    elif kind == "count":
+        objs = (
+            objs[:i] + objs[i + 1 :] if len(objs) > 1 and (len(objs) == 3 or rng.random() < 0.5) else objs + [objs[i]]
+        )
+    else:
+        side = "left" if side == "right" else "right"
+    return {"objects": objs, "side": side}
+
+
+def _degrade(img: Image.Image, rng: np.random.Generator, strength: float, kind: int | None = None) -> Image.Image:
+    """Blur (kind 0), pixel noise (1), washed-out colour (2) or a smudge of the median colour (3), of the
+    given strength in (0, 1]; kind None: drawn from rng."""
+    from PIL import ImageFilter
+
+    kind = int(rng.integers(4)) if kind is None else kind
+    if kind == 0:
+        return img.filter(ImageFilter.GaussianBlur(0.4 + 1.2 * strength))
+    a = _as_array(img)
+    if kind == 1:
+        a = a + rng.normal(0, 6 + 24 * strength, a.shape)
+    elif kind == 2:
+        a = a + (0.25 + 0.6 * strength) * (a.mean(-1, keepdims=True) - a)
+    else:
+        cy, cx, r = *rng.uniform(6, RES - 6, 2), 3 + 6 * strength
+        yy, xx = np.mgrid[:RES, :RES]
+        m = (((yy - cy) ** 2 + (xx - cx) ** 2) < r * r)[..., None]
+        a = np.where(m, np.median(a.reshape(-1, 3), 0), a)
+    return Image.fromarray(np.clip(a, 0, 255).astype(np.uint8))
+
+
+def preference_pairs(n: int, split: str = "train", seed: int = 0) -> tuple[list, list, list[str]]:
+    """n (better, worse, prompt) triples: a render against a render with one thing wrong (same seed, 30%),
+    against a render of another caption (20%), against a degraded copy (30%), or a mild against a
+    strong degradation (20%)."""
+    rng = np.random.default_rng(seed)
+    prompts = sample_prompts(n, split, seed)
+    others = sample_prompts(n, split, seed + 1)
+    better, worse = [], []
+    for i, p in enumerate(prompts):
+        img_seed = 10_000_000 * (seed + 1) + i
+        gt, u = render(p, img_seed), rng.random()
+        if u < 0.3:
+            better.append(gt)
+            worse.append(render_spec(_mutate(parse_prompt(p), rng), img_seed))
+        elif u < 0.5:
+            better.append(gt)
+            worse.append(render(others[i] if others[i] != p else others[i - 1], img_seed))
+        elif u < 0.8:
+            better.append(gt)
+            worse.append(_degrade(gt, rng, rng.uniform(0.2, 1.0)))
+        else:
+            mild, more = rng.uniform(0.0, 0.4), rng.uniform(0.4, 0.6)
+            state = rng.bit_generator.state  # the same kind of degradation, two strengths
+            better.append(_degrade(gt, rng, mild))
+            rng.bit_generator.state = state
+            worse.append(_degrade(gt, rng, mild + more))
+    return better, worse, prompts
+
+
+def _pref_forward(net, x, v):
+    """Scores (B,) of image tensors x (B, 3, 32, 32) under prompt vectors v (B, 22)."""
+    f = net["features"](x)
+    return (f * net["prompt"](v)).sum(1) / 8.0 + net["quality"](f)[:, 0]
+
+
+def _pref_scores(net, images: list, prompts: list[str]):
+    import torch
+
+    return _pref_forward(
+        net, _images_to_tensor(images), torch.from_numpy(np.stack([_prompt_vector(p) for p in prompts]))
+    )
+
+
+def train_pref_judge(steps: int, batch: int, lr: float, pool: int, seed: int = 0):
+    """Fit the Bradley-Terry judge on `pool` fresh training-split pairs (-log sigmoid(s_better - s_worse),
+    AdamW, cosine schedule). Returns the net."""
+    import torch
+
+    torch.manual_seed(seed)
+    net = _pref_net()
+    better, worse, prompts = preference_pairs(pool, "train", seed)
+    xb, xw = _images_to_tensor(better), _images_to_tensor(worse)
+    v = torch.from_numpy(np.stack([_prompt_vector(p) for p in prompts]))
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=1e-4)
+    sched = _warmup_cosine(opt, steps, steps // 20)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = torch.randint(len(prompts), (batch,), generator=gen)
+        flip = torch.rand(batch, generator=gen) < 0.5  # horizontal flips (side prompts keep their side: none flipped)
+        flip &= v[idx, 19] > 0
+        a, b = xb[idx], xw[idx]
+        a, b = (
+            torch.where(flip[:, None, None, None], a.flip(-1), a),
+            torch.where(flip[:, None, None, None], b.flip(-1), b),
+        )
+        s = _pref_forward(net, torch.cat([a, b]), v[idx].repeat(2, 1))
+        loss = torch.nn.functional.softplus(s[batch:] - s[:batch]).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    return net.eval()
+
+
+def build_pref_judge(path: Path = PREF_PATH, seed: int = 0) -> dict:
+    """Train the preference judge and save it; returns its accuracy on fresh held-out-split pairs."""
+    import torch
+    from safetensors.torch import save_file
+
+    net = train_pref_judge(**PREF_BUILD, seed=seed)
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path))
+    better, worse, prompts = preference_pairs(1000, "heldout", seed + 1)
+    with torch.no_grad():
+        acc = float((_pref_scores(net, better, prompts) > _pref_scores(net, worse, prompts)).float().mean())
+    return {"pref_heldout_pair_accuracy": acc, **PREF_BUILD}
+
+
+_PREF = None
+
+
+def judge_preference(images: list, prompts: list[str]) -> np.ndarray:
+    """Per-image Bradley-Terry score s(image, prompt) of the shipped preference judge: image a is
+    preferred to image b for the same prompt iff s(a) > s(b), with probability sigmoid(s(a) - s(b)).
+    Only differences between images of one prompt mean anything."""
+    import torch
+
+    global _PREF
+    if _PREF is None:
+        from safetensors.torch import load_file
+
+        _PREF = _pref_net()
+        _PREF.load_state_dict(load_file(str(PREF_PATH)))
+        _PREF.eval()
+    with torch.no_grad():
+        return np.concatenate(
+            [
+                _pref_scores(_PREF, images[i : i + 256], prompts[i : i + 256]).double().numpy()
+                for i in range(0, len(images), 256)
+            ]
+        )
+
+
 def judge_features(images: list) -> np.ndarray:
     """(N, 64) penultimate features of the judge CNN."""
     return _judge_forward(images)[0]
@@ -495,6 +784,7 @@ def _frechet(mu1, s1, mu2, s2) -> float:
     """|mu1 - mu2|^2 + tr(S1 + S2 - 2 (S1 S2)^{1/2}) (FID formula); 1e-6 I added to both
     covariances so the matrix square root exists when features are degenerate."""
     from scipy import linalg
+
     s1, s2 = s1 + 1e-6 * np.eye(len(s1)), s2 + 1e-6 * np.eye(len(s2))
     covmean = np.real(linalg.sqrtm(s1 @ s2))
     return float(((mu1 - mu2) ** 2).sum() + np.trace(s1 + s2 - 2 * covmean))
@@ -532,6 +822,7 @@ def build_tokenizers():
     characters score -10. Both truncate/pad to 10 tokens in the pipeline.
     """
     from transformers import CLIPTokenizer, T5Tokenizer
+
     letters = "abcdefghijklmnopqrstuvwxyz"
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for c in letters:
@@ -558,39 +849,89 @@ def build_components(seed: int = 0) -> dict:
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
     clip_tok, t5_tok = build_tokenizers()
-    clip_cfg = dict(vocab_size=len(clip_tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, max_position_embeddings=TEXT_LEN, projection_dim=32,
-                    bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    clip_cfg = dict(
+        vocab_size=len(clip_tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=TEXT_LEN,
+        projection_dim=32,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
     torch.manual_seed(seed)
     te1 = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
     torch.manual_seed(seed + 1)
     te2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
     torch.manual_seed(seed + 2)
-    te3 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), d_model=64, d_kv=16, d_ff=128, num_layers=2,
-                                  num_heads=4, feed_forward_proj="gated-gelu", pad_token_id=0,
-                                  eos_token_id=1, decoder_start_token_id=0))
+    te3 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tok),
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=2,
+            num_heads=4,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
+        )
+    )
     torch.manual_seed(seed + 3)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(32, 64),
-                        layers_per_block=1, latent_channels=4, norm_num_groups=16, sample_size=RES,
-                        mid_block_add_attention=False, scaling_factor=1.0, shift_factor=0.0)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=16,
+        sample_size=RES,
+        mid_block_add_attention=False,
+        scaling_factor=1.0,
+        shift_factor=0.0,
+    )
     torch.manual_seed(seed + 4)
-    transformer = SD3Transformer2DModel(sample_size=RES // 2, patch_size=2, in_channels=4, out_channels=4,
-                                        num_layers=4, attention_head_dim=32, num_attention_heads=4,
-                                        joint_attention_dim=64, caption_projection_dim=128,
-                                        pooled_projection_dim=64, pos_embed_max_size=16, qk_norm="rms_norm")
+    transformer = SD3Transformer2DModel(
+        sample_size=RES // 2,
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=4,
+        attention_head_dim=32,
+        num_attention_heads=4,
+        joint_attention_dim=64,
+        caption_projection_dim=128,
+        pooled_projection_dim=64,
+        pos_embed_max_size=16,
+        qk_norm="rms_norm",
+    )
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
     for m in (te1, te2, te3):
         m.requires_grad_(False).eval()
-    return dict(transformer=transformer, vae=vae, text_encoder=te1, text_encoder_2=te2,
-                text_encoder_3=te3, tokenizer=clip_tok, tokenizer_2=clip_tok, tokenizer_3=t5_tok,
-                scheduler=scheduler)
+    return dict(
+        transformer=transformer,
+        vae=vae,
+        text_encoder=te1,
+        text_encoder_2=te2,
+        text_encoder_3=te3,
+        tokenizer=clip_tok,
+        tokenizer_2=clip_tok,
+        tokenizer_3=t5_tok,
+        scheduler=scheduler,
+    )
 
 
 def load_pipeline(path: str | Path = PIPELINE_DIR, device: str = "cpu"):
     """The shipped pipeline, loaded exactly as the real one (offline), progress bar off."""
     from diffusers import StableDiffusion3Pipeline
+
     pipe = StableDiffusion3Pipeline.from_pretrained(str(path), local_files_only=True).to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -600,21 +941,28 @@ def encode_prompts(pipe, prompts: list[str]):
     """(prompt_embeds (N, 20, 64), pooled (N, 64)) exactly as the pipeline computes them
     under GEN_KWARGS (``pipe.encode_prompt`` with max_sequence_length=10, no CFG)."""
     import torch
+
     with torch.no_grad():
-        pe, _, pooled, _ = pipe.encode_prompt(prompts, None, None, do_classifier_free_guidance=False,
-                                              max_sequence_length=GEN_KWARGS["max_sequence_length"],
-                                              device=pipe._execution_device)
+        pe, _, pooled, _ = pipe.encode_prompt(
+            prompts,
+            None,
+            None,
+            do_classifier_free_guidance=False,
+            max_sequence_length=GEN_KWARGS["max_sequence_length"],
+            device=pipe._execution_device,
+        )
     return pe, pooled
 
 
 def generate(pipe, prompts: list[str], seed: int = 0, batch: int = 64, **overrides) -> list:
     """Images for prompts with GEN_KWARGS (overridable); one CPU generator seeded once."""
     import torch
+
     g = torch.Generator().manual_seed(seed)
     kw = {**GEN_KWARGS, **overrides}
     out = []
     for i in range(0, len(prompts), batch):
-        out += list(pipe(prompts[i:i + batch], generator=g, **kw).images)
+        out += list(pipe(prompts[i : i + batch], generator=g, **kw).images)
     return out
 
 
@@ -626,14 +974,20 @@ def _world_dataset(n: int, split: str, seed: int):
 
 
 def _psnr(a: np.ndarray, b: np.ndarray) -> float:
-    return float(10 * np.log10(255.0 ** 2 / np.mean((a - b) ** 2)))
+    return float(10 * np.log10(255.0**2 / np.mean((a - b) ** 2)))
 
 
 def _warmup_cosine(opt, steps: int, warm: int):
     """lr factor: linear warm-up over ``warm`` steps, then cosine from 1 to 0.1."""
     import torch
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * (
-        0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, max(0, s - warm) / max(1, steps - warm))))))
+
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / warm)
+            * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, max(0, s - warm) / max(1, steps - warm)))))
+        ),
+    )
 
 
 def train_vae(vae, images: list, steps: int, batch: int = 64, seed: int = 0):
@@ -641,6 +995,7 @@ def train_vae(vae, images: list, steps: int, batch: int = 64, seed: int = 0):
     w = 1 + 3 * foreground (shapes matter more than flat background); AdamW 2e-3, warm-up + cosine."""
     import torch
     from tqdm import tqdm
+
     torch.manual_seed(seed)
     x_all = _images_to_tensor(images)
     a = np.stack([_as_array(i) for i in images])
@@ -670,18 +1025,21 @@ def train_vae(vae, images: list, steps: int, batch: int = 64, seed: int = 0):
 def vae_encode(vae, images: list):
     """Raw VAE posterior means z (N, 4, 16, 16) (unscaled)."""
     import torch
+
     with torch.no_grad():
-        return torch.cat([vae.encode(_images_to_tensor(images[i:i + 256])).latent_dist.mode()
-                          for i in range(0, len(images), 256)])
+        return torch.cat(
+            [vae.encode(_images_to_tensor(images[i : i + 256])).latent_dist.mode() for i in range(0, len(images), 256)]
+        )
 
 
 def vae_decode(vae, z) -> list:
     """PIL images from raw (unscaled) latents z (N, 4, 16, 16)."""
     import torch
+
     out = []
     with torch.no_grad():
         for i in range(0, len(z), 256):
-            out += _tensor_to_images(vae.decode(z[i:i + 256]).sample)
+            out += _tensor_to_images(vae.decode(z[i : i + 256]).sample)
     return out
 
 
@@ -695,6 +1053,7 @@ def train_judge(images: list, prompts: list[str], steps: int, seed: int = 0):
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
+
     torch.manual_seed(seed)
     net = _judge_net()
     x_all = _images_to_tensor(images)
@@ -715,8 +1074,18 @@ def train_judge(images: list, prompts: list[str], steps: int, seed: int = 0):
     return net.eval().requires_grad_(False)
 
 
-def train_transformer(transformer, latents, cap_idx, prompt_embeds, pooled, steps: int,
-                      batch: int = 64, lr: float = 1e-3, ema_decay: float = 0.999, seed: int = 0):
+def train_transformer(
+    transformer,
+    latents,
+    cap_idx,
+    prompt_embeds,
+    pooled,
+    steps: int,
+    batch: int = 64,
+    lr: float = 1e-3,
+    ema_decay: float = 0.999,
+    seed: int = 0,
+):
     """Rectified flow matching (DESIGN.md §1), VAE and text encoders frozen.
 
     x_t = (1-t) x0 + t eps, t ~ logit-normal(0, 1) (sigmoid of a standard normal);
@@ -726,8 +1095,10 @@ def train_transformer(transformer, latents, cap_idx, prompt_embeds, pooled, step
     latents (N, 4, 16, 16) scaled; cap_idx (N,) rows of prompt_embeds (C+1, 20, 64).
     """
     import copy
+
     import torch
     from tqdm import tqdm
+
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     empty = len(prompt_embeds) - 1
@@ -744,8 +1115,13 @@ def train_transformer(transformer, latents, cap_idx, prompt_embeds, pooled, step
         eps = torch.randn(x0.shape, generator=g)
         t = torch.sigmoid(torch.randn(batch, generator=g))
         xt = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
-        v = transformer(hidden_states=xt, timestep=1000 * t, encoder_hidden_states=prompt_embeds[ci],
-                        pooled_projections=pooled[ci], return_dict=False)[0]
+        v = transformer(
+            hidden_states=xt,
+            timestep=1000 * t,
+            encoder_hidden_states=prompt_embeds[ci],
+            pooled_projections=pooled[ci],
+            return_dict=False,
+        )[0]
         loss = ((v - (eps - x0)) ** 2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -770,6 +1146,7 @@ def build(out_dir: Path = ASSETS, **overrides) -> dict:
     import torch
     from diffusers import StableDiffusion3Pipeline
     from safetensors.torch import save_file
+
     cfg = {**BUILD, **overrides}
     torch.set_num_threads(cfg["threads"])
     out_dir = Path(out_dir)
@@ -834,14 +1211,20 @@ def world_metrics(vae, n: int = 500) -> dict:
     prompts = sample_prompts(n, "train", 7) + sample_prompts(n, "heldout", 8)
     gt = [render(p, 7_000_000 + i) for i, p in enumerate(prompts)]
     recs = vae_decode(vae, vae_encode(vae, gt))
-    m = {"checker_gt_strict": float(reward_geneval_strict(gt, prompts).mean()),
-         "checker_vae_strict": float(reward_geneval_strict(recs, prompts).mean()),
-         "vae_psnr": float(np.mean([_psnr(_as_array(a), _as_array(b)) for a, b in zip(gt, recs)]))}
+    m = {
+        "checker_gt_strict": float(reward_geneval_strict(gt, prompts).mean()),
+        "checker_vae_strict": float(reward_geneval_strict(recs, prompts).mean()),
+        "vae_psnr": float(np.mean([_psnr(_as_array(a), _as_array(b)) for a, b in zip(gt, recs)])),
+    }
     for name in ("geneval", "sharpness", "jpeg", "saturation"):
         m[f"gt_{name}_mean"] = float(REWARDS[name](gt, prompts).mean())
         m[f"vae_{name}_mean"] = float(REWARDS[name](recs, prompts).mean())
-    m.update(judge_gt=float(judge_cnn(gt, prompts).mean()), judge_vae=float(judge_cnn(recs, prompts).mean()),
-             fd_gt=frechet_distance(gt, prompts, seed=9), fd_vae=frechet_distance(recs, prompts, seed=9))
+    m.update(
+        judge_gt=float(judge_cnn(gt, prompts).mean()),
+        judge_vae=float(judge_cnn(recs, prompts).mean()),
+        fd_gt=frechet_distance(gt, prompts, seed=9),
+        fd_vae=frechet_distance(recs, prompts, seed=9),
+    )
     for k, v in m.items():
         print(f"  {k:22s} {v:.4f}")
     return m
@@ -865,8 +1248,9 @@ def sample_grid(pipe, prompts: list[str], path: Path, n_gen: int = 6, seed: int 
     grid.save(path)
 
 
-def evaluate(pipe, n: int = 512, split: str = "heldout", seed: int = 0, grid_path: Path | None = None,
-             path: Path = PIPELINE_DIR) -> dict:
+def evaluate(
+    pipe, n: int = 512, split: str = "heldout", seed: int = 0, grid_path: Path | None = None, path: Path = PIPELINE_DIR
+) -> dict:
     """Checker, rewards and judges on n generated images for n prompts of ``split``
     (GEN_KWARGS: guidance 1.0, 10 steps), plus a reload-reproducibility check."""
     prompts = sample_prompts(n, split, seed)
@@ -901,6 +1285,7 @@ def bench(pipe) -> dict:
     training step (forward + backward + AdamW) at batch 32."""
     import torch
     from peft import LoraConfig
+
     prompts = sample_prompts(64, "train", 0)
     generate(pipe, prompts[:8])  # warm-up
     ts = []
@@ -909,8 +1294,9 @@ def bench(pipe) -> dict:
         generate(pipe, prompts, seed=r)
         ts.append(time.time() - t0)
     tr = pipe.transformer
-    tr.add_adapter(LoraConfig(r=8, lora_alpha=8, init_lora_weights="gaussian",
-                              target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    tr.add_adapter(
+        LoraConfig(r=8, lora_alpha=8, init_lora_weights="gaussian", target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    )
     params = [p for p in tr.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     pe, pooled = encode_prompts(pipe, prompts[:32])
@@ -921,16 +1307,20 @@ def bench(pipe) -> dict:
         t0 = time.time()
         eps, t = torch.randn(x0.shape, generator=g), torch.rand(32, generator=g)
         xt = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
-        v = tr(hidden_states=xt, timestep=1000 * t, encoder_hidden_states=pe, pooled_projections=pooled,
-               return_dict=False)[0]
+        v = tr(
+            hidden_states=xt, timestep=1000 * t, encoder_hidden_states=pe, pooled_projections=pooled, return_dict=False
+        )[0]
         loss = ((v - (eps - x0)) ** 2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
         lt.append(time.time() - t0)
-    return {"rollout_64x10_seconds": float(np.median(ts)), "lora_step_b32_seconds": float(np.median(lt[1:])),
-            "lora_trainable_params": sum(p.numel() for p in params),
-            "transformer_params": sum(p.numel() for p in tr.parameters()) - sum(p.numel() for p in params)}
+    return {
+        "rollout_64x10_seconds": float(np.median(ts)),
+        "lora_step_b32_seconds": float(np.median(lt[1:])),
+        "lora_trainable_params": sum(p.numel() for p in params),
+        "transformer_params": sum(p.numel() for p in tr.parameters()) - sum(p.numel() for p in params),
+    }
 
 
 def main(argv=None):
@@ -940,15 +1330,19 @@ def main(argv=None):
     b.add_argument("--out", default=str(ASSETS))
     for k, v in BUILD.items():
         b.add_argument(f"--{k}", type=int, default=v)
-    e = sub.add_parser("eval", help="checker accuracy on held-out prompts + sample grid "
-                                    "(+ eval_metrics.json next to it)")
+    e = sub.add_parser(
+        "eval", help="checker accuracy on held-out prompts + sample grid (+ eval_metrics.json next to it)"
+    )
     e.add_argument("--n", type=int, default=512)
     e.add_argument("--split", default="heldout", choices=["train", "heldout"])
     e.add_argument("--grid", default=str(ASSETS / "samples.png"))
     sub.add_parser("bench", help="rollout and LoRA-step timings")
+    sub.add_parser("pref-judge", help="retrain assets/pref_judge.safetensors (the pairwise preference judge, ~2 min)")
     a = ap.parse_args(argv)
     if a.cmd == "build":
         build(Path(a.out), **{k: getattr(a, k) for k in BUILD})
+    elif a.cmd == "pref-judge":
+        print(json.dumps(build_pref_judge(), indent=1))
     elif a.cmd == "eval":
         pipe = load_pipeline()
         m = world_metrics(pipe.vae)

@@ -1,9 +1,9 @@
 """bench.py: the experiment specs, the statistics, and each experiment's --quick on the embedded model.
 
-    pytest -q test_bench.py
+pytest -q test_bench.py
 """
+
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,7 +39,9 @@ def test_runs_are_paired_by_seed_and_every_cell_parses(name, tmp_path):
     exp = bench.EXPERIMENTS[name]
     runs = bench.plan_runs(exp, tmp_path)
     assert len(runs) == len(exp.cells) * exp.seeds and len({r.run_id for r in runs}) == len(runs)
-    assert [r.seed for r in runs] == sorted(r.seed for r in runs), "seed by seed, so a stopped experiment holds whole pairs"
+    assert [r.seed for r in runs] == sorted(r.seed for r in runs), (
+        "seed by seed, so a stopped experiment holds whole pairs"
+    )
     for seed in range(exp.seeds):
         settings = [r.settings for r in runs if r.seed == seed]
         assert all(s[s.index("--seed") + 1] == str(seed) for s in settings)
@@ -56,16 +58,30 @@ def test_experiment_contents():
     assert {c.group for c in single.cells} == {"saturation", bench.DISCRETE_REWARD} and single.seeds >= 5
     assert bench.DISCRETE_REWARD in shapes_world.REWARDS
     joint = bench.EXPERIMENTS["rvge-joint"]
-    assert all(bench.flag_value(c.flags, "--rewards").split(",") == list(shapes_world.REWARDS) for c in joint.cells)
+    assert all(bench.flag_value(c.flags, "--rewards").split(",") == list(bench.JOINT_REWARDS) for c in joint.cells)
+    assert len(bench.JOINT_REWARDS) == 5 and set(bench.JOINT_REWARDS) <= set(shapes_world.REWARDS)
     its = {c.label: bench.cell_iterations(joint, c) for c in joint.cells}
     assert its["rvge_fifth"] * 5 == its["nft"] == its["rvge"]
     protocol = bench.EXPERIMENTS["recast-protocol"]
-    assert len({c.group for c in protocol.cells}) == 10 and {c.label for c in protocol.cells} == {"nft", "uniform", "recast"}
+    assert len({c.group for c in protocol.cells}) == 10 and {c.label for c in protocol.cells} == {
+        "nft",
+        "uniform",
+        "recast",
+    }
+    assert all((bench.flag_value(c.flags, "--gain-init") is not None) == (c.label == "recast") for c in protocol.cells)
+    assert set(bench.SETTINGS["A"]) != set(bench.SETTINGS["B"]) and all(
+        set(v) <= set(bench.PROFILE_CANDIDATES) for v in bench.SETTINGS.values()
+    )
     for c in protocol.cells:
         budgets = [float(b) for b in bench.flag_value(c.flags, "--budgets").split(",")]
-        assert len(budgets) == len(bench.flag_value(c.flags, "--rewards").split(",")) == 4 and abs(sum(budgets) - 1) < 1e-9
+        assert (
+            len(budgets) == len(bench.flag_value(c.flags, "--rewards").split(",")) == 4 and abs(sum(budgets) - 1) < 1e-9
+        )
     steps = bench.EXPERIMENTS["nft-steps"]
-    assert [bench.flag_value(c.flags, "--updates-per-iter") for c in steps.cells] == ["1", "8"] and steps.eval_every == 10
+    assert [bench.flag_value(c.flags, "--updates-per-iter") for c in steps.cells] == [
+        "1",
+        "8",
+    ] and steps.eval_every == 10
     assert {c.label for c in bench.EXPERIMENTS["multi"].cells} == set(bench.MULTI_METHODS)
 
 
@@ -79,18 +95,32 @@ def test_statistics_by_hand():
     assert bench.first_crossing(x, y, 0.4) == pytest.approx(15.0)
     assert bench.first_crossing(x, y, 0.05) == 0.0 and np.isnan(bench.first_crossing(x, y, 0.6))
     m, lo, hi, n = bench.mean_ci([1.0, 2.0, 3.0])  # sd 1, t(0.975, 2) = 4.3027
-    assert (m, n) == (2.0, 3) and hi - m == pytest.approx(4.302653 / np.sqrt(3), rel=1e-5) and lo == pytest.approx(2 * m - hi)
+    assert (
+        (m, n) == (2.0, 3)
+        and hi - m == pytest.approx(4.302653 / np.sqrt(3), rel=1e-5)
+        and lo == pytest.approx(2 * m - hi)
+    )
     assert np.isnan(bench.mean_ci([1.0])[1])
     assert bench.verdict("eval/judge/frechet", -5.0, -1.0) == 1 and bench.verdict("eval/weighted", -5.0, -1.0) == -1
     assert bench.verdict("eval/weighted", -1.0, 1.0) == 0 and bench.verdict("eval/weighted", np.nan, np.nan) == 0
     assert bench.paired({0: 1.0, 1: 5.0, 2: 2.0}, {0: 0.5, 2: 1.0}) == [0.5, 1.0]
-    assert bench.fmt_ratio({0: 4.0, 1: 9.0}, {0: 2.0, 1: 3.0}).startswith(f"{np.sqrt(6):.2f}x [")  # geometric mean of 2 and 3
-    rows = [{"iteration": 0, "eval_before/weighted": 0.4, "time/rollout": 1.0, "time/update": 1.0},
-            {"iteration": 1, "time/rollout": 1.0, "time/update": 2.0, "eval/weighted": 0.6}]
+    assert bench.fmt_ratio({0: 4.0, 1: 9.0}, {0: 2.0, 1: 3.0}).startswith(
+        f"{np.sqrt(6):.2f}x ["
+    )  # geometric mean of 2 and 3
+    rows = [
+        {"iteration": 0, "eval_before/weighted": 0.4, "time/rollout": 1.0, "time/update": 1.0},
+        {"iteration": 1, "time/rollout": 1.0, "time/update": 2.0, "eval/weighted": 0.6},
+    ]
     its, secs, vals = bench.eval_curve(rows)
     assert its.tolist() == [0, 2] and secs.tolist() == [0.0, 5.0] and vals.tolist() == [0.4, 0.6]
-    assert bench.scale_free([{**rows[0], "eval_before/a": 1.0, "eval_before/b": 0.0}, {"eval/a": 3.0, "eval/b": 0.5}],
-                            ["a", "b"], [3.0, 1.0], {"a": 2.0, "b": 0.25}) == pytest.approx((3 * 1.0 + 1 * 2.0) / 4)
+    base = {"a": [0.0, 2.0, 0.0, 2.0], "b": [0.0, 0.5, 0.0, 0.5]}  # means 1, 0.25; sd 1, 0.25
+    scores = {"a": [3.0, 3.0], "b": [0.5, 0.5], "judge/frechet": 7.0, "judge/pref": [1.0, 0.0, 2.0, 5.0]}
+    assert bench.final_value(scores, "scale_free", ["a", "b"], [3.0, 1.0], base) == pytest.approx(
+        (3 * 2.0 + 1 * 1.0) / 4
+    )
+    assert bench.final_value(scores, "weighted", ["a", "b"], [3.0, 1.0]) == pytest.approx((3 * 3.0 + 0.5) / 4)
+    assert bench.final_value(scores, "judge/frechet") == 7.0 and bench.final_value(scores, "a") == 3.0
+    assert bench.win_rate(scores, {"judge/pref": [0.0, 0.0, 3.0, 1.0]}) == pytest.approx((1 + 0.5 + 0 + 1) / 4)
 
 
 def test_a_result_from_other_settings_is_redone(tmp_path):
@@ -134,7 +164,9 @@ def test_bench_quick_runs_every_method_on_the_embedded_model(tmp_path):
         assert np.abs(W.sum(1) - [0.4, 0.3, 0.2, 0.1]).max() < 1e-9 and np.abs(W.sum(0) - 0.1).max() < 1e-9
         assert any(k.startswith("eval/judge/") for k in rows[-1]), "held-out judges were not evaluated"
     table = (tmp_path / "multi" / "table.md").read_text()
-    assert "speed-up vs nft" in table and all(f"| {m} |" in table for m in bench.MULTI_METHODS) and "PARTIAL" not in table
+    assert (
+        "speed-up vs nft" in table and all(f"| {m} |" in table for m in bench.MULTI_METHODS) and "PARTIAL" not in table
+    )
     assert (tmp_path / "multi" / "reward_vs_time_0.4_0.3_0.2_0.1.png").exists()
 
 
@@ -156,9 +188,11 @@ def test_rvge_joint_quick_in_parallel_processes_resumes_and_marks_partial(tmp_pa
     res = bench.main(["rvge-joint", "--quick", "--jobs", "2", "--out", str(tmp_path)])
     by_label = res.runs["joint"]
     assert {label: len(by_label[label][0]) for label in by_label} == {"nft": 2, "rvge": 2, "rvge_fifth": 1}
-    names = [k[len("eval/"):] for k in by_label["nft"][0][-1] if k.startswith("eval/") and "/" not in k[5:]]
-    assert set(shapes_world.REWARDS) <= set(names)
-    assert all((out / "work" / f"joint_{label}-seed0.log").exists() for label in by_label)  # one process per run, logged
+    names = [k[len("eval/") :] for k in by_label["nft"][0][-1] if k.startswith("eval/") and "/" not in k[5:]]
+    assert set(bench.JOINT_REWARDS) <= set(names)
+    assert all(
+        (out / "work" / f"joint_{label}-seed0.log").exists() for label in by_label
+    )  # one process per run, logged
     table = (out / "table.md").read_text()
     assert "rvge_fifth vs nft" in table and "judge/cnn" in table
 
@@ -170,21 +204,40 @@ def test_rvge_joint_quick_in_parallel_processes_resumes_and_marks_partial(tmp_pa
     (out / "runs" / "joint_rvge-seed0.json").unlink()  # as if killed before this run finished
     partial = bench.main(["rvge-joint", "--quick", "--tables-only", "--out", str(tmp_path)])
     assert partial.missing == ["joint_rvge-seed0"] and "PARTIAL: 1 run(s) missing" in (out / "table.md").read_text()
-    with pytest.raises(SystemExit, match="1 run\\(s\\) failed"):  # a failing run is reported; the others' tables still come
+    with pytest.raises(
+        SystemExit, match="1 run\\(s\\) failed"
+    ):  # a failing run is reported; the others' tables still come
         bench.main(["rvge-joint", "--quick", "--jobs", "2", "--out", str(tmp_path)])
 
 
 def test_recast_protocol_quick_reports_paired_differences_and_judge_counts(tmp_path):
     res = bench.main(["recast-protocol", "--quick", "--out", str(tmp_path)])
+    exp_dir = tmp_path / "recast-protocol"
     assert set(res.runs) == {"A-uniform"} and set(res.runs["A-uniform"]) == {"nft", "uniform", "recast"}
-    spread = json.loads((tmp_path / "recast-protocol" / "runs" / "pretrained_spread.json").read_text())
-    assert all(spread[k] > 0 for k in shapes_world.DEFAULT_REWARDS)
-    table = (tmp_path / "recast-protocol" / "table.md").read_text()
-    assert "| recast − | n | geneval | saturation | sharpness | jpeg | weighted | scale_free | judge/cnn | judge/frechet |" in table
+    prof = json.loads((exp_dir / "profiles.json").read_text())
+    assert prof["names"] == list(bench.PROFILE_CANDIDATES) and np.asarray(prof["s1"]).shape == (
+        len(prof["names"]),
+        prof["steps"] + 1,
+    )
+    # ReCAST starts from the measured statistics, discounted once: level_n = gain_ema * prior + this iteration's (=
+    # uniform's, same rollouts)
+    first = {label: res.runs["A-uniform"][label][0][0]["recast/level_n"] for label in ("recast", "uniform")}
+    assert np.allclose(first["recast"], 0.9 * np.asarray(prof["n"]) + np.asarray(first["uniform"]))
+    table = (exp_dir / "table.md").read_text()
+    assert (
+        "| recast − | n | geneval | saturation | sharpness | jpeg | weighted | scale_free | judge/cnn | judge/frechet "
+        "| pref win rate |" in table
+    )
+    assert "| pretrained | |" in table and "## Noise floor of one evaluation" in table
     for other in ("nft", "uniform"):
-        assert f"ReCAST improves judge cnn over {other} in " in table and f"ReCAST improves judge frechet over {other} in " in table
-    rows = res.runs["A-uniform"]["recast"][0]
-    assert np.isfinite(bench.scale_free(rows, list(shapes_world.DEFAULT_REWARDS), [0.25] * 4, spread))
+        assert (
+            f"ReCAST improves judge cnn over {other} in " in table
+            and f"ReCAST improves judge pref (win rate > 0.5) over {other} in " in table
+        )
+    final = json.loads((exp_dir / "runs" / "A_uniform_recast-seed0.final.json").read_text())
+    assert final["n"] == len(shapes_world.splits()["heldout"]) and set(final["scores"]) == {"1", "2"}
+    assert all(len(final["scores"]["1"][k]) == final["n"] for k in ("geneval", "judge/cnn", "judge/pref"))
+    assert (exp_dir / "profiles.png").exists() and (exp_dir / "W_final.png").exists()
 
 
 def test_nft_steps_quick(tmp_path):

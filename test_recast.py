@@ -1923,3 +1923,33 @@ def test_rvge_copies_of_the_shared_skeleton_match_recast():
 
 if __name__ == "__main__" and "--fix-copies" in sys.argv:
     fix_copies()
+
+
+def test_gain_init_reads_the_runs_rewards_rows_and_refuses_a_mismatch(tmp_path):
+    """--gain-init: the rows of the run's rewards, in the run's order; other steps, a missing reward or a broken file
+    are refused."""
+    T, names = 4, ["a", "b", "c"]
+    s1 = np.arange(3 * (T + 1), dtype=float).reshape(3, T + 1)
+    saved = {
+        "names": names,
+        "steps": T,
+        "estimator": "pairs",
+        "n": [5.0] * (T + 1),
+        "s1": s1.tolist(),
+        "s2": (s1**2).tolist(),
+    }
+    path = tmp_path / "profiles.json"
+    path.write_text(json.dumps(saved))
+    n, got1, got2 = recast.initial_level_stats(path, ["c", "a"], T)
+    assert (
+        n.tolist() == [5.0] * (T + 1)
+        and got1.tolist() == [s1[2].tolist(), s1[0].tolist()]
+        and got2.tolist() == (got1**2).tolist()
+    )
+    with pytest.raises(SystemExit, match="--steps 10"):
+        recast.initial_level_stats(path, ["a"], 10)
+    with pytest.raises(SystemExit, match="holding rewards \\['a', 'zzz'\\]"):
+        recast.initial_level_stats(path, ["a", "zzz"], T)
+    path.write_text("{not json")
+    with pytest.raises(SystemExit, match="--gain-init"):
+        recast.initial_level_stats(path, ["a"], T)

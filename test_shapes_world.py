@@ -4,6 +4,7 @@ Fast to slow: grammar and rendering; checker on ground truth and on hand-made wr
 images; reward values computed by hand; judges; the shipped assets load offline,
 generate with GEN_KWARGS and reproduce exactly.
 """
+
 import subprocess
 import sys
 
@@ -43,8 +44,10 @@ def test_sample_prompts_deterministic():
 def test_parse_prompt():
     assert sw.parse_prompt("two red circles") == {"objects": [("red", "circle")] * 2, "side": None}
     assert sw.parse_prompt("a blue square on the left") == {"objects": [("blue", "square")], "side": "left"}
-    assert sw.parse_prompt("a green triangle and a yellow circle")["objects"] == [("green", "triangle"),
-                                                                                ("yellow", "circle")]
+    assert sw.parse_prompt("a green triangle and a yellow circle")["objects"] == [
+        ("green", "triangle"),
+        ("yellow", "circle"),
+    ]
     with pytest.raises(ValueError):
         sw.parse_prompt("a photo of a cat")
 
@@ -65,13 +68,16 @@ def test_checker_on_ground_truth(split):
     assert sw.REWARDS["geneval"](imgs, prompts).mean() >= 0.995
 
 
-@pytest.mark.parametrize("prompt,wrong,attr", [
-    ("two red circles", "two blue circles", "colour"),       # wrong colour
-    ("two red circles", "three red circles", "count"),       # wrong count
-    ("two red circles", "two red squares", "shape"),         # wrong shape
-    ("a green triangle and a yellow circle", "a green triangle and a yellow square", "shape"),
-    ("a blue square on the left", "a blue square on the right", "position"),  # wrong position
-])
+@pytest.mark.parametrize(
+    "prompt,wrong,attr",
+    [
+        ("two red circles", "two blue circles", "colour"),  # wrong colour
+        ("two red circles", "three red circles", "count"),  # wrong count
+        ("two red circles", "two red squares", "shape"),  # wrong shape
+        ("a green triangle and a yellow circle", "a green triangle and a yellow square", "shape"),
+        ("a blue square on the left", "a blue square on the right", "position"),  # wrong position
+    ],
+)
 def test_checker_catches_wrong_images(prompt, wrong, attr):
     for seed in range(5):
         img = sw.render(wrong, seed)  # image drawn for a different prompt
@@ -124,6 +130,45 @@ def test_reward_known_values():
     assert sw.REWARDS["jpeg"]([_step_edge()], p)[0] < 1.0
 
 
+def test_split_checker_rewards_and_detail_by_hand():
+    # ground truth: every attribute right; position applies only to "on the ..." prompts (1 otherwise)
+    prompts = ["two blue squares", "a red circle on the left"]
+    gt = [sw.render(p, 3) for p in prompts]
+    for name in ("count", "colour", "shape", "position"):
+        assert sw.REWARDS[name](gt, prompts).tolist() == [1.0, 1.0], name
+    # one blue square drawn for "two blue squares": count 1 - 1/2, colours Dice 2*1/3, shapes Dice 2*1/3
+    one = sw.render_spec({"objects": [("blue", "square")], "side": None}, 3)
+    assert sw.REWARDS["count"]([one], prompts[:1])[0] == 0.5
+    assert sw.REWARDS["colour"]([one], prompts[:1])[0] == pytest.approx(2 / 3)
+    assert sw.REWARDS["shape"]([one], prompts[:1])[0] == pytest.approx(2 / 3)
+    right = sw.render_spec({"objects": [("red", "circle")], "side": "right"}, 3)
+    assert sw.REWARDS["position"]([right], prompts[1:])[0] == 0.0
+    # detail: 0 on a flat or grey image; a pure red | white edge: chroma steps 0 -> 1 on 2 of 30 columns
+    assert sw.REWARDS["detail"]([Image.new("RGB", (32, 32), (200, 50, 50))], ["a red circle"])[0] == pytest.approx(
+        0, abs=1e-12
+    )
+    half = np.full((32, 32, 3), 255, np.uint8)
+    half[:, :16] = (255, 0, 0)
+    assert sw.REWARDS["detail"]([Image.fromarray(half)], ["a red circle"])[0] == pytest.approx(
+        (1 / 15) / sw.DETAIL_SCALE
+    )
+
+
+def test_preference_judge_prefers_the_right_image_on_unseen_pairs():
+    better, worse, prompts = sw.preference_pairs(300, "heldout", seed=123)  # held-out captions, a seed it never saw
+    s_better, s_worse = sw.judge_preference(better, prompts), sw.judge_preference(worse, prompts)
+    assert s_better.shape == (300,) and np.isfinite(s_better).all()
+    assert (s_better > s_worse).mean() > 0.85
+    # it reads the prompt: for one prompt, its render beats a render of another caption (scores compare within a
+    # prompt only)
+    other = [q for q in sw.splits()["heldout"]]
+    pairs = [(p, other[(i * 7 + 3) % len(other)]) for i, p in enumerate(prompts[:100])]
+    right = [sw.render(p, 77 + i) for i, (p, _) in enumerate(pairs) if p != pairs[i][1]]
+    wrong = [sw.render(q, 77 + i) for i, (p, q) in enumerate(pairs) if p != q]
+    asked = [p for p, q in pairs if p != q]
+    assert (sw.judge_preference(right, asked) > sw.judge_preference(wrong, asked)).mean() > 0.85
+
+
 def test_rewards_any_size():
     prompts = ["two yellow squares", "a red triangle on the right"]
     small = [sw.render(p, i) for i, p in enumerate(prompts)]
@@ -164,10 +209,20 @@ def pipe():
 
 def test_assets_layout():
     import json
+
     index = json.loads((sw.PIPELINE_DIR / "model_index.json").read_text())
     assert index["_class_name"] == "StableDiffusion3Pipeline"
-    for comp in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3",
-                 "tokenizer", "tokenizer_2", "tokenizer_3", "scheduler"):
+    for comp in (
+        "transformer",
+        "vae",
+        "text_encoder",
+        "text_encoder_2",
+        "text_encoder_3",
+        "tokenizer",
+        "tokenizer_2",
+        "tokenizer_3",
+        "scheduler",
+    ):
         assert comp in index, comp
     size = sum(f.stat().st_size for f in sw.ASSETS.rglob("*") if f.is_file())
     assert size < 20e6
@@ -176,6 +231,7 @@ def test_assets_layout():
 def test_pipeline_generates_and_reproduces(pipe):
     import torch
     from diffusers import StableDiffusion3Pipeline
+
     assert isinstance(pipe, StableDiffusion3Pipeline)
     assert pipe.scheduler.config.shift == 3.0
     prompts = ["two red circles", "a blue square on the left"]
@@ -198,7 +254,7 @@ def test_prompt_encoding_matches_training_length(pipe):
 
 
 def test_vae_latents_standardised(pipe):
-    import torch
+
     prompts = sw.sample_prompts(64, "train", 9)
     imgs = [sw.render(p, i) for i, p in enumerate(prompts)]
     z = sw.vae_encode(pipe.vae, imgs)
