@@ -999,6 +999,39 @@ def setting_W(prof: dict, rewards, budgets):
     return recast.solve_W([float(b) for b in budgets], P), rho
 
 
+def profile_table(prof: dict) -> list[str]:
+    """Markdown: each candidate's D_k(0) with its standard error, D_k(t) / D_k(0) at every measured level,
+    and per setting the evidence rho and how far W departs from uniform (uniform budgets)."""
+    sig, D, se = np.asarray(prof["sigmas"]), np.asarray(prof["D"]), np.asarray(prof["se"])
+    n = np.asarray(prof["n"])
+    levels = [j for j in range(1, len(sig)) if n[j] >= 2]
+    lines = [
+        f"## The settings, from measured gains (`measure_profiles`: {prof['iterations']} iterations x "
+        f"{prof['prompts']} prompt groups of the pretrained model, {int(prof['n'][1])} groups per inner level)",
+        "",
+        "| reward | D(0) nats ± se | " + " | ".join(f"t={sig[j]:.2f}" for j in levels) + " |",
+        "|---" * (2 + len(levels)) + "|",
+    ]
+    for k, name in enumerate(prof["names"]):
+        top = D[k, -1]
+        cells = [f"{D[k, j] / top:.2f} ± {se[k, j] / top:.2f}" if se[k, j] >= 0 else "" for j in levels]
+        lines.append(f"| {name} | {top:.4f} ± {se[k, -1]:.4f} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "D(t) / D(0) ± se / D(0): the share of the reward's final discriminability already decided at noise level t.",
+        "",
+    ]
+    for setting, rewards in SETTINGS.items():
+        W, rho = setting_W(prof, rewards, ["0.25"] * len(rewards))
+        dev = np.abs(W * W.shape[1] / W.sum() * len(rewards) - 1)
+        lines.append(
+            f"- setting {setting} ({', '.join(rewards)}): evidence rho {', '.join(f'{r:.2f}' for r in rho)}; "
+            f"W at uniform budgets departs from uniform by max {dev.max():.3f}, mean {dev.mean():.3f} "
+            "(|K T W / Lam - 1|)"
+        )
+    return lines + [""]
+
+
 def profile_figure(prof: dict, path: Path):
     """Left: each candidate's D_k(t) / D_k(0) against t with +- 1 se (the settings' rewards marked);
     right: ReCAST's W for each setting at uniform budgets, from these measurements."""
@@ -1296,7 +1329,9 @@ def report_protocol(res: Results, out: Path):
             )
     prof_path = res.exp_dir / "profiles.json"
     if prof_path.is_file():
-        profile_figure(json.loads(prof_path.read_text()), out / "profiles.png")
+        prof = json.loads(prof_path.read_text())
+        profile_figure(prof, out / "profiles.png")
+        lines = lines[:3] + profile_table(prof) + lines[3:]
     curve_figure(res, out / "reward_vs_time.png", x="iterations")
     w_figure(res, out / "W_final.png")
     return lines + [

@@ -1,8 +1,9 @@
 """DiffusionRVGE: regression-based value-gradient estimation, on top of DiffusionNFT.
 
-One self-contained file: the math (centred reward / clean-image cross-covariance
-directions, the Gaussian posterior-variance transfer, target velocities; ReCAST's
-gains and W solver for --credit recast) and the SD3 training loop. Derivations:
+One self-contained file: RVGE's math first (centred reward / clean-image cross-covariance
+directions, the Gaussian posterior-variance transfer, target velocities), then the skeleton it
+shares with recast.py (budgets, samplers, the SD3 training loop; each copy marked `# Copied from
+recast.NAME`). --credit recast takes ReCAST's W from recast.py (`recast.credit`, imported where used). Derivations:
 derivations.ipynb; design: DESIGN.md. `diff recast.py rvge.py` shows the method.
 
 Notation map (code name -> symbol)
@@ -56,178 +57,6 @@ import numpy as np
 from tqdm import tqdm
 
 from reward_models import DEFAULTS, REWARD_MODELS, build_rewards, ocr_target
-
-# =============================================================================
-# Math: budgets and optimality probabilities (DESIGN §2)
-# =============================================================================
-
-
-# Copied from recast.parse_budgets
-def parse_budgets(text: str) -> list[float]:
-    """Parse a budget vector such as "0.4,0.3,0.2,0.1" -> [0.4, 0.3, 0.2, 0.1].
-
-    Budgets are NOT normalised: W's row sums equal them exactly as given. The
-    loss divides by their sum (the mixture weights T W_kj / Lam sum to one per
-    step), so scaling all budgets by a constant changes nothing in training.
-    Raises ValueError naming the problem: empty, not a number, NaN/inf,
-    negative, or all zero.
-    """
-    fix = "give comma-separated non-negative numbers, one per reward, e.g. --budgets 0.4,0.3,0.2,0.1"
-    if text is None or not str(text).strip():
-        raise ValueError(f"budgets are empty: {fix}")
-    out = []
-    for i, part in enumerate(str(text).split(",")):
-        try:
-            value = float(part)
-        except ValueError:
-            raise ValueError(f"budget {i + 1} ({part.strip()!r}) is not a number: {fix}") from None
-        if not math.isfinite(value):
-            raise ValueError(f"budget {i + 1} is {value}: budgets must be finite; {fix}")
-        if value < 0:
-            raise ValueError(f"budget {i + 1} is negative ({value}): {fix}")
-        out.append(value)
-    if sum(out) <= 0:
-        raise ValueError(f"all budgets are zero: at least one reward needs a positive budget; {fix}")
-    if not math.isfinite(sum(out)):
-        raise ValueError(f"budgets sum to {sum(out)}: only their ratios matter, so scale them down; {fix}")
-    return out
-
-
-# Copied from recast.advantages
-def advantages(rewards, groups, std=None, clip=5.0, eps=1e-4):
-    """DiffusionNFT's clipped advantage, per reward column:
-    A = clip((R - mean_group R) / (std_global R + eps), -clip, clip).
-    rewards (N,) or (N, K); groups (N,) prompt-group ids; std: the global std
-    per reward if already reduced across processes (else computed here).
-    Non-finite rewards are left out of the group means and the std and get
-    A = 0 (no preference); so does a group whose rewards all tie.
-    Returns A with the shape of rewards."""
-    R = np.asarray(rewards, dtype=np.float64)
-    squeeze = R.ndim == 1
-    R = R[:, None] if squeeze else R
-    groups = np.asarray(groups)
-    valid = np.isfinite(R)
-    if std is None:
-        std = np.array([R[valid[:, k], k].std() if valid[:, k].any() else 0.0 for k in range(R.shape[1])])
-    A = np.zeros_like(R)
-    for g in np.unique(groups):
-        rows = groups == g
-        Rg, vg = R[rows], valid[rows]
-        n = vg.sum(0)
-        mean = np.where(vg, Rg, 0.0).sum(0) / np.maximum(n, 1)
-        A[rows] = np.where(vg, (np.where(vg, Rg, 0.0) - mean) / (np.asarray(std) + eps), 0.0)
-    A = np.clip(A, -clip, clip)
-    return A[:, 0] if squeeze else A
-
-
-# Copied from recast.optimality
-def optimality(rewards, groups, std=None, clip=5.0, eps=1e-4):
-    """DiffusionNFT's reward -> optimality probability: r = 0.5 + 0.5 A / clip in [0, 1], A the
-    clipped advantage (`advantages`, same arguments). Non-finite rewards and tied groups get r = 0.5."""
-    return 0.5 + 0.5 * advantages(rewards, groups, std, clip, eps) / clip
-
-
-# Copied from recast.budget_mean
-def budget_mean(values, budgets):
-    """The budget-weighted mean sum_k lambda_k v_k / Lam of per-reward values (K,): the metrics `reward/weighted`
-    and `eval/weighted`."""
-    return np.asarray(budgets) @ values / sum(budgets)
-
-
-# =============================================================================
-# Math: the W solver (DESIGN §3.4)
-# =============================================================================
-
-
-# Copied from recast.uniform_W
-def uniform_W(budgets, T):
-    """W_kj = lambda_k / T: DiffusionNFT with per-reward normalisation (--credit uniform)."""
-    return np.repeat(np.asarray(budgets, dtype=np.float64)[:, None] / T, T, axis=1)
-
-
-# Copied from recast.branch_layout
-def branch_layout(n_groups, T, branch_steps, offset=0):
-    """Branch steps of each prompt group (DESIGN §3.3, §5). branch_steps: a list of steps shared by
-    every group, or "rotate": group p branches once, at step 1 + (offset + p) mod (T - 2), so that
-    consecutive groups (and iterations, through `offset`) cover every step 1..T-2 in turn and each
-    sampler level gets a measured D. Returns a list of n_groups sorted lists."""
-    if branch_steps == "rotate":
-        return [[1 + (offset + p) % (T - 2)] for p in range(n_groups)]
-    return [list(branch_steps) for _ in range(n_groups)]
-
-
-# Copied from recast.old_decay
-def old_decay(step, decay_type):
-    """DiffusionNFT's `return_decay`: the weight kept by the sampling ("old") adapter in
-    old <- decay old + (1 - decay) default, after `step` optimizer steps in all.
-    Type 0: always 0 (old = the trained policy); 1: min(0.001 step, 0.5) (GenEval, PickScore,
-    multi-reward); 2: 0 for 75 steps, then 0.0075 per step up to 0.999 (OCR)."""
-    flat, rate, cap = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}[decay_type]
-    return 0.0 if step < flat else min((step - flat) * rate, cap)
-
-
-# Copied from recast.ema_decay
-def ema_decay(step):
-    """Decay of DiffusionNFT's EMA of the trained LoRA after optimizer step `step` (1, 2, ...):
-    min((1 + step) / (10 + step), 0.9) (flow_grpo/ema.py); the evaluation uses the EMA weights."""
-    return min((1 + step) / (10 + step), 0.9)
-
-
-# =============================================================================
-# Math: the sampler steps (DESIGN §1)
-# =============================================================================
-
-
-# Copied from recast.sde_step
-def sde_step(x, v, s, s_next, a, s_first, noise):
-    """One FlowGRPO-form SDE step from sigma s to s_next < s (DESIGN §1).
-
-    g = a sqrt(s / (1 - s)) (at s = 1 the denominator uses s_first = s_1),
-    mean = x (1 + g^2 dt / (2 s)) + v (1 + g^2 (1 - s) / (2 s)) dt,  dt = s_next - s < 0,
-    x' = mean + g sqrt(-dt) noise.
-    Euler-Maruyama for the reverse SDE with drift v - (g^2 / 2) score, so it keeps
-    the model's marginals as steps shrink (derivations.ipynb §2; toy_gaussian.py).
-    Works on floats, numpy arrays or tensors."""
-    dt = s_next - s
-    g = a * math.sqrt(s / (1 - (s_first if s >= 1 else s)))
-    mean = x * (1 + g * g * dt / (2 * s)) + v * (1 + g * g * (1 - s) / (2 * s)) * dt
-    return mean + g * math.sqrt(-dt) * noise
-
-
-# Copied from recast.ode_step
-def ode_step(x, v, s, s_next):
-    """Euler step of dx/dt = v from sigma s to s_next."""
-    return x + (s_next - s) * v
-
-
-# Copied from recast.dpm2_step
-def dpm2_step(x, x0_hat, x0_hat_prev, s_prev, s, s_next):
-    """One step of DPM-Solver++(2M) (Lu et al. 2022, multistep, data prediction) for rectified flow,
-    alpha_t = 1 - t, sigma_t = t, lambda = log(alpha / sigma): from sigma s to s_next < s,
-      h = lambda(s_next) - lambda(s),  D = x0_hat + (x0_hat - x0_hat_prev) / (2 r),  r = h_prev / h,
-      x' = (s_next / s) x - alpha(s_next) (exp(-h) - 1) D.
-    First order (D = x0_hat, DDIM) at the first step (x0_hat_prev None) and at the last (s_next = 0,
-    where x' = x0_hat), as diffusers' DPMSolverMultistepScheduler with lower_order_final and
-    DiffusionNFT's deterministic "dpm2" rollouts do. x0_hat = x - s v. Works on floats, arrays, tensors."""
-    if s_next <= 0:
-        return x0_hat
-    if s >= 1:  # lambda(1) = -inf: h = inf, the DDIM step from pure noise
-        return s_next * x + (1 - s_next) * x0_hat
-    lam = lambda u: math.log((1 - u) / u)  # noqa: E731
-    h = lam(s_next) - lam(s)
-    D = x0_hat
-    if x0_hat_prev is not None and s_prev < 1:  # s_prev = 1: lambda = -inf, r = inf, no correction
-        D = x0_hat + (x0_hat - x0_hat_prev) * h / (2 * (lam(s) - lam(s_prev)))
-    return (s_next / s) * x - (1 - s_next) * math.expm1(-h) * D
-
-
-# Copied from recast.shifted_sigmas
-def shifted_sigmas(T, shift=3.0):
-    """Grid 1 = s_0 > ... > s_T = 0 with SD3's time shift s -> shift s / (1 + (shift - 1) s) on a
-    uniform grid. The training loop uses the scheduler's own sigmas; this is for the toy and tests."""
-    u = np.linspace(1.0, 0.0, T + 1)
-    return shift * u / (1 + (shift - 1) * u)
-
 
 # =============================================================================
 # Math: value directions and their transfer across t (DESIGN §4)
@@ -491,6 +320,178 @@ def rvge_loss(v_theta, v_target, v_old, x_t, x0, t, weight):
     dims = tuple(range(1, x_t.dim()))
     scale = (x_t - t * v_old - x0).abs().mean(dims).clamp_min(1e-5).detach()
     return weight * ((t * (v_theta - v_target.detach())) ** 2).mean(dims) / scale
+
+
+# =============================================================================
+# Shared with recast.py: budgets and optimality probabilities (DESIGN §2)
+# =============================================================================
+
+
+# Copied from recast.parse_budgets
+def parse_budgets(text: str) -> list[float]:
+    """Parse a budget vector such as "0.4,0.3,0.2,0.1" -> [0.4, 0.3, 0.2, 0.1].
+
+    Budgets are NOT normalised: W's row sums equal them exactly as given. The
+    loss divides by their sum (the mixture weights T W_kj / Lam sum to one per
+    step), so scaling all budgets by a constant changes nothing in training.
+    Raises ValueError naming the problem: empty, not a number, NaN/inf,
+    negative, or all zero.
+    """
+    fix = "give comma-separated non-negative numbers, one per reward, e.g. --budgets 0.4,0.3,0.2,0.1"
+    if text is None or not str(text).strip():
+        raise ValueError(f"budgets are empty: {fix}")
+    out = []
+    for i, part in enumerate(str(text).split(",")):
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"budget {i + 1} ({part.strip()!r}) is not a number: {fix}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"budget {i + 1} is {value}: budgets must be finite; {fix}")
+        if value < 0:
+            raise ValueError(f"budget {i + 1} is negative ({value}): {fix}")
+        out.append(value)
+    if sum(out) <= 0:
+        raise ValueError(f"all budgets are zero: at least one reward needs a positive budget; {fix}")
+    if not math.isfinite(sum(out)):
+        raise ValueError(f"budgets sum to {sum(out)}: only their ratios matter, so scale them down; {fix}")
+    return out
+
+
+# Copied from recast.advantages
+def advantages(rewards, groups, std=None, clip=5.0, eps=1e-4):
+    """DiffusionNFT's clipped advantage, per reward column:
+    A = clip((R - mean_group R) / (std_global R + eps), -clip, clip).
+    rewards (N,) or (N, K); groups (N,) prompt-group ids; std: the global std
+    per reward if already reduced across processes (else computed here).
+    Non-finite rewards are left out of the group means and the std and get
+    A = 0 (no preference); so does a group whose rewards all tie.
+    Returns A with the shape of rewards."""
+    R = np.asarray(rewards, dtype=np.float64)
+    squeeze = R.ndim == 1
+    R = R[:, None] if squeeze else R
+    groups = np.asarray(groups)
+    valid = np.isfinite(R)
+    if std is None:
+        std = np.array([R[valid[:, k], k].std() if valid[:, k].any() else 0.0 for k in range(R.shape[1])])
+    A = np.zeros_like(R)
+    for g in np.unique(groups):
+        rows = groups == g
+        Rg, vg = R[rows], valid[rows]
+        n = vg.sum(0)
+        mean = np.where(vg, Rg, 0.0).sum(0) / np.maximum(n, 1)
+        A[rows] = np.where(vg, (np.where(vg, Rg, 0.0) - mean) / (np.asarray(std) + eps), 0.0)
+    A = np.clip(A, -clip, clip)
+    return A[:, 0] if squeeze else A
+
+
+# Copied from recast.optimality
+def optimality(rewards, groups, std=None, clip=5.0, eps=1e-4):
+    """DiffusionNFT's reward -> optimality probability: r = 0.5 + 0.5 A / clip in [0, 1], A the
+    clipped advantage (`advantages`, same arguments). Non-finite rewards and tied groups get r = 0.5."""
+    return 0.5 + 0.5 * advantages(rewards, groups, std, clip, eps) / clip
+
+
+# Copied from recast.budget_mean
+def budget_mean(values, budgets):
+    """The budget-weighted mean sum_k lambda_k v_k / Lam of per-reward values (K,): the metrics `reward/weighted`
+    and `eval/weighted`."""
+    return np.asarray(budgets) @ values / sum(budgets)
+
+
+# =============================================================================
+# Shared with recast.py: uniform W, branch layout, old-policy and EMA schedules
+# =============================================================================
+
+
+# Copied from recast.uniform_W
+def uniform_W(budgets, T):
+    """W_kj = lambda_k / T: DiffusionNFT with per-reward normalisation (--credit uniform)."""
+    return np.repeat(np.asarray(budgets, dtype=np.float64)[:, None] / T, T, axis=1)
+
+
+# Copied from recast.branch_layout
+def branch_layout(n_groups, T, branch_steps, offset=0):
+    """Branch steps of each prompt group (DESIGN §3.3, §5). branch_steps: a list of steps shared by
+    every group, or "rotate": group p branches once, at step 1 + (offset + p) mod (T - 2), so that
+    consecutive groups (and iterations, through `offset`) cover every step 1..T-2 in turn and each
+    sampler level gets a measured D. Returns a list of n_groups sorted lists."""
+    if branch_steps == "rotate":
+        return [[1 + (offset + p) % (T - 2)] for p in range(n_groups)]
+    return [list(branch_steps) for _ in range(n_groups)]
+
+
+# Copied from recast.old_decay
+def old_decay(step, decay_type):
+    """DiffusionNFT's `return_decay`: the weight kept by the sampling ("old") adapter in
+    old <- decay old + (1 - decay) default, after `step` optimizer steps in all.
+    Type 0: always 0 (old = the trained policy); 1: min(0.001 step, 0.5) (GenEval, PickScore,
+    multi-reward); 2: 0 for 75 steps, then 0.0075 per step up to 0.999 (OCR)."""
+    flat, rate, cap = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}[decay_type]
+    return 0.0 if step < flat else min((step - flat) * rate, cap)
+
+
+# Copied from recast.ema_decay
+def ema_decay(step):
+    """Decay of DiffusionNFT's EMA of the trained LoRA after optimizer step `step` (1, 2, ...):
+    min((1 + step) / (10 + step), 0.9) (flow_grpo/ema.py); the evaluation uses the EMA weights."""
+    return min((1 + step) / (10 + step), 0.9)
+
+
+# =============================================================================
+# Shared with recast.py: the sampler steps (DESIGN §1)
+# =============================================================================
+
+
+# Copied from recast.sde_step
+def sde_step(x, v, s, s_next, a, s_first, noise):
+    """One FlowGRPO-form SDE step from sigma s to s_next < s (DESIGN §1).
+
+    g = a sqrt(s / (1 - s)) (at s = 1 the denominator uses s_first = s_1),
+    mean = x (1 + g^2 dt / (2 s)) + v (1 + g^2 (1 - s) / (2 s)) dt,  dt = s_next - s < 0,
+    x' = mean + g sqrt(-dt) noise.
+    Euler-Maruyama for the reverse SDE with drift v - (g^2 / 2) score, so it keeps
+    the model's marginals as steps shrink (derivations.ipynb §2; toy_gaussian.py).
+    Works on floats, numpy arrays or tensors."""
+    dt = s_next - s
+    g = a * math.sqrt(s / (1 - (s_first if s >= 1 else s)))
+    mean = x * (1 + g * g * dt / (2 * s)) + v * (1 + g * g * (1 - s) / (2 * s)) * dt
+    return mean + g * math.sqrt(-dt) * noise
+
+
+# Copied from recast.ode_step
+def ode_step(x, v, s, s_next):
+    """Euler step of dx/dt = v from sigma s to s_next."""
+    return x + (s_next - s) * v
+
+
+# Copied from recast.dpm2_step
+def dpm2_step(x, x0_hat, x0_hat_prev, s_prev, s, s_next):
+    """One step of DPM-Solver++(2M) (Lu et al. 2022, multistep, data prediction) for rectified flow,
+    alpha_t = 1 - t, sigma_t = t, lambda = log(alpha / sigma): from sigma s to s_next < s,
+      h = lambda(s_next) - lambda(s),  D = x0_hat + (x0_hat - x0_hat_prev) / (2 r),  r = h_prev / h,
+      x' = (s_next / s) x - alpha(s_next) (exp(-h) - 1) D.
+    First order (D = x0_hat, DDIM) at the first step (x0_hat_prev None) and at the last (s_next = 0,
+    where x' = x0_hat), as diffusers' DPMSolverMultistepScheduler with lower_order_final and
+    DiffusionNFT's deterministic "dpm2" rollouts do. x0_hat = x - s v. Works on floats, arrays, tensors."""
+    if s_next <= 0:
+        return x0_hat
+    if s >= 1:  # lambda(1) = -inf: h = inf, the DDIM step from pure noise
+        return s_next * x + (1 - s_next) * x0_hat
+    lam = lambda u: math.log((1 - u) / u)  # noqa: E731
+    h = lam(s_next) - lam(s)
+    D = x0_hat
+    if x0_hat_prev is not None and s_prev < 1:  # s_prev = 1: lambda = -inf, r = inf, no correction
+        D = x0_hat + (x0_hat - x0_hat_prev) * h / (2 * (lam(s) - lam(s_prev)))
+    return (s_next / s) * x - (1 - s_next) * math.expm1(-h) * D
+
+
+# Copied from recast.shifted_sigmas
+def shifted_sigmas(T, shift=3.0):
+    """Grid 1 = s_0 > ... > s_T = 0 with SD3's time shift s -> shift s / (1 + (shift - 1) s) on a
+    uniform grid. The training loop uses the scheduler's own sigmas; this is for the toy and tests."""
+    u = np.linspace(1.0, 0.0, T + 1)
+    return shift * u / (1 + (shift - 1) * u)
 
 
 # =============================================================================

@@ -747,7 +747,9 @@ def build_pref_judge(path: Path = PREF_PATH, seed: int = 0) -> dict:
     better, worse, prompts = preference_pairs(1000, "heldout", seed + 1)
     with torch.no_grad():
         acc = float((_pref_scores(net, better, prompts) > _pref_scores(net, worse, prompts)).float().mean())
-    return {"pref_heldout_pair_accuracy": acc, **PREF_BUILD}
+    metrics = {"pref_heldout_pair_accuracy": acc, **PREF_BUILD}
+    path.with_suffix(".json").write_text(json.dumps(metrics, indent=1))
+    return metrics
 
 
 _PREF = None
