@@ -256,7 +256,7 @@ EXPERIMENTS = {
             report="report_protocol",
             quick_keep=("A-uniform",),
             seconds_per_prompt_iter=0.85,
-            final_noises=8,  # recast.py's own tree
+            final_noises=4,  # recast.py's own tree
             quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1},
         ),
         Experiment(
