@@ -1316,16 +1316,7 @@ def report_protocol(res: Results, out: Path):
             {lbl for g, by in res.runs.items() if g.startswith(setting + "-") for lbl in by if lbl.startswith("recast")}
         ):
             devs = [
-                [
-                    float(
-                        np.abs(
-                            np.asarray(row["recast/W"])
-                            / (np.asarray(row["recast/W"]).sum(1, keepdims=True) / len(row["recast/W"][0]))
-                            - 1
-                        ).max()
-                    )
-                    for row in rows
-                ]
+                [w_departure(row["recast/W"]) for row in rows]
                 for g, by in res.runs.items()
                 if g.startswith(setting + "-")
                 for rows in by.get(label, {}).values()
@@ -1380,6 +1371,13 @@ def report_protocol(res: Results, out: Path):
         "ReCAST's final W per cell (first seed): ![](W_final.png)",
         "",
     ]
+
+
+def w_departure(W) -> float:
+    """max_kj |W_kj / (lambda_k / T) - 1|: how far a logged W is from the uniform W of its own budgets
+    (its row sums are the budgets)."""
+    W = np.asarray(W, dtype=float)
+    return float(np.abs(W / (W.sum(1, keepdims=True) / W.shape[1]) - 1).max())
 
 
 def w_figure(res: Results, path: Path, label="recast"):
@@ -1480,23 +1478,10 @@ def report_recast_100(res: Results, out: Path):
         "",
     ]
     if "recast" in labels:
-        dev = [
-            np.abs(
-                np.array(rows[-1]["recast/W"]) / (np.array(rows[-1]["recast/W"]).sum(1, keepdims=True) / 10) - 1
-            ).max()
-            for rows in by_label["recast"].values()
-        ]
+        dev = [w_departure(rows[-1]["recast/W"]) for rows in by_label["recast"].values()]
         rho = [rows[-1]["recast/evidence"] for rows in by_label["recast"].values()]
         moved = [np.mean([max(m["recast/evidence"]) > 0 for m in rows]) for rows in by_label["recast"].values()]
-        mean_dev = [
-            np.mean(
-                [
-                    np.abs(np.array(m["recast/W"]) / (np.array(m["recast/W"]).sum(1, keepdims=True) / 10) - 1).max()
-                    for m in rows
-                ]
-            )
-            for rows in by_label["recast"].values()
-        ]
+        mean_dev = [np.mean([w_departure(m["recast/W"]) for m in rows]) for rows in by_label["recast"].values()]
         lines += [
             f"ReCAST's final W: max_kj |W / (lambda_k / T) - 1| = {', '.join(f'{d:.3f}' for d in dev)} (per seed); "
             f"evidence rho per reward: {'; '.join(str([round(v, 2) for v in r]) for r in rho)}. Over the run, W left "
