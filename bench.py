@@ -1006,6 +1006,12 @@ def setting_W(prof: dict, rewards, budgets):
     return recast.solve_W([float(b) for b in budgets], P), rho
 
 
+def settings_W(prof: dict) -> dict:
+    """setting -> (W at uniform budgets, evidence rho) from the measured profiles: what the profile table and
+    figure show."""
+    return {setting: setting_W(prof, rewards, ["0.25"] * len(rewards)) for setting, rewards in SETTINGS.items()}
+
+
 def profile_table(prof: dict) -> list[str]:
     """Markdown: each candidate's D_k(0) with its standard error, D_k(t) / D_k(0) at every measured level,
     and per setting the evidence rho and how far W departs from uniform (uniform budgets)."""
@@ -1028,9 +1034,8 @@ def profile_table(prof: dict) -> list[str]:
         "D(t) / D(0) ± se / D(0): the share of the reward's final discriminability already decided at noise level t.",
         "",
     ]
-    for setting, rewards in SETTINGS.items():
-        W, rho = setting_W(prof, rewards, ["0.25"] * len(rewards))
-        dev = np.abs(W * W.shape[1] / W.sum() * len(rewards) - 1)
+    for setting, (W, rho) in settings_W(prof).items():
+        rewards, dev = SETTINGS[setting], np.abs(w_ratio(W) - 1)
         lines.append(
             f"- setting {setting} ({', '.join(rewards)}): evidence rho {', '.join(f'{r:.2f}' for r in rho)}; "
             f"W at uniform budgets departs from uniform by max {dev.max():.3f}, mean {dev.mean():.3f} "
@@ -1077,9 +1082,9 @@ def profile_figure(prof: dict, path: Path):
         xlim=(1.02, -0.02),
     )
     axes[0].legend(fontsize=7, ncol=2)
-    for ax, (setting, rewards) in zip(axes[1:], SETTINGS.items()):
-        W, rho = setting_W(prof, rewards, ["0.25"] * len(rewards))
-        im = ax.imshow(W * len(W[0]) / W.sum() * len(rewards), aspect="auto", cmap="coolwarm", vmin=0.5, vmax=1.5)
+    for ax, (setting, (W, rho)) in zip(axes[1:], settings_W(prof).items()):
+        rewards = SETTINGS[setting]
+        im = ax.imshow(w_ratio(W), aspect="auto", cmap="coolwarm", vmin=0.5, vmax=1.5)
         ax.set(
             title=f"setting {setting}: K T W / Lam",
             xlabel="step j (t from 1 to 0)",
@@ -1147,7 +1152,7 @@ def final_evals(runs: list[Run], exp_dir: Path, noises: int):
     """The final evaluation of every finished run (and of the pretrained model), on a held-out set
     larger than the runs' own: every held-out caption x `noises` noises, at each of EVAL_SEEDS
     (same images for every method: paired). Cached next to each result as <run>.final.json (keyed by the
-    checkpoint); returns {run_id or "pretrained": {seed: scores}}."""
+    checkpoint's name); returns {run_id or "pretrained": {seed: scores}}."""
     import torch
 
     import recast
@@ -1162,9 +1167,9 @@ def final_evals(runs: list[Run], exp_dir: Path, noises: int):
     ]
     for run_id, ckpts, path in todo:
         latest = (ckpts / (ckpts / "latest").read_text().strip()) if ckpts else None
-        key = str(latest) if latest else "pretrained"
+        key = latest.name if latest else "pretrained"  # the checkpoint's name: the cache survives moving --out
         cached = json.loads(path.read_text()) if path.is_file() else {}
-        if cached.get("checkpoint") == key and cached.get("n") == len(prompts):
+        if Path(cached.get("checkpoint", "")).name == key and cached.get("n") == len(prompts):
             out[run_id] = cached["scores"]
             continue
         if ckpts and not (latest / "state.pt").is_file():
@@ -1373,11 +1378,15 @@ def report_protocol(res: Results, out: Path):
     ]
 
 
-def w_departure(W) -> float:
-    """max_kj |W_kj / (lambda_k / T) - 1|: how far a logged W is from the uniform W of its own budgets
-    (its row sums are the budgets)."""
+def w_ratio(W) -> np.ndarray:
+    """W_kj / (lambda_k / T): W against the uniform W of its own budgets (its row sums), 1 where uniform."""
     W = np.asarray(W, dtype=float)
-    return float(np.abs(W / (W.sum(1, keepdims=True) / W.shape[1]) - 1).max())
+    return W / (W.sum(1, keepdims=True) / W.shape[1])
+
+
+def w_departure(W) -> float:
+    """max_kj |W_kj / (lambda_k / T) - 1|: how far a logged W is from the uniform W of its own budgets."""
+    return float(np.abs(w_ratio(W) - 1).max())
 
 
 def w_figure(res: Results, path: Path, label="recast"):
