@@ -870,6 +870,12 @@ def report_rvge_joint(res: Results, out: Path):
             "| method | n | iterations | training seconds | " + " | ".join(m[5:] for m in metrics) + " |",
             "|---" * (4 + len(metrics)) + "|",
         ]
+        before = {m: any_rows[0].get(m.replace("eval/", "eval_before/")) for m in metrics}
+        lines.append(
+            "| pretrained | | 0 | 0 | "
+            + " | ".join(f"{v:.4f}" if v is not None else "" for v in before.values())
+            + " |"
+        )
         for label, runs in by_label.items():
             cell = res.cells[(group, label)]
             lines.append(
@@ -911,9 +917,41 @@ def report_rvge_joint(res: Results, out: Path):
                     else "no intervals (fewer than 2 paired seeds)."
                 )
             )
-        lines += [""] + summary + [""]
+        lines += [""] + summary + [""] + along_the_run(res, group, by_label, base)
     curve_figure(res, out / "reward_vs_time.png")
     return lines + ["![](reward_vs_time.png)", ""]
+
+
+ALONG = ("eval/weighted", "eval/judge/cnn", "eval/judge/frechet")
+
+
+def along_the_run(res: Results, group: str, by_label: dict, base: str) -> list[str]:
+    """Markdown: at each held-out evaluation, each full-length method minus the baseline at the same iteration
+    (paired over seeds, 95% t) for `ALONG`'s metrics: where along the run one overtakes the other."""
+    full = [lbl for lbl in by_label if lbl != base and res.cells[(group, lbl)].compute == 1.0]
+    if not full or not by_label.get(base):
+        return []
+    iters = eval_curve(next(iter(by_label[base].values())), ALONG[0])[0]
+    lines = [
+        f"Along the run: method − {base} at the same iteration [95%] (iteration 0: the pretrained model, identical).",
+        "",
+        "| iteration | " + " | ".join(f"{lbl}: {m[5:]}" for lbl in full for m in ALONG) + " |",
+        "|---" * (1 + len(full) * len(ALONG)) + "|",
+    ]
+    for i, it in enumerate(iters[1:], start=1):
+
+        def at(label, m, i=i):
+            return res.values(
+                group, label, lambda r: eval_curve(r, m)[2][i] if len(eval_curve(r, m)[2]) > i else np.nan
+            )
+
+        cells = [
+            fmt_ci(*mean_ci(paired(at(lbl, m), at(base, m))), digits=4 if m != "eval/judge/frechet" else 0)
+            for lbl in full
+            for m in ALONG
+        ]
+        lines.append(f"| {int(it)} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 PROFILE_CANDIDATES = (
@@ -1121,18 +1159,7 @@ def final_eval_images(pipe, transformer_state, prompts, seed, steps=10):
         shapes_world.RES // pipe.vae_scale_factor,
     )
     with torch.no_grad():
-        latents = recast.tree_rollout(
-            tr,
-            emb,
-            pooled,
-            recast.scheduler_sigmas(pipe, steps),
-            n_roots=1,
-            n_branch=1,
-            branch=[],
-            sde_a=0.0,
-            gen=torch.Generator().manual_seed(seed),
-            shape=shape,
-        )[0]
+        latents = recast.ode_sample(tr, emb, pooled, recast.scheduler_sigmas(pipe, steps), shape, seed)
     tr.enable_adapters()
     return recast.decode(pipe, latents)
 

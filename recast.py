@@ -1294,6 +1294,26 @@ def tree_rollout(
     return x, groups, ancestry, probes
 
 
+def ode_sample(transformer, emb, pooled, sigmas, shape, seed, chunk=64):
+    """One image latent per prompt by the Euler ODE from fixed noise (`seed`): the held-out samplers' rollout
+    (a tree with one root and no branch)."""
+    import torch
+
+    return tree_rollout(
+        transformer,
+        emb,
+        pooled,
+        sigmas,
+        n_roots=1,
+        n_branch=1,
+        branch=[],
+        sde_a=0.0,
+        gen=torch.Generator().manual_seed(seed),
+        shape=shape,
+        chunk=chunk,
+    )[0]
+
+
 def sde_continue(transformer, x, v, s, s_next, emb, pooled, sde_a, s_first, substeps, gen, chunk):
     """`substeps` SDE steps from s to s_next on an even sub-grid; v is the velocity already taken at s."""
     import torch
@@ -1582,23 +1602,10 @@ def evaluate(run, args):
     """Held-out evaluation of the trained adapter (its EMA with --ema, as DiffusionNFT evaluates):
     Euler ODE sampling with --eval-steps on fixed prompts and seeds, training rewards and held-out
     judges. Returns (metrics, images)."""
-    import torch
 
     emb, pooled = run.encode(run.eval_prompts)
     run.transformer.set_adapter("ema" if args.ema else "default")
-    latents, _, _, _ = tree_rollout(
-        run.transformer,
-        emb,
-        pooled,
-        run.eval_sigmas,
-        n_roots=1,
-        n_branch=1,
-        branch=[],
-        sde_a=0.0,
-        gen=torch.Generator().manual_seed(12345),
-        shape=run.shape,
-        chunk=args.rollout_batch,
-    )
+    latents = ode_sample(run.transformer, emb, pooled, run.eval_sigmas, run.shape, seed=12345, chunk=args.rollout_batch)
     run.transformer.set_adapter("default")
     images = decode(run.pipe, latents)
     R = score(run.rewards, images, run.eval_prompts)
