@@ -59,6 +59,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -108,6 +109,7 @@ class Experiment:
     seconds_per_prompt_iter: float = 0.75  # sizing: measured cost of one prompt group-iteration, one thread (docstring)
     save_every: int = 0  # checkpoint cadence (0: only at the end)
     final_noises: int = 0  # final evaluation of each run on held-out captions x this many noises (0: none)
+    reuse: str = ""  # an experiment whose results of identical runs (same id, same settings) are taken, not rerun
     quick: dict = field(default_factory=lambda: {"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2})
 
 
@@ -246,6 +248,31 @@ EXPERIMENTS = {
             common=TREE,
             seconds_per_prompt_iter=1.3,
         ),
+        Experiment(  # why RVGE trails in rvge-joint: is it the step (lr) or the bandwidth (broad for every reward)?
+            "rvge-joint-why",
+            tuple(
+                Cell(
+                    script,
+                    ("--rewards", ",".join(JOINT_REWARDS), "--budgets", ",".join(["0.2"] * len(JOINT_REWARDS)), *flags),
+                    label,
+                    "joint",
+                )
+                for script, flags, label in [
+                    ("recast", ("--credit", "nft"), "nft"),
+                    ("rvge", (), "rvge"),
+                    ("rvge", ("--bandwidth", "broad"), "rvge_broad"),
+                    ("rvge", ("--lr", "5e-05"), "rvge_half_lr"),
+                ]
+            ),
+            iterations=100,
+            prompts_per_iter=4,
+            eval_every=10,
+            seeds=3,
+            report="report_rvge_joint",
+            common=TREE,
+            seconds_per_prompt_iter=1.3,
+            reuse="rvge-joint",
+        ),
         Experiment(
             "recast-protocol",
             _protocol_cells(),
@@ -349,6 +376,21 @@ def plan_runs(exp: Experiment, exp_dir: Path) -> list[Run]:
                 Run(run_id, cell, seed, settings, exp_dir / "work" / run_id, exp_dir / "runs" / f"{run_id}.json")
             )
     return runs
+
+
+def reuse_results(runs, exp: Experiment, exp_dir: Path) -> int:
+    """Copy into exp_dir the results of `exp.reuse` that are the same runs (same id, same settings: e.g. the
+    nft and rvge cells of rvge-joint-why are rvge-joint's); returns how many were taken."""
+    taken = 0
+    for run in runs:
+        if not exp.reuse or load_result(run) is not None:
+            continue
+        source = exp_dir.parent / exp.reuse / "runs" / run.result.name
+        if load_result(replace(run, result=source)) is not None:
+            run.result.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, run.result)
+            taken += 1
+    return taken
 
 
 def check_flags(runs):
@@ -1639,7 +1681,9 @@ def main(argv=None):
     )
     exp_dir = Path(args.out) / exp.name
     planned = plan_runs(exp, exp_dir)
-    failed = {}
+    failed, reused = {}, reuse_results(planned, exp, exp_dir)
+    if reused:
+        print(f"{exp.name}: {reused} identical run(s) taken from {exp_dir.parent / exp.reuse / 'runs'}", flush=True)
     if args.tables_only:
         if not any(load_result(run) for run in planned):
             parser.error(

@@ -10,6 +10,7 @@ import pytest
 
 import bench
 import recast
+import rvge
 import shapes_world
 
 
@@ -63,6 +64,11 @@ def test_experiment_contents():
     assert len(bench.JOINT_REWARDS) == 5 and set(bench.JOINT_REWARDS) <= set(shapes_world.REWARDS)
     its = {c.label: bench.cell_iterations(joint, c) for c in joint.cells}
     assert its["rvge_fifth"] * 5 == its["nft"] == its["rvge"]
+    why = bench.EXPERIMENTS["rvge-joint-why"]
+    assert why.reuse == "rvge-joint" and {c.label for c in why.cells} == {"nft", "rvge", "rvge_broad", "rvge_half_lr"}
+    assert bench.flag_value(next(c for c in why.cells if c.label == "rvge_half_lr").flags, "--lr") == str(
+        rvge.Args().lr / 2
+    )
     protocol = bench.EXPERIMENTS["recast-protocol"]
     assert len({c.group for c in protocol.cells}) == 10 and {c.label for c in protocol.cells} == {
         "nft",
@@ -143,6 +149,26 @@ def test_a_result_from_other_settings_is_redone(tmp_path):
     assert bench.load_result(run) is None
 
 
+def test_identical_runs_are_taken_from_the_reused_experiment(tmp_path):
+    why = bench.EXPERIMENTS["rvge-joint-why"]
+    source = {r.run_id: r for r in bench.plan_runs(bench.EXPERIMENTS[why.reuse], tmp_path / why.reuse)}
+    planned = bench.plan_runs(why, tmp_path / why.name)
+    shared = [r for r in planned if r.run_id in source]
+    assert {r.cell.label for r in shared} == {"nft", "rvge"} and all(
+        r.settings == source[r.run_id].settings for r in shared
+    )
+    for r in shared:
+        r.result.parent.mkdir(parents=True, exist_ok=True)
+    for run in source.values():  # every source result, one with other settings (as if made by other code's flags)
+        run.result.parent.mkdir(parents=True, exist_ok=True)
+        settings = list(run.settings) + (["--eta", "0.1"] if run.run_id == "joint_nft-seed1" else [])
+        run.result.write_text(json.dumps({"settings": settings, "rows": [{"iteration": 0, "seed": run.seed}]}))
+    assert bench.reuse_results(planned, why, tmp_path / why.name) == len(shared) - 1
+    taken = {r.run_id for r in planned if bench.load_result(r) is not None}
+    assert taken == {r.run_id for r in shared} - {"joint_nft-seed1"}
+    assert bench.reuse_results(planned, why, tmp_path / why.name) == 0  # nothing twice
+
+
 def test_bench_refuses_bad_flags(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["multi", "--seeds", "0", "--out", str(tmp_path)])
@@ -202,7 +228,8 @@ def test_rvge_joint_quick_in_parallel_processes_resumes_and_marks_partial(tmp_pa
         (out / "work" / f"joint_{label}-seed0.log").exists() for label in by_label
     )  # one process per run, logged
     table = (out / "table.md").read_text()
-    assert "rvge_fifth vs nft" in table and "judge/cnn" in table
+    assert "rvge_fifth vs nft" in table and "judge/cnn" in table and "| pretrained |" in table
+    assert "Along the run" in table and "rvge: weighted" in table and "rvge_fifth: weighted" not in table
 
     def must_not_run(run):
         raise AssertionError(f"{run.run_id} has a result and must be skipped")
