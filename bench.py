@@ -648,19 +648,21 @@ class Results:
 
 
 def curve_figure(res: Results, path: Path, metric="eval/weighted", x="seconds"):
-    """Held-out metric vs training seconds (or iterations) per group: mean over seeds, band +- 1 sd."""
+    """Held-out metric vs training seconds (or iterations), one panel per group (and per metric when `metric` is a
+    tuple): mean over seeds, band +- 1 sd."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [g for g, by in res.runs.items() if any(by.values())]
-    if not groups:
+    metrics = (metric,) if isinstance(metric, str) else metric
+    panels = [(g, m) for g, by in res.runs.items() if any(by.values()) for m in metrics]
+    if not panels:
         return
-    cols = min(len(groups), 5)
-    rows_n = (len(groups) + cols - 1) // cols
+    cols = min(len(panels), 5)
+    rows_n = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows_n, cols, figsize=(4 * cols, 3 * rows_n), squeeze=False)
-    for ax, group in zip(axes.flat, groups):
+    for ax, (group, metric) in zip(axes.flat, panels):
         for label, by_seed in res.runs[group].items():
             curves = [eval_curve(rows, metric) for rows in by_seed.values()]
             curves = [c for c in curves if len(c[0])]
@@ -679,7 +681,7 @@ def curve_figure(res: Results, path: Path, metric="eval/weighted", x="seconds"):
             title=group, xlabel="training seconds" if x == "seconds" else "iteration", ylabel=f"held-out {metric[5:]}"
         )
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(groups) :]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -960,7 +962,7 @@ def report_rvge_joint(res: Results, out: Path):
                 )
             )
         lines += [""] + summary + [""] + along_the_run(res, group, by_label, base)
-    curve_figure(res, out / "reward_vs_time.png")
+    curve_figure(res, out / "reward_vs_time.png", metric=ALONG)
     return lines + ["![](reward_vs_time.png)", ""]
 
 
