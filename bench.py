@@ -911,12 +911,14 @@ def report_rvge_joint(res: Results, out: Path):
         lines += [
             f"## {group}: final held-out metrics (mean ± sd over seeds; frechet: lower is better)",
             "",
-            "| method | n | iterations | training seconds | " + " | ".join(m[5:] for m in metrics) + " |",
-            "|---" * (4 + len(metrics)) + "|",
+            "| method | n | iterations | training seconds | distance to base | "
+            + " | ".join(m[5:] for m in metrics)
+            + " |",
+            "|---" * (5 + len(metrics)) + "|",
         ]
         before = {m: any_rows[0].get(m.replace("eval/", "eval_before/")) for m in metrics}
         lines.append(
-            "| pretrained | | 0 | 0 | "
+            "| pretrained | | 0 | 0 | 0 | "
             + " | ".join(f"{v:.4f}" if v is not None else "" for v in before.values())
             + " |"
         )
@@ -925,6 +927,7 @@ def report_rvge_joint(res: Results, out: Path):
             lines.append(
                 f"| {label} | {len(runs)} | {cell_iterations(res.exp, cell)} | "
                 f"{mean_std([elapsed(r)[-1] for r in runs.values()], 1)} | "
+                f"{mean_std([distance_to_base(r) for r in runs.values()], 5)} | "
                 + " | ".join(mean_std([final(r, m) for r in runs.values()]) for m in metrics)
                 + " |"
             )
@@ -962,8 +965,18 @@ def report_rvge_joint(res: Results, out: Path):
                 )
             )
         lines += [""] + summary + [""] + along_the_run(res, group, by_label, base)
+        lines += [
+            "Distance to base: `loss/base_reg`, mean |v_theta - v_base|^2 of the trained velocity against the frozen",
+            "pretrained one on the training queries, averaged over the run's last 10 iterations (how far it moved).",
+            "",
+        ]
     curve_figure(res, out / "reward_vs_time.png", metric=ALONG)
     return lines + ["![](reward_vs_time.png)", ""]
+
+
+def distance_to_base(rows, last=10):
+    """Mean `loss/base_reg` (|v_theta - v_base|^2 on the training queries) over the run's last `last` iterations."""
+    return float(np.mean([m["loss/base_reg"] for m in rows[-last:] if "loss/base_reg" in m] or [np.nan]))
 
 
 ALONG = ("eval/weighted", "eval/judge/cnn", "eval/judge/frechet")
