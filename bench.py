@@ -3,6 +3,7 @@
     python bench.py multi            # today's side-by-side benchmark: 6 methods x 2 budget vectors
     python bench.py rvge-single      # single reward (one smooth, one discrete): RVGE vs DiffusionNFT, speed-up
     python bench.py rvge-joint       # all five world rewards: RVGE vs NFT at equal compute and at 1/5 of it
+    python bench.py rvge-joint-why   # why RVGE trails jointly: broad groups for every reward, or half the lr
     python bench.py recast-protocol  # 2 settings x 5 budget vectors x {nft, uniform, recast} (issue 11)
     python bench.py recast-100       # the embedded default for 100 iterations: DiffusionNFT vs uniform W vs ReCAST
     python bench.py nft-steps        # DiffusionNFT with 1 vs 8 optimizer steps per iteration
@@ -42,6 +43,7 @@ iterations), so those two use 1.3 s and were cut to 60 and 100 iterations to sta
     multi               12      3       30 x 4                 30         36   ~31 min
     rvge-single          4      5       60 x 4                  5         20   ~56 min
     rvge-joint           3      5      100 x 4 (RVGE 1/5: 20)  10         15   ~51 min
+    rvge-joint-why       4      3      100 x 4                 10         12   ~54 min (6 taken from rvge-joint: ~27)
     recast-protocol     31      3       24 x 3                  8         93   ~60 min (+ its final evaluation)
     recast-100           3      3      100 x 8                 10          9   ~59 min
     nft-steps            2      3      100 x 8                 10          6   ~35 min
