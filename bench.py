@@ -971,7 +971,7 @@ def report_rvge_joint(res: Results, out: Path):
             "Distance to base: `loss/base_reg`, mean |v_theta - v_base|^2 of the trained velocity against the frozen",
             "pretrained one on the training queries, averaged over the run's last 10 iterations (how far it moved).",
             "",
-        ]
+        ] + direction_sizes(by_label)
     curve_figure(res, out / "reward_vs_time.png", metric=ALONG)
     return lines + ["![](reward_vs_time.png)", ""]
 
@@ -979,6 +979,21 @@ def report_rvge_joint(res: Results, out: Path):
 def distance_to_base(rows, last=10):
     """Mean `loss/base_reg` (|v_theta - v_base|^2 on the training queries) over the run's last `last` iterations."""
     return float(np.mean([m["loss/base_reg"] for m in rows[-last:] if "loss/base_reg" in m] or [np.nan]))
+
+
+def direction_sizes(by_label: dict) -> list[str]:
+    """Markdown: per RVGE method, each reward's `rvge/direction_rms` (mean over iterations and seeds), its bandwidth."""
+    lines = []
+    for label, runs in by_label.items():
+        rows = [m for r in runs.values() for m in r]
+        names = [k.split("/", 2)[2] for k in (rows[0] if rows else {}) if k.startswith("rvge/direction_rms/")]
+        if names:
+            rms = {n: np.nanmean([m[f"rvge/direction_rms/{n}"] for m in rows]) for n in names}
+            sizes = [f"{n} {rms[n]:.4f} ({rows[-1][f'rvge/bandwidth/{n}']})" for n in names]
+            lines.append(
+                f"- {label}: direction rms per reward (mean over iterations and seeds; bandwidth) " + ", ".join(sizes)
+            )
+    return lines + [""] if lines else []
 
 
 ALONG = ("eval/weighted", "eval/judge/cnn", "eval/judge/frechet")

@@ -231,6 +231,7 @@ def test_rvge_joint_quick_in_parallel_processes_resumes_and_marks_partial(tmp_pa
     assert "rvge_fifth vs nft" in table and "judge/cnn" in table and "| pretrained |" in table
     assert "Along the run" in table and "rvge: weighted" in table and "rvge_fifth: weighted" not in table
     assert "distance to base" in table and np.isfinite(bench.distance_to_base(by_label["rvge"][0]))
+    assert "- rvge: direction rms per reward" in table and "- nft: direction rms" not in table
 
     def must_not_run(run):
         raise AssertionError(f"{run.run_id} has a result and must be skipped")
