@@ -4,6 +4,7 @@
     python bench.py rvge-single      # single reward (one smooth, one discrete): RVGE vs DiffusionNFT, speed-up
     python bench.py rvge-joint       # all five world rewards: RVGE vs NFT at equal compute and at 1/5 of it
     python bench.py rvge-joint-why   # why RVGE trails jointly: broad groups for every reward, or half the lr
+    python bench.py rvge-joint-eta   # and whether a smaller step (--eta 0.1, 0.05) stops its drift
     python bench.py recast-protocol  # 2 settings x 5 budget vectors x {nft, uniform, recast} (issue 11)
     python bench.py recast-100       # the embedded default for 100 iterations: DiffusionNFT vs uniform W vs ReCAST
     python bench.py nft-steps        # DiffusionNFT with 1 vs 8 optimizer steps per iteration
@@ -44,6 +45,7 @@ iterations), so those two use 1.3 s and were cut to 60 and 100 iterations to sta
     rvge-single          4      5       60 x 4                  5         20   ~56 min
     rvge-joint           3      5      100 x 4 (RVGE 1/5: 20)  10         15   ~51 min
     rvge-joint-why       4      3      100 x 4                 10         12   ~54 min (6 taken from rvge-joint: ~27)
+    rvge-joint-eta       4      3      100 x 4                 10         12   ~54 min (6 reused from -why: ~27)
     recast-protocol     31      3       24 x 3                  8         93   ~60 min (+ its final evaluation)
     recast-100           3      3      100 x 8                 10          9   ~59 min
     nft-steps            2      3      100 x 8                 10          6   ~35 min
@@ -274,6 +276,31 @@ EXPERIMENTS = {
             common=TREE,
             seconds_per_prompt_iter=1.3,
             reuse="rvge-joint",
+        ),
+        Experiment(  # rvge-joint-why's reading: is the drift set by the size of the targets (--eta)?
+            "rvge-joint-eta",
+            tuple(
+                Cell(
+                    script,
+                    ("--rewards", ",".join(JOINT_REWARDS), "--budgets", ",".join(["0.2"] * len(JOINT_REWARDS)), *flags),
+                    label,
+                    "joint",
+                )
+                for script, flags, label in [
+                    ("recast", ("--credit", "nft"), "nft"),
+                    ("rvge", (), "rvge"),
+                    ("rvge", ("--eta", "0.1"), "rvge_eta_0.1"),
+                    ("rvge", ("--eta", "0.05"), "rvge_eta_0.05"),
+                ]
+            ),
+            iterations=100,
+            prompts_per_iter=4,
+            eval_every=10,
+            seeds=3,
+            report="report_rvge_joint",
+            common=TREE,
+            seconds_per_prompt_iter=1.3,
+            reuse="rvge-joint-why",  # which holds rvge-joint's nft and rvge runs of seeds 0-2
         ),
         Experiment(
             "recast-protocol",

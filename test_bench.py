@@ -69,6 +69,9 @@ def test_experiment_contents():
     assert bench.flag_value(next(c for c in why.cells if c.label == "rvge_half_lr").flags, "--lr") == str(
         rvge.Args().lr / 2
     )
+    eta = bench.EXPERIMENTS["rvge-joint-eta"]
+    etas = [float(bench.flag_value(c.flags, "--eta")) for c in eta.cells if bench.flag_value(c.flags, "--eta")]
+    assert eta.reuse == why.name and sorted(etas) == [rvge.Args().eta / 4, rvge.Args().eta / 2]
     protocol = bench.EXPERIMENTS["recast-protocol"]
     assert len({c.group for c in protocol.cells}) == 10 and {c.label for c in protocol.cells} == {
         "nft",
