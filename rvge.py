@@ -727,7 +727,11 @@ def make_parser(suppress=False):
 
 
 # Copied from recast.FIXED_ON_RESUME
-FIXED_ON_RESUME = ("model", "rewards", "steps", "lora_rank", "lora_alpha")  # a checkpoint is only valid with these
+FIXED_ON_RESUME = ("model", "rewards", "steps", "lora_rank", "lora_alpha", "gain_estimator", "alpha", "gain_init")
+
+
+# Copied from recast.NOT_ON_RESUME
+NOT_ON_RESUME = ("name", "overwrite")  # they choose or replace a run folder; --resume continues its own
 
 
 # Copied from recast.parse_args
@@ -741,19 +745,19 @@ def parse_args(argv=None) -> Args:
     config = Path(args.resume) / "config.json"
     if not config.is_file():
         raise SystemExit(f"--resume {args.resume}: no config.json there; give the run folder of an earlier run")
-    try:
-        saved_config = json.loads(config.read_text())
-        saved = saved_config["args"]
-    except (ValueError, KeyError) as err:
-        raise SystemExit(
-            f"--resume {args.resume}: config.json is unreadable ({err}); the folder cannot be resumed"
-        ) from None
+    saved_config, saved = read_run_config(config)
     script = Path(__file__).stem
-    if saved_config.get("script", script) != script:
+    if saved_config["script"] != script:
         raise SystemExit(
             f"--resume {args.resume}: that run was trained by {saved_config['script']}.py; resume it with that script"
         )
     given = vars(make_parser(suppress=True).parse_args(argv))
+    for k in NOT_ON_RESUME:
+        if k in given:
+            raise SystemExit(
+                f"--{k} does not go with --resume {args.resume}, which continues that run in its own folder: "
+                f"drop --{k}, or start a new run without --resume"
+            )
     if "out" in given and Path(given["out"]).resolve() != Path(args.resume).resolve():
         raise SystemExit(
             f"--resume {args.resume} continues that folder in place; --out {given['out']} names another. "
@@ -771,8 +775,35 @@ def parse_args(argv=None) -> Args:
         )
     known = {f.name for f in fields(Args)}
     args = Args(**{**{k: v for k, v in saved.items() if k in known}, **given})
-    args.out, args.resume, args.overwrite = str(args.resume), str(args.resume), False
+    args.out, args.resume = str(args.resume), str(args.resume)
     return args
+
+
+# Copied from recast.read_run_config
+def read_run_config(path):
+    """(config, its args) of a run's config.json, each saved flag of the type its Args field has (an int is
+    also a float); SystemExit naming the file, the entry and the fix when it is unreadable or hand-edited wrong."""
+    problem = None
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        config, problem = None, f"it is not readable JSON ({err})"
+    if problem is None and not (isinstance(config, dict) and isinstance(config.get("args"), dict)):
+        problem = 'it does not hold an "args" object'
+    if problem is None and config.get("script") not in ("recast", "rvge"):
+        problem = f'its "script" is {config.get("script")!r}, not recast or rvge'
+    types = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+    for f in fields(Args) if problem is None else ():
+        value, kind = config["args"].get(f.name), f.type if isinstance(f.type, str) else f.type.__name__
+        fits = isinstance(value, types[kind]) and (kind == "bool" or not isinstance(value, bool))
+        if f.name in config["args"] and not fits and not (value is None and f.default is None):
+            problem = f"args.{f.name} is {value!r}, not of type {kind}"
+            break
+    if problem:
+        raise SystemExit(
+            f"{path}: {problem}. Repair the file (the run's checkpoints are not affected), or start a new run"
+        )
+    return config, config["args"]
 
 
 # Copied from recast.seed_everything
@@ -907,6 +938,16 @@ def validate(args: Args, extra_rewards=None):
             "--train-prompts is not used with the embedded model (it samples prompts of its own world): "
             "omit it, or give --model"
         )
+    check_files(args, names)
+    args.out = str(run_folder(args))
+    return names, budgets, branch
+
+
+# Copied from recast.check_files
+def check_files(args, names):
+    """The files a run reads, checked before any model loads: prompt files (readable, >= 2 held-out prompts, the
+    embedded world's held-out prompts inside its grammar, quoted text for the ocr reward) and, on --resume, the
+    metrics file (a damaged line is refused; metrics_lines). SystemExit naming the file, the problem and the fix."""
     if args.train_prompts:
         unquoted = [q for q in read_prompts(args.train_prompts, "--train-prompts") if ocr_target(q) is None]
         if "ocr" in names and unquoted:
@@ -914,12 +955,26 @@ def validate(args: Args, extra_rewards=None):
                 f"--train-prompts {args.train_prompts}: the ocr reward scores the text between double quotes, and "
                 f"{len(unquoted)} prompt(s) quote nothing, the first: {unquoted[0]!r}. Quote the text to render"
             )
-    if args.eval_prompts and len(read_prompts(args.eval_prompts, "--eval-prompts")) < 2:
-        raise SystemExit(
-            f"--eval-prompts {args.eval_prompts}: give at least 2 prompts (the held-out set is judged as a set)"
-        )
-    args.out = str(run_folder(args))
-    return names, budgets, branch
+    if args.eval_prompts:
+        prompts = read_prompts(args.eval_prompts, "--eval-prompts")
+        if len(prompts) < 2:
+            raise SystemExit(
+                f"--eval-prompts {args.eval_prompts}: give at least 2 prompts (the held-out set is judged as a set)"
+            )
+        if is_embedded(args.model):
+            import shapes_world
+
+            for number, prompt in enumerate(prompts, 1):
+                try:
+                    shapes_world.parse_prompt(prompt)
+                except ValueError:
+                    raise SystemExit(
+                        f"--eval-prompts {args.eval_prompts}: line {number}, {prompt!r}, is outside the embedded "
+                        "world's captions (e.g. 'two red circles', 'a blue square on the left'); the world's "
+                        "rewards cannot score it. Fix the line, or give --model"
+                    ) from None
+    if args.resume:
+        metrics_lines(Path(args.resume) / "metrics.jsonl")
 
 
 # Copied from recast.check_report_to
@@ -949,30 +1004,55 @@ def parse_branch_steps(text, T):
     return branch
 
 
-# Copied from recast.holds_run
-def holds_run(folder):
-    """True when the folder already holds a run's files (its settings, metrics or checkpoints)."""
-    return any((Path(folder) / f).exists() for f in ("config.json", "metrics.jsonl", "checkpoints"))
+# Copied from recast.is_run
+def is_run(folder):
+    """True when folder/config.json is a run's record (JSON with "args" and "script" recast or rvge)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(config, dict) and isinstance(config.get("args"), dict) and config.get("script") in ("recast", "rvge")
+    )
+
+
+# Copied from recast.is_unused
+def is_unused(folder):
+    """True when nothing is at the path, or it is a folder holding nothing but a run's lock file (a start that
+    stopped before it wrote its config)."""
+    folder = Path(folder)
+    return not folder.exists() or (folder.is_dir() and all(p.name == ".lock" for p in folder.iterdir()))
 
 
 # Copied from recast.run_folder
 def run_folder(args):
-    """The run folder, checked writable. --resume: that folder. --out: refused if it holds a run,
-    unless --overwrite. Default runs/<name>: a fresh -1, -2, ... suffix when the name is taken, so
-    running a command twice gives two runs. Creates the folder; changes nothing inside it."""
+    """The run folder, checked writable, never inside another run (whose checkpoint rotation would delete it).
+    --resume: that folder. --out: a new or empty folder, or a run, which is refused unless --overwrite (a folder of
+    other files is refused even then: a run writes only where nothing else lives). Default runs/<name>: a fresh
+    -1, -2, ... suffix when the name is taken, so running a command twice gives two runs. Creates the folder;
+    changes nothing inside it."""
     if args.resume:
         out = Path(args.resume)
     elif args.out:
         out = Path(args.out)
-        if holds_run(out) and not args.overwrite:
+        if is_run(out) and not args.overwrite:
             raise SystemExit(
                 f"--out {out} already holds a run. Continue it with --resume {out}, choose another --out, "
                 "or replace it with --overwrite"
             )
+        if not is_run(out) and not is_unused(out):
+            raise SystemExit(
+                f"--out {out} holds files that are not a run of this project (a run writes only to a new or empty "
+                "folder, and --overwrite replaces only runs). Choose a new folder with --out"
+            )
     else:
         base = Path("runs") / (args.name or default_name(args))
-        out = next(
-            p for p in (base.with_name(f"{base.name}-{i}") if i else base for i in range(10**6)) if not holds_run(p)
+        out = next(p for p in (base.with_name(f"{base.name}-{i}") if i else base for i in range(10**6)) if is_unused(p))
+    host = next((p for p in Path(os.path.abspath(out)).parents if is_run(p)), None)
+    if host is not None:
+        raise SystemExit(
+            f"{out} lies inside the run folder {host}, whose checkpoint rotation and --overwrite would delete it: "
+            "choose a folder outside any run"
         )
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -1525,9 +1605,10 @@ def check_finite(values):
 
 # Copied from recast.save_checkpoint
 def save_checkpoint(out, iteration, transformer, opt, state):
-    """checkpoints/iter_N/: the "default" LoRA in diffusers' format (pipe.load_lora_weights(dir)
-    loads it; iter_N/ema the EMA with --ema) and state.pt (every adapter, optimizer, level statistics,
-    optimizer-step count, iteration). Written to a .tmp folder,
+    """checkpoints/iter_N/: the "default" LoRA in diffusers' format with its LoraConfig as metadata, so that
+    pipe.load_lora_weights("<run>/checkpoints/iter_N") gives the trained model exactly (without the metadata
+    diffusers takes lora_alpha = r, a wrong scale unless alpha = r); iter_N/ema the EMA with --ema; and state.pt
+    (every adapter, optimizer, level statistics, optimizer-step count, iteration). Written to a .tmp folder,
     renamed, then `latest` is replaced atomically: a kill at any moment leaves the last good one.
     Keeps this checkpoint and the newest earlier one. Refuses to write non-finite weights."""
     import torch
@@ -1546,9 +1627,13 @@ def save_checkpoint(out, iteration, transformer, opt, state):
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        StableDiffusion3Pipeline.save_lora_weights(tmp, transformer_lora_layers=lora["default"])
-        if "ema" in lora:  # DiffusionNFT's evaluation weights, loadable the same way from iter_N/ema
-            StableDiffusion3Pipeline.save_lora_weights(tmp / "ema", transformer_lora_layers=lora["ema"])
+        for adapter, folder in (("default", tmp), ("ema", tmp / "ema")):  # ema: DiffusionNFT's evaluation weights
+            if adapter in lora:  # the adapter's config (rank, alpha, targets) in the file: loaders scale as trained
+                StableDiffusion3Pipeline.save_lora_weights(
+                    folder,
+                    transformer_lora_layers=lora[adapter],
+                    transformer_lora_adapter_metadata=transformer.peft_config[adapter].to_dict(),
+                )
         torch.save({"iteration": iteration, "lora": lora, "optimizer": opt.state_dict(), **state}, tmp / "state.pt")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -1567,9 +1652,11 @@ def save_checkpoint(out, iteration, transformer, opt, state):
 
 
 # Copied from recast.load_checkpoint
-def load_checkpoint(out, transformer, opt):
+def load_checkpoint(out, transformer, opt, lr, weight_decay):
     """Restore the newest intact checkpoint of a run folder (the one `latest` names, else the newest
-    iter_N whose state.pt loads; says so when it falls back). Returns its state dict, None if none."""
+    iter_N whose state.pt loads; says so when it falls back); the optimizer then takes this run's lr and
+    weight decay (its saved moments are kept). Returns its state dict, None when the run has no checkpoint yet;
+    SystemExit, with nothing changed, when it has checkpoints and none loads."""
     import torch
     from peft.utils import set_peft_model_state_dict
 
@@ -1592,8 +1679,16 @@ def load_checkpoint(out, transformer, opt):
         if "ema" in transformer.peft_config and "ema" not in lora:  # --ema switched on at resume: start it here
             copy_adapter(transformer, "default", "ema")
         opt.load_state_dict(state.pop("optimizer"))
+        for group in opt.param_groups:  # the saved groups hold the old run's values: --lr / --weight-decay apply
+            group.update(lr=lr, weight_decay=weight_decay)
         transformer.set_adapter("default")
         return state
+    if candidates:
+        raise SystemExit(
+            f"--resume {out}: none of its checkpoints loads ({', '.join(p.name for p in candidates)}); nothing was "
+            "changed. Their LoRA files (pytorch_lora_weights.safetensors) may still load in diffusers; to train "
+            "again, start a new run"
+        )
     return None
 
 
@@ -1907,10 +2002,12 @@ def log_to_trackers(acc, metrics, step):
 # Copied from recast.start_or_resume
 def start_or_resume(run, args):
     """Restore the newest intact checkpoint when resuming (metrics cut back to it), or clear the folder
-    for --overwrite; remove .tmp leftovers; write config.json; start the --report-to tracker. Returns (first
-    iteration, state)."""
-    state = load_checkpoint(run.out, run.transformer, run.opt) if args.resume else None
+    for --overwrite; remove this program's .tmp leftovers; write config.json; start the --report-to tracker.
+    Returns (first iteration, state)."""
+    state = load_checkpoint(run.out, run.transformer, run.opt, args.lr, args.weight_decay) if args.resume else None
     start = state.pop("iteration") + 1 if state else 0
+    if args.resume and state is None:
+        tqdm.write(f"{run.out} has no checkpoint yet: training starts at iteration 0")
     if run.acc.is_main_process:
         if args.overwrite:
             for name in (
@@ -1924,7 +2021,7 @@ def start_or_resume(run, args):
                 "samples_after.png",
             ):
                 shutil.rmtree(run.out / name) if (run.out / name).is_dir() else (run.out / name).unlink(missing_ok=True)
-        for leftover in list(run.out.glob("*.tmp")) + list((run.out / "checkpoints").glob("*.tmp")):
+        for leftover in leftovers(run.out):
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
         config = {"args": asdict(args), "script": Path(__file__).stem, "rewards": run.names, "git_sha": git_sha()}
         write_atomic(run.out / "config.json", json.dumps(config, indent=2))
@@ -2029,19 +2126,39 @@ def write_atomic(path, text):
     os.replace(tmp, path)
 
 
+# Copied from recast.leftovers
+def leftovers(out):
+    """The half-written files a kill can leave in a run folder: write_atomic's and save_checkpoint's .tmp names
+    (nothing else is ever deleted: a user's own *.tmp files stay)."""
+    out, ckpts = Path(out), Path(out) / "checkpoints"
+    ours = [out / "config.json.tmp", out / "metrics.jsonl.tmp", ckpts / "latest.tmp", *ckpts.glob("iter_??????.tmp")]
+    return [p for p in ours if p.exists()]
+
+
+# Copied from recast.metrics_lines
+def metrics_lines(path):
+    """(iteration, line) of each line of a metrics.jsonl. A last line that does not decode is a write a kill cut
+    short and is left out; a damaged line before the last is not ours to drop: SystemExit naming it and the fix."""
+    lines = Path(path).read_text(errors="replace").splitlines() if Path(path).exists() else []
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append((int(json.loads(line)["iteration"]), line))
+        except (ValueError, KeyError, TypeError):
+            if number < len(lines):
+                raise SystemExit(
+                    f"{path}: line {number} of {len(lines)} is damaged ({line[:40]!r}...); a resume would lose it. "
+                    "Repair or delete that line, then --resume again"
+                ) from None
+    return rows
+
+
 # Copied from recast.keep_metrics_until
 def keep_metrics_until(path, start):
-    """On resume, keep the metric lines of iterations before `start` (later ones will be redone);
-    a partial or undecodable line (a kill or a full disk mid-write) is dropped, never fatal."""
+    """On resume, keep the metric lines of iterations before `start` (later ones will be redone); a partial last
+    line (a kill or a full disk mid-write) is dropped (metrics_lines)."""
     if path.exists():
-        rows = []
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                if json.loads(line)["iteration"] < start:
-                    rows.append(line)
-            except (ValueError, KeyError, TypeError):
-                continue
-        write_atomic(path, "".join(row + "\n" for row in rows))
+        write_atomic(path, "".join(line + "\n" for it, line in metrics_lines(path) if it < start))
 
 
 # Copied from recast.git_sha

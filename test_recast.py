@@ -787,12 +787,44 @@ def test_recast_two_iterations_write_metrics_W_figures_and_a_loadable_lora(tiny,
         assert (out / fig).stat().st_size > 0
     assert json.loads((out / "config.json").read_text())["args"]["credit"] == credit
     assert not (out / "tensorboard").exists()  # --report-to none: metrics.jsonl only
+    assert_loads_as_trained(recast, out, out / "checkpoints" / (out / "checkpoints" / "latest").read_text())
+
+
+def assert_loads_as_trained(script, out, folder, adapter="default"):
+    """diffusers' own loader on a checkpoint folder gives the model the run trained: the transformer's output with
+    pipe.load_lora_weights(folder) equals the training model's (the script's load_pipeline + load_checkpoint, the
+    adapter active) to float tolerance, and the change from the base model is far above that tolerance (a LoRA
+    loaded at the wrong scale, as with alpha != r and no alpha recorded, moves it by the wrong amount)."""
     from diffusers import StableDiffusion3Pipeline
 
-    pipe = StableDiffusion3Pipeline.from_pretrained(tiny / "pipe", local_files_only=True)
-    ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
-    pipe.load_lora_weights(ckpt)  # the diffusers loader takes our checkpoint as it is
-    assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+    args = script.parse_args(["--resume", str(out)])
+    assert args.lora_alpha != args.lora_rank, "the check needs alpha != r to see a wrong scale"
+    trained = script.load_pipeline(args, "cpu", torch.float32).transformer
+    script.load_checkpoint(Path(out), trained, torch.optim.AdamW(script.lora_params(trained, "default")), 1e-3, 0.0)
+    trained.set_adapter(adapter)
+    loaded = StableDiffusion3Pipeline.from_pretrained(args.model, local_files_only=True)
+    base = loaded.transformer(**transformer_inputs(loaded.transformer)).sample
+    loaded.load_lora_weights(folder)  # the README's instruction, as a user runs it
+    with torch.no_grad():
+        y_loaded = loaded.transformer(**transformer_inputs(loaded.transformer)).sample
+        y_trained = trained(**transformer_inputs(trained)).sample
+    change = (y_trained - base).abs().max().item()
+    assert change > 1e-5, "training did not move the model: the comparison would show nothing"
+    assert (y_loaded - y_trained).abs().max().item() < 1e-3 * change
+    assert loaded.transformer.peft_config["default_0"].lora_alpha == args.lora_alpha
+
+
+def transformer_inputs(transformer, seed=0):
+    """One fixed random input of an SD3 transformer (latents, a timestep, text states and pooled states)."""
+    g, c = torch.Generator().manual_seed(seed), transformer.config
+    side = c.sample_size
+    return dict(
+        hidden_states=torch.randn(2, c.in_channels, side, side, generator=g),
+        timestep=torch.tensor([500.0, 700.0]),
+        encoder_hidden_states=torch.randn(2, 5, c.joint_attention_dim, generator=g),
+        pooled_projections=torch.randn(2, c.pooled_projection_dim, generator=g),
+        return_dict=True,
+    )
 
 
 @pytest.mark.parametrize("module", ["recast", "rvge"])
@@ -899,7 +931,6 @@ def test_diffusionnft_step_counts_ema_and_ode_sampler(tiny, tmp_path):
     """--updates-per-iter 1 is one AdamW step per iteration over all its samples; --ema keeps
     DiffusionNFT's EMA (ema_s = d_s ema_{s-1} + (1 - d_s) default_s, d_s = min((1 + s) / (10 + s), 0.9)),
     saved beside the raw LoRA and loadable with load_lora_weights; --sampler ode gives independent samples."""
-    from diffusers import StableDiffusion3Pipeline
 
     out = tmp_path / "run"
     argv = tiny_argv(
@@ -936,9 +967,7 @@ def test_diffusionnft_step_counts_ema_and_ode_sampler(tiny, tmp_path):
     for key, ema in states[1]["lora"]["ema"].items():
         expect = d2 * states[0]["lora"]["ema"][key] + (1 - d2) * states[1]["lora"]["default"][key]
         assert torch.allclose(ema, expect, atol=1e-7)
-    pipe = StableDiffusion3Pipeline.from_pretrained(tiny / "pipe", local_files_only=True)
-    pipe.load_lora_weights(out / "checkpoints" / "iter_000001" / "ema")
-    assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+    assert_loads_as_trained(recast, out, out / "checkpoints" / "iter_000001" / "ema", adapter="ema")
 
 
 @pytest.mark.parametrize("flags", [["--frozen-batch", "48"], ["--gradient-checkpointing"]])
@@ -1289,6 +1318,144 @@ def test_resume_survives_damage_and_falls_back_to_an_intact_checkpoint(finished_
     else:
         assert its == [0, 1, 2]
     assert not list(ckpts.glob("*.tmp")) and (ckpts / (ckpts / "latest").read_text()).is_dir()
+
+
+def test_a_runs_lora_loads_in_diffusers_as_the_trained_model(finished_run):
+    """Both scripts (rank 4, alpha 8): checkpoints/iter_N is the folder to load, and it loads at full strength."""
+    assert_loads_as_trained(finished_run.script, finished_run.out, finished_run.out / "checkpoints" / "iter_000001")
+
+
+def test_resume_applies_a_new_lr_and_weight_decay_and_records_what_it_did(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    script = finished_run.script
+    script.train(
+        script.parse_args(["--resume", str(out), "--iterations", "3", "--lr", "0.002", "--weight-decay", "0.25"]),
+        extra_rewards=TINY_REWARDS,
+    )
+    groups = torch.load(out / "checkpoints" / "iter_000002" / "state.pt", weights_only=False)["optimizer"]
+    assert [(g["lr"], g["weight_decay"]) for g in groups["param_groups"]] == [(0.002, 0.25)]
+    saved = json.loads((out / "config.json").read_text())["args"]
+    assert (saved["lr"], saved["weight_decay"]) == (0.002, 0.25)
+
+
+@pytest.mark.parametrize(
+    "more, words",
+    [
+        (["--gain-estimator", "denoised"], "--gain-estimator: saved 'pairs', given 'denoised'"),
+        (["--gain-init", "levels.json"], "--gain-init: saved '', given 'levels.json'"),
+        (["--overwrite"], "--overwrite does not go with --resume"),
+        (["--name", "other"], "--name does not go with --resume"),
+    ],
+)
+def test_resume_refuses_flags_whose_saved_state_would_override_them(finished_run, tmp_path, more, words):
+    """--gain-estimator / --alpha: the saved level statistics were measured with them; --gain-init seeds iteration 0
+    only; --overwrite / --name choose another folder. Refused, nothing written."""
+    script = finished_run.script
+    if script is rvge and more[0].startswith("--gain"):
+        pytest.skip("rvge.py has no gain-estimator flags (its --credit recast uses pairs, alpha 2)")
+    out = copy_of(finished_run, tmp_path)
+    before = snapshot(out)
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        script.train(script.parse_args(["--resume", str(out), *more]), extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
+
+
+def test_resume_with_no_loadable_checkpoint_stops_and_changes_nothing(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    for state in (out / "checkpoints").glob("iter_*/state.pt"):
+        state.write_bytes(state.read_bytes()[:500])
+    before = snapshot(out)
+    script = finished_run.script
+    with pytest.raises(SystemExit, match="none of its checkpoints loads .*nothing was changed"):
+        script.train(script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+@pytest.mark.parametrize(
+    "files",
+    [{"config.json": '{"_class_name": "SD3Transformer2DModel"}'}, {"notes.txt": "mine"}, {"config.json": "[1, 2]"}],
+)
+def test_out_at_a_folder_of_other_files_is_refused_even_with_overwrite(tiny, tmp_path, files, overwrite):
+    out = tmp_path / "transformer"
+    out.mkdir()
+    for name, text in files.items():
+        (out / name).write_text(text)
+    before = snapshot(out)
+    with pytest.raises(SystemExit, match="holds files that are not a run of this project"):
+        recast.validate(recast.parse_args(tiny_argv(tiny, out, *overwrite)), extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
+    with pytest.raises(SystemExit, match="holds files that are not a run"):
+        recast.validate(recast.parse_args(tiny_argv(tiny, "/etc")), extra_rewards=TINY_REWARDS)
+    empty = tmp_path / "empty"
+    (empty / ".lock").parent.mkdir()
+    (empty / ".lock").write_text("")  # a start stopped before it wrote its config: the folder is free
+    recast.validate(recast.parse_args(tiny_argv(tiny, empty)), extra_rewards=TINY_REWARDS)
+
+
+def test_out_inside_a_run_is_refused(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    before = snapshot(out)
+    script = finished_run.script
+    for inner in (out / "checkpoints" / "iter_000001" / "new", out / "sub" / "run"):
+        with pytest.raises(SystemExit, match="lies inside the run folder"):
+            script.validate(script.parse_args(tiny_argv_for(finished_run, inner)), extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
+
+
+def test_only_the_programs_own_tmp_files_are_deleted(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    ckpts = out / "checkpoints"
+    for mine in (out / "notes.tmp", ckpts / "mine.tmp"):
+        mine.write_text("the user's")
+    (out / "drafts.tmp").mkdir()
+    (out / "config.json.tmp").write_text("{")
+    (ckpts / "iter_000007.tmp").mkdir()
+    (ckpts / "latest.tmp").write_text("iter_0000")
+    script = finished_run.script
+    script.train(script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+    assert (out / "notes.tmp").read_text() == (ckpts / "mine.tmp").read_text() == "the user's"
+    assert (out / "drafts.tmp").is_dir()
+    assert not any(p.exists() for p in (out / "config.json.tmp", ckpts / "iter_000007.tmp", ckpts / "latest.tmp"))
+
+
+def test_a_damaged_metrics_line_before_the_last_is_refused_not_dropped(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join(["{broken", *lines[1:]]) + "\n")
+    before = snapshot(out)
+    script = finished_run.script
+    with pytest.raises(SystemExit, match="line 1 of 2 is damaged"):
+        script.train(script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda c: "{not json", "not readable JSON"),
+        (lambda c: json.dumps({**c, "args": []}), 'does not hold an "args" object'),
+        (lambda c: json.dumps({**c, "args": {**c["args"], "lr": "fast"}}), "args.lr is 'fast', not of type float"),
+        (lambda c: json.dumps({**c, "args": {**c["args"], "steps": 2.5}}), "args.steps is 2.5, not of type int"),
+        (lambda c: json.dumps({**c, "args": {**c["args"], "ema": "yes"}}), "args.ema is 'yes', not of type bool"),
+        (lambda c: json.dumps({**c, "script": None}), 'its "script" is None'),
+    ],
+)
+def test_a_hand_edited_config_is_a_clear_error_not_a_traceback(finished_run, tmp_path, edit, words):
+    out = copy_of(finished_run, tmp_path)
+    (out / "config.json").write_text(edit(json.loads((out / "config.json").read_text())))
+    before = snapshot(out)
+    with pytest.raises(SystemExit, match=re.escape(words) + ".*Repair the file"):
+        finished_run.script.parse_args(["--resume", str(out)])
+    assert snapshot(out) == before
+
+
+def test_embedded_world_prompts_outside_its_grammar_are_refused_before_the_model_loads(tmp_path):
+    path = tmp_path / "heldout.txt"
+    path.write_text("two red circles\na purple hexagon\n")
+    with pytest.raises(SystemExit, match="line 2, 'a purple hexagon', is outside the embedded world's captions"):
+        recast.validate(recast.parse_args(["--eval-prompts", str(path), "--out", str(tmp_path / "run")]))
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("module", ["recast", "rvge"])
