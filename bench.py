@@ -9,6 +9,7 @@
     python bench.py recast-100       # the embedded default for 100 iterations: DiffusionNFT vs uniform W vs ReCAST
     python bench.py nft-steps        # DiffusionNFT with 1 vs 8 optimizer steps per iteration
     options: [--quick] [--jobs N] [--seeds N] [--out DIR] [--tables-only] [--iterations N] [--prompts-per-iter N]
+             [--results-md FILE]
 
 An experiment is data (`EXPERIMENTS`): a list of cells, each (script, extra flags, label, group),
 plus iterations, prompt groups per iteration, held-out evaluation cadence and seeds. Every cell
@@ -16,12 +17,19 @@ runs once per seed; the seed alone fixes the prompts and the noise, so runs with
 are paired across cells, and every interval below is over seeds of paired differences (t, 95%).
 
 Runs and results. Each (cell, seed) is one run of `recast.py` or `rvge.py` (with --overwrite) in
-its run folder --out/<experiment>/work/<run>/; once it finishes, its result is written to
---out/<experiment>/runs/<run>.json (the command, every metrics line, wall seconds). A killed
-experiment keeps every finished run; running the command again skips runs whose result exists
-(a result made with other settings, e.g. by --quick, is redone), and --tables-only rebuilds
---out/<experiment>/table.md and the figures from whatever results exist (marked partial when
-runs are missing). Runs are ordered seed by seed, so a partial experiment holds complete pairs.
+its run folder --out/<experiment>/work/<run>/ (checkpoints: large, git-ignored); once it finishes,
+its result is written to --out/<experiment>/runs/<run>.json.gz (the command, every metrics line,
+wall seconds, the git SHA and date; gzip-compressed). --out defaults to `results/`,
+where everything but work/ is small and committed: the results, the final evaluations
+(<run>.final.json), profiles.json, table.md and the figures. So `--tables-only` rebuilds every table
+on a fresh clone, with no run folder. A killed experiment keeps every finished run; running the
+command again skips runs whose result exists (a result made with other settings is redone), and
+--tables-only rebuilds --out/<experiment>/table.md and the figures from whatever results exist
+(marked partial when runs are missing). Runs are ordered seed by seed, so a partial experiment
+holds complete pairs. Each report also goes into RESULTS.md (--results-md), between the markers
+`<!-- BEGIN <experiment> -->` and `<!-- END <experiment> -->` (replaced; appended when absent).
+The default `results/` writes RESULTS.md; another --out, or --quick (whose default is runs/bench-quick/), writes
+it only when --results-md names the file.
 --jobs N runs N runs at once, each in its own process (`python recast.py ...`, one thread each:
 OMP/MKL threads = 1); --jobs 1 runs them one after the other in this process, also on one thread.
 
@@ -60,6 +68,7 @@ shrink on a GPU: prefer more iterations per run over many short runs there.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import re
@@ -369,7 +378,7 @@ class Run:
     seed: int
     settings: tuple[str, ...]  # the script's flags without --out / --overwrite (what a result must match)
     work: Path  # the script's run folder
-    result: Path  # runs/<run_id>.json
+    result: Path  # runs/<run_id>.json.gz
 
 
 def slug(text):
@@ -402,7 +411,7 @@ def plan_runs(exp: Experiment, exp_dir: Path) -> list[Run]:
                 *(f.replace("{exp_dir}", str(exp_dir)) for f in cell.flags),
             )
             runs.append(
-                Run(run_id, cell, seed, settings, exp_dir / "work" / run_id, exp_dir / "runs" / f"{run_id}.json")
+                Run(run_id, cell, seed, settings, exp_dir / "work" / run_id, exp_dir / "runs" / f"{run_id}.json.gz")
             )
     return runs
 
@@ -438,16 +447,21 @@ def check_flags(runs):
 
 
 def load_result(run: Run):
-    """The run's result if it exists, is intact and was made with the same settings; else None."""
+    """The run's result if it exists, is intact and was made with the same settings; else None. Gzip or plain JSON."""
     try:
-        record = json.loads(run.result.read_text())
-    except (OSError, ValueError):
+        data = run.result.read_bytes()
+        record = json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
+    except (OSError, ValueError, EOFError):
         return None
     return record if record.get("settings") == list(run.settings) and record.get("rows") else None
 
 
 def write_result(run: Run, wall_s: float):
     rows = [json.loads(line) for line in (run.work / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    try:
+        sha = json.loads((run.work / "config.json").read_text()).get("git_sha")
+    except (OSError, ValueError):
+        sha = None
     record = {
         "run_id": run.run_id,
         "script": run.cell.script,
@@ -457,12 +471,15 @@ def write_result(run: Run, wall_s: float):
         "settings": list(run.settings),
         "command": f"python {run.cell.script}.py {' '.join(run.settings)} --out {run.work} --overwrite",
         "wall_s": wall_s,
+        "git_sha": sha,  # the code the run trained with (its config.json)
+        "finished": time.strftime("%Y-%m-%d", time.gmtime()),
         "rows": rows,
     }
     run.result.parent.mkdir(parents=True, exist_ok=True)
     tmp = run.result.with_name(run.result.name + ".tmp")
-    tmp.write_text(json.dumps(record))
+    tmp.write_bytes(gzip.compress(json.dumps(record).encode(), mtime=0))  # mtime 0: same record, same bytes
     os.replace(tmp, run.result)  # atomic: a kill leaves the old state or the whole result
+    run.result.with_name(run.run_id + ".final.json").unlink(missing_ok=True)  # an earlier run's final evaluation
     return record
 
 
@@ -1294,9 +1311,13 @@ def final_evals(runs: list[Run], exp_dir: Path, noises: int):
         if load_result(r) is not None
     ]
     for run_id, ckpts, path in todo:
+        cached = json.loads(path.read_text()) if path.is_file() else {}
+        if ckpts and not (ckpts / "latest").is_file():  # no run folder (a fresh clone): the committed evaluation
+            if cached.get("n") == len(prompts):
+                out[run_id] = cached["scores"]
+            continue
         latest = (ckpts / (ckpts / "latest").read_text().strip()) if ckpts else None
         key = latest.name if latest else "pretrained"  # the checkpoint's name: the cache survives moving --out
-        cached = json.loads(path.read_text()) if path.is_file() else {}
         if Path(cached.get("checkpoint", "")).name == key and cached.get("n") == len(prompts):
             out[run_id] = cached["scores"]
             continue
@@ -1695,6 +1716,41 @@ def build_report(exp: Experiment, exp_dir: Path, planned: list[Run]) -> tuple[st
     return text, res
 
 
+def results_block(text: str, records: list[dict], exp_dir: Path, md: Path, command: str) -> str:
+    """table.md as a section of RESULTS.md: its `# <experiment>` title dropped (RESULTS.md has its own), headings
+    two levels down, figure links made relative to RESULTS.md; opened by the command and the runs' commits and
+    dates (from the results themselves, so the block is the same bytes whenever it is rebuilt)."""
+    shas = sorted({(r.get("git_sha") or "")[:7] for r in records} - {""})
+    days = sorted({r["finished"] for r in records if r.get("finished")})
+    when = f"{days[0]}{f' to {days[-1]}' if len(days) > 1 else ''}" if days else "date not recorded"
+    made = f"commit {', '.join(shas)}" if shas else "commit not recorded"
+    lines = [f"`{command}` ({len(records)} runs made at {made}, {when}):", ""]
+    rel = Path(os.path.relpath(exp_dir, md.parent)).as_posix()
+    body = text.splitlines()
+    body = body[1:] if body and body[0].startswith("# ") else body
+    for line in body[next((i for i, x in enumerate(body) if x.strip()), len(body)) :]:
+        line = "##" + line if line.startswith("#") else line
+        lines.append(re.sub(r"!\[([^\]]*)\]\(([^/():]+\.png)\)", lambda m: f"![{m[1] or m[2]}]({rel}/{m[2]})", line))
+    return "\n".join(lines).strip("\n")
+
+
+def write_results_md(md: Path, name: str, block: str):
+    """Replace what lies between RESULTS.md's markers of `name` with block (append the markers when absent)."""
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    old = md.read_text() if md.is_file() else ""
+    new = f"{begin}\n{block}\n{end}"
+    i = old.find(begin)
+    j = old.find(end, i + len(begin)) if i >= 0 else -1
+    if j >= 0:
+        text = old[:i] + new + old[j + len(end) :]
+    else:
+        text = (old.rstrip("\n") + "\n\n" if old.strip() else "") + new + "\n"
+    if text != old:
+        tmp = md.with_name(md.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, md)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -1723,13 +1779,27 @@ def main(argv=None):
     parser.add_argument(
         "--prompts-per-iter", type=int, default=None, help="prompt groups per iteration (default: the experiment's)"
     )
-    parser.add_argument("--out", default="runs/bench", help="results go to OUT/<experiment>/")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="results go to OUT/<experiment>/, run folders to OUT/<experiment>/work/ "
+        "(default: results, committed; with --quick runs/bench-quick)",
+    )
     parser.add_argument(
         "--tables-only",
         action="store_true",
-        help="rebuild table.md and figures from the results that exist; run nothing",
+        help="rebuild table.md, the figures and the RESULTS.md section from the results that exist; run nothing",
+    )
+    parser.add_argument(
+        "--results-md",
+        default=None,
+        help="the file whose <!-- BEGIN/END <experiment> --> section the report replaces "
+        "(default: RESULTS.md when OUT is the default results/; else none)",
     )
     args = parser.parse_args(argv)
+    committed = args.out is None and not args.quick  # the committed results: their report goes into RESULTS.md
+    args.out = args.out or ("runs/bench-quick" if args.quick else "results")
+    args.results_md = Path(args.results_md) if args.results_md else (Path("RESULTS.md") if committed else None)
     for flag in ("jobs", "seeds", "iterations", "prompts_per_iter"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give at least 1")
@@ -1762,6 +1832,14 @@ def main(argv=None):
             measure_profiles(exp_dir, iterations=2 if args.quick else 48, prompts=1 if args.quick else 8)
         failed = execute(planned, args.jobs)
     text, res = build_report(exp, exp_dir, planned)
+    if args.results_md is not None:
+        sizes = [
+            f"--{k.replace('_', '-')} {v}"
+            for k in ("seeds", "iterations", "prompts_per_iter")
+            if (v := getattr(args, k))
+        ]
+        command = " ".join(["python bench.py", exp.name, *(["--quick"] if args.quick else []), *sizes, "--tables-only"])
+        write_results_md(args.results_md, exp.name, results_block(text, res.records, exp_dir, args.results_md, command))
     print(text)
     if failed:
         raise SystemExit(

@@ -4,6 +4,7 @@ pytest -q test_bench.py
 """
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -172,6 +173,44 @@ def test_identical_runs_are_taken_from_the_reused_experiment(tmp_path):
     assert bench.reuse_results(planned, why, tmp_path / why.name) == 0  # nothing twice
 
 
+def test_results_are_committable_and_final_evaluations_need_no_run_folder(tmp_path):
+    """A result is gzip JSON, the same bytes when written again, with the run's commit; a new result drops the old
+    final evaluation; on a fresh clone (no work/ folder) the committed final evaluations are the ones used."""
+    exp = bench.quick_version(bench.EXPERIMENTS["recast-protocol"])
+    run = bench.plan_runs(exp, tmp_path)[0]
+    run.work.mkdir(parents=True)
+    (run.work / "metrics.jsonl").write_text('{"iteration": 0, "eval/weighted": 0.5}\n')
+    (run.work / "config.json").write_text(json.dumps({"git_sha": "0123456789abcdef"}))
+    final = run.result.with_name(run.run_id + ".final.json")
+    final.parent.mkdir(parents=True)
+    final.write_text("{}")
+    bench.write_result(run, 1.5)
+    data = run.result.read_bytes()
+    assert run.result.name.endswith(".json.gz") and data[:2] == b"\x1f\x8b" and not final.exists()
+    assert (
+        bench.load_result(run)["git_sha"] == "0123456789abcdef" and bench.load_result(run)["rows"][0]["iteration"] == 0
+    )
+    bench.write_result(run, 1.5)
+    assert run.result.read_bytes() == data
+    shutil.rmtree(run.work)  # a fresh clone: results, no run folders
+    n = len(shapes_world.splits()["heldout"]) * exp.final_noises
+    for name in ("pretrained", run.run_id):
+        scores = {"1": {"name": name}}
+        run.result.with_name(f"{name}.final.json").write_text(
+            json.dumps({"checkpoint": "pretrained", "n": n, "scores": scores})
+        )
+    got = bench.final_evals([run], tmp_path, exp.final_noises)  # would load the model and fail if it evaluated
+    assert got == {"pretrained": {"1": {"name": "pretrained"}}, run.run_id: {"1": {"name": run.run_id}}}
+    records = [{"git_sha": "0123456789abcdef", "finished": "2026-12-01"}, {"git_sha": None, "finished": "2026-12-03"}]
+    block = bench.results_block(
+        "# x\n\n## a\n![](f.png) ![g](g.png)", records, tmp_path / "r" / "x", tmp_path / "R.md", "cmd"
+    )
+    assert (
+        block == "`cmd` (2 runs made at commit 0123456, 2026-12-01 to 2026-12-03):\n\n"
+        "#### a\n![f.png](r/x/f.png) ![g](r/x/g.png)"
+    )
+
+
 def test_bench_refuses_bad_flags(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["multi", "--seeds", "0", "--out", str(tmp_path)])
@@ -241,7 +280,7 @@ def test_rvge_joint_quick_in_parallel_processes_resumes_and_marks_partial(tmp_pa
 
     monkeypatch.setattr(bench, "run_in_subprocess", must_not_run)
     bench.main(["rvge-joint", "--quick", "--jobs", "2", "--out", str(tmp_path)])  # resume: nothing left to run
-    (out / "runs" / "joint_rvge-seed0.json").unlink()  # as if killed before this run finished
+    (out / "runs" / "joint_rvge-seed0.json.gz").unlink()  # as if killed before this run finished
     partial = bench.main(["rvge-joint", "--quick", "--tables-only", "--out", str(tmp_path)])
     assert partial.missing == ["joint_rvge-seed0"] and "PARTIAL: 1 run(s) missing" in (out / "table.md").read_text()
     with pytest.raises(
@@ -289,3 +328,22 @@ def test_nft_steps_quick(tmp_path):
     assert set(res.runs["nft"]) == {"updates_1", "updates_8"}
     table = (tmp_path / "nft-steps" / "table.md").read_text()
     assert "updates_8 − updates_1" in table and (tmp_path / "nft-steps" / "eval_vs_iteration.png").exists()
+
+    # RESULTS.md from the results alone (a fresh clone: no work/): exactly the marker block, the same bytes twice
+    clone = tmp_path / "clone"
+    shutil.copytree(tmp_path / "nft-steps", clone / "results" / "nft-steps", ignore=shutil.ignore_patterns("work"))
+    md = clone / "RESULTS.md"
+    head, tail = "# Results\n\nbefore\n<!-- BEGIN nft-steps-x -->\n", "\nafter <!-- END nft-steps-x -->\n"
+    md.write_text(head + "<!-- BEGIN nft-steps -->\nold table\n<!-- END nft-steps -->" + tail)
+    argv = ["nft-steps", "--quick", "--tables-only", "--out", str(clone / "results"), "--results-md", str(md)]
+    bench.main(argv)
+    once = md.read_text()
+    assert (clone / "results" / "nft-steps" / "table.md").read_text() == table  # the same table without run folders
+    assert once.startswith(head + "<!-- BEGIN nft-steps -->\n`python bench.py nft-steps --quick --tables-only` (2 runs")
+    assert once.endswith("\n<!-- END nft-steps -->" + tail) and "old table" not in once
+    assert "\n# nft-steps" not in once and "](results/nft-steps/eval_vs_iteration.png)" in once
+    bench.main(argv)
+    assert md.read_text() == once
+    md.write_text("# Results\n")  # no block yet: appended at the end
+    bench.main(argv)
+    assert md.read_text() == "# Results\n\n" + once[len(head) : -len(tail)] + "\n"
