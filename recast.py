@@ -654,7 +654,7 @@ class Args:
     resolution: int = flag(0, "rollout", min=0)
     """image size in pixels (0: the model's default, 512 for SD3.5-M)"""
     max_sequence_length: int = flag(0, "rollout", min=0)
-    """T5 tokens (0: the model's default)"""
+    """T5 tokens (0: the model's default: 128 as DiffusionNFT encodes, 10 for the embedded model)"""
     rollout_batch: int = flag(64, "rollout", min=1)
     """chunk size for transformer calls during rollouts"""
     # optimisation
@@ -1197,7 +1197,7 @@ def dry_run(args):
     trainable = sum(p.numel() for p in lora_params(transformer, "default"))
     targets = sum(1 for n, _ in transformer.named_modules() if n.endswith(".lora_A.default"))
     res = args.resolution or 512
-    tokens = (res // 8 // config["patch_size"]) ** 2 + 77 + (args.max_sequence_length or 256)
+    tokens = (res // 8 // config["patch_size"]) ** 2 + 77 + (args.max_sequence_length or 128)
     gib = 2**30
     plan = {
         "frozen weights (bf16)": 2 * (total - 2 * trainable) / gib,
@@ -1805,7 +1805,7 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
     world = __import__("shapes_world") if is_embedded(args.model) else None
     gen_kwargs = world.GEN_KWARGS if world else {}
     res = args.resolution or gen_kwargs.get("height", 512)
-    max_len = args.max_sequence_length or gen_kwargs.get("max_sequence_length", 256)
+    max_len = args.max_sequence_length or gen_kwargs.get("max_sequence_length", 128)  # 128: DiffusionNFT's T5 length
     pipe = load_pipeline(args, acc.device, dtype)
     pipe.scheduler.set_timesteps(args.steps)
     train_prompts = read_prompts(args.train_prompts, "--train-prompts") if args.train_prompts else None
@@ -1826,8 +1826,8 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
     def prompts_for(it):  # each process its own prompt groups
         if world:
             return world.sample_prompts(args.prompts_per_iter, "train", args.seed * 7919 + it * 97 + acc.process_index)
-        return list(
-            np.random.default_rng([args.seed, it, acc.process_index]).choice(train_prompts, args.prompts_per_iter)
+        return distinct_prompts(
+            train_prompts, args.prompts_per_iter, [args.seed, it], acc.process_index, acc.num_processes
         )
 
     return SimpleNamespace(
@@ -2110,6 +2110,16 @@ def initial_level_stats(path, names, T):
         np.asarray(saved["s1"], dtype=np.float64)[rows],
         np.asarray(saved["s2"], dtype=np.float64)[rows],
     ]
+
+
+def distinct_prompts(prompts, n, seed, rank, world_size):
+    """Process `rank`'s n prompts of one iteration, as DiffusionNFT's sampler draws them: one permutation of the
+    prompt file's lines per iteration (seed), shared by every process and cut into consecutive slices, so no prompt
+    is drawn twice in an iteration while the file has n * world_size lines or more (a shorter file is cycled)."""
+    need = n * world_size
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    order = np.tile(order, -(-need // len(order)))[:need]
+    return [prompts[i] for i in order[rank * n : (rank + 1) * n]]
 
 
 def read_prompts(path, flag="prompts"):

@@ -1597,6 +1597,21 @@ def test_prompt_files_are_checked(tiny, tmp_path, content, words):
         )
 
 
+def test_file_prompts_are_drawn_as_diffusionnft_draws_them():
+    """DiffusionNFT's sampler: per iteration one permutation of the lines, split over processes: no prompt twice in an
+    iteration (all processes together), every line equally likely over iterations; a short file is cycled."""
+    lines = [f"prompt {i}" for i in range(12)]
+    counts = dict.fromkeys(lines, 0)
+    for it in range(600):
+        drawn = [p for rank in range(3) for p in recast.distinct_prompts(lines, 4, [0, it], rank, 3)]
+        assert len(drawn) == len(set(drawn)) == 12
+        for p in recast.distinct_prompts(lines, 4, [1, it], 0, 1):
+            counts[p] += 1
+    assert min(counts.values()) > 0.7 * 600 * 4 / 12 and max(counts.values()) < 1.3 * 600 * 4 / 12
+    short = [p for rank in range(2) for p in recast.distinct_prompts(lines[:3], 4, [0, 0], rank, 2)]
+    assert set(short[:3]) == set(lines[:3]) and short[3:6] == short[:3] and short[6:] == short[:2]
+
+
 def test_unclear_cases_now_name_the_real_problem(tiny, tmp_path):
     with pytest.raises(SystemExit, match="--model /nonexistent: no such folder"):
         recast.validate(recast.parse_args(["--model", "/nonexistent"]))
