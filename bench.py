@@ -160,7 +160,7 @@ JOINT_REWARDS = (
 )  # the five world rewards of the RVGE paper's joint run
 SETTINGS = {  # setting -> its four training rewards, in budget order
     "A": tuple(shapes_world.DEFAULT_REWARDS),
-    # Chosen from the measured D_k(t) (`measure_profiles`, README "ReCAST's protocol"): of the checker's attribute
+    # Chosen from the measured D_k(t) (`measure_profiles`, RESULTS.md "ReCAST's protocol"): of the checker's attribute
     # scores and the colour-edge detail reward, the four whose profiles move W furthest from uniform (mean |K T W /
     # Lam - 1|
     # 0.079, shape late, the others early-mid), leaving out position (informative on 24 of 132 captions; D(0) 0.004
