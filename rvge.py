@@ -1,10 +1,11 @@
 """DiffusionRVGE: regression-based value-gradient estimation, on top of DiffusionNFT.
 
-One self-contained file: RVGE's math first (centred reward / clean-image cross-covariance
-directions, the Gaussian posterior-variance transfer, target velocities), then the skeleton it
-shares with recast.py (budgets, samplers, the SD3 training loop; each copy marked `# Copied from
-recast.NAME`). --credit recast takes ReCAST's W from recast.py (`recast.credit`, imported where used). Derivations:
-derivations.ipynb; design: DESIGN.md. `diff recast.py rvge.py` shows the method.
+One self-contained file, read top to bottom: RVGE's math (centred reward / clean-image cross-covariance
+directions, the Gaussian posterior-variance transfer, target velocities, bandwidth by reward continuity), its
+glue (directions per reward, the regression loss and update), the train loop, the flags; then the DiffusionNFT
+skeleton and run machinery, one block that is the same text in recast.py (so `diff recast.py rvge.py` shows the
+two methods). --credit recast takes ReCAST's W from recast.py (`recast.credit`, imported where used).
+Derivations: derivations.ipynb; the design each "§n" names: NOTES.md.
 
 Notation map (code name -> symbol)
     lam      (K,)      reward budgets lambda_k, not normalised; Lam = sum_k lambda_k
@@ -59,12 +60,12 @@ from tqdm import tqdm
 from reward_models import DEFAULTS, REWARD_MODELS, build_rewards, ocr_target
 
 # =============================================================================
-# Math: value directions and their transfer across t (DESIGN §4)
+# RVGE §4.1-§4.3: value directions and their transfer across t
 # =============================================================================
 
 
 def value_direction(x0, rewards, beta=None, eta=1.0):
-    """Tilted posterior-mean shift d_B from one group of posterior samples (DESIGN §4.2).
+    """Tilted posterior-mean shift d_B from one group of posterior samples (NOTES.md §4.2).
 
     First order (beta None): d_B = eta 1/(G-1) sum_i (R_i - R_bar)(x0_i - x0_bar), the unbiased
     centred cross-covariance Cov(x0, R | x_t) (1/G would shrink it by (G-1)/G: by half for the
@@ -115,7 +116,7 @@ def query_weight(t, t_b, s2):
 
 
 def target_velocity(v_old, d_B, t, t_b, s2, cap=4.0, transfer="direct"):
-    """v_target = v_old(x_t) - d(t) / t with d(t) = (kappa(t) / kappa(t_b)) d_B (DESIGN §4.3); --transfer none
+    """v_target = v_old(x_t) - d(t) / t with d(t) = (kappa(t) / kappa(t_b)) d_B (NOTES.md §4.3); --transfer none
     uses d(t) = d_B at every t (the ablation). v_old (N, ...); d_B (N, ...) (each query's group direction);
     t (N,) tensor or array; t_b a float or (N,) like t."""
     shape = (-1, *[1] * (v_old.ndim - 1))
@@ -123,8 +124,13 @@ def target_velocity(v_old, d_B, t, t_b, s2, cap=4.0, transfer="direct"):
     return v_old - ratio.reshape(shape) * d_B / t.reshape(shape)
 
 
+# =============================================================================
+# RVGE §4.4: regression groups and bandwidth by reward continuity
+# =============================================================================
+
+
 def regression_groups(groups, ancestry, local):
-    """Ids (N,) of the groups the directions regress over (DESIGN §4.4), from an R roots x C children tree.
+    """Ids (N,) of the groups the directions regress over (NOTES.md §4.4), from an R roots x C children tree.
     Local: the C siblings that share their state at the last branch step (near-copies, t_b = sigma there).
     Broad: the R leaves of one prompt that took the same branch indices, one per root (independent, t_b = 1).
     With R = C both hold C leaves of the same rollout, so bandwidth is the only difference. Without a branch
@@ -166,7 +172,7 @@ def group_variance(x0, ids):
 
 def pick_bandwidth(setting, tie_share, threshold):
     """--bandwidth per reward: local | broad | split as given; auto: broad when more than `threshold` of the
-    local groups tie (a discrete reward: near-copies give no contrast), else split (DESIGN §4.4)."""
+    local groups tie (a discrete reward: near-copies give no contrast), else split (NOTES.md §4.4)."""
     if setting != "auto":
         return setting
     return "broad" if tie_share > threshold else "split"
@@ -264,8 +270,13 @@ def denoised_coordinates(probes, step, n_leaves):
     return x0_hat[torch.arange(n_leaves, device=x0_hat.device) // (n_leaves // len(x0_hat))]
 
 
+# =============================================================================
+# RVGE's glue: directions per reward, the regression loss and update
+# =============================================================================
+
+
 def value_directions(b, A, sigmas, branch, bandwidths, names, args, reduce):
-    """Step 2 of an iteration (DESIGN §4.2-4.4), the leaves of an R x C tree b (leaves, groups, ancestry;
+    """Step 2 of an iteration (NOTES.md §4.2-4.4), the leaves of an R x C tree b (leaves, groups, ancestry;
     probes with --coords noisy). Per reward: its bandwidth (auto: by the share of tied local groups, summed
     over processes), then every leaf's local and/or broad direction on the clean latents (or on x0_hat just
     after the group's branch time, --coords noisy); s2 from the broad groups (independent roots).
@@ -312,6 +323,14 @@ def value_directions(b, A, sigmas, branch, bandwidths, names, args, reduce):
     return directions, s2, metrics
 
 
+def credit_settings(args):
+    """rvge.py's flags for recast.credit: W learned with --credit recast (else uniform, the budgets' lambda / T), by
+    ReCAST's pairs estimator at order 2 on RVGE's trees (CreditSettings' defaults)."""
+    from recast import CreditSettings
+
+    return CreditSettings(args.credit == "recast", args.gain_ema, args.evidence, args.tau, args.eps)
+
+
 def rvge_loss(v_theta, v_target, v_old, x_t, x0, t, weight):
     """Per-sample regression loss in x0 coordinates with NFT's adaptive weight at the old policy:
     q(t) mean((t (v_theta - sg(v_target)))^2) / sg(mean|x_t - t v_old - x0|), mean over latent dims.
@@ -322,195 +341,107 @@ def rvge_loss(v_theta, v_target, v_old, x_t, x0, t, weight):
     return weight * ((t * (v_theta - v_target.detach())) ** 2).mean(dims) / scale
 
 
-# =============================================================================
-# Shared with recast.py: budgets and optimality probabilities (DESIGN §2)
-# =============================================================================
+def rvge_update(run, b, directions, mix, s2, args, gen, on_step):
+    """RVGE's update: `update_loop` with the regression loss (`rvge_loss`) to the mixed target of each query at
+    t = sigmas[j]: v_target = sum_k w_kj v_k, query weight q = sum_k w_kj q_k (`mix_targets`; w_kj = mix[k, j],
+    sum_k w_kj = 1; v_k, q_k from `reward_target`). b: the iteration's rollout (leaves, groups, emb, pooled);
+    directions: K RewardDirections (`value_directions`); mix (K, T); s2 the latent variance."""
+    import torch
 
+    mix_t = torch.as_tensor(mix, dtype=torch.float32)
 
-# Copied from recast.parse_budgets
-def parse_budgets(text: str) -> list[float]:
-    """Parse a budget vector such as "0.4,0.3,0.2,0.1" -> [0.4, 0.3, 0.2, 0.1].
+    def policy_loss(nb, v_theta, v_old):
+        with torch.no_grad():
+            w = mix_t[:, nb.j].to(nb.x0.device)  # (K, B)
+            targets = [
+                reward_target(v_old, nb.s, d.rows(nb.i), s2, args.transfer_cap, args.transfer, args.query_weights)
+                for d in directions
+            ]
+            v_target, q = mix_targets(targets, w)
+        return rvge_loss(v_theta, v_target, v_old, nb.x_t, nb.x0, nb.s, weight=q)
 
-    Budgets are NOT normalised: W's row sums equal them exactly as given. The
-    loss divides by their sum (the mixture weights T W_kj / Lam sum to one per
-    step), so scaling all budgets by a constant changes nothing in training.
-    Raises ValueError naming the problem: empty, not a number, NaN/inf,
-    negative, or all zero.
-    """
-    fix = "give comma-separated non-negative numbers, one per reward, e.g. --budgets 0.4,0.3,0.2,0.1"
-    if text is None or not str(text).strip():
-        raise ValueError(f"budgets are empty: {fix}")
-    out = []
-    for i, part in enumerate(str(text).split(",")):
-        try:
-            value = float(part)
-        except ValueError:
-            raise ValueError(f"budget {i + 1} ({part.strip()!r}) is not a number: {fix}") from None
-        if not math.isfinite(value):
-            raise ValueError(f"budget {i + 1} is {value}: budgets must be finite; {fix}")
-        if value < 0:
-            raise ValueError(f"budget {i + 1} is negative ({value}): {fix}")
-        out.append(value)
-    if sum(out) <= 0:
-        raise ValueError(f"all budgets are zero: at least one reward needs a positive budget; {fix}")
-    if not math.isfinite(sum(out)):
-        raise ValueError(f"budgets sum to {sum(out)}: only their ratios matter, so scale them down; {fix}")
-    return out
-
-
-# Copied from recast.advantages
-def advantages(rewards, groups, std=None, clip=5.0, eps=1e-4):
-    """DiffusionNFT's clipped advantage, per reward column:
-    A = clip((R - mean_group R) / (std_global R + eps), -clip, clip).
-    rewards (N,) or (N, K); groups (N,) prompt-group ids; std: the global std
-    per reward if already reduced across processes (else computed here).
-    Non-finite rewards are left out of the group means and the std and get
-    A = 0 (no preference); so does a group whose rewards all tie.
-    Returns A with the shape of rewards."""
-    R = np.asarray(rewards, dtype=np.float64)
-    squeeze = R.ndim == 1
-    R = R[:, None] if squeeze else R
-    groups = np.asarray(groups)
-    valid = np.isfinite(R)
-    if std is None:
-        std = np.array([R[valid[:, k], k].std() if valid[:, k].any() else 0.0 for k in range(R.shape[1])])
-    A = np.zeros_like(R)
-    for g in np.unique(groups):
-        rows = groups == g
-        Rg, vg = R[rows], valid[rows]
-        n = vg.sum(0)
-        mean = np.where(vg, Rg, 0.0).sum(0) / np.maximum(n, 1)
-        A[rows] = np.where(vg, (np.where(vg, Rg, 0.0) - mean) / (np.asarray(std) + eps), 0.0)
-    A = np.clip(A, -clip, clip)
-    return A[:, 0] if squeeze else A
-
-
-# Copied from recast.optimality
-def optimality(rewards, groups, std=None, clip=5.0, eps=1e-4):
-    """DiffusionNFT's reward -> optimality probability: r = 0.5 + 0.5 A / clip in [0, 1], A the
-    clipped advantage (`advantages`, same arguments). Non-finite rewards and tied groups get r = 0.5."""
-    return 0.5 + 0.5 * advantages(rewards, groups, std, clip, eps) / clip
-
-
-# Copied from recast.budget_mean
-def budget_mean(values, budgets):
-    """The budget-weighted mean sum_k lambda_k v_k / Lam of per-reward values (K,): the metrics `reward/weighted`
-    and `eval/weighted`."""
-    return np.asarray(budgets) @ values / sum(budgets)
+    return update_loop(run, b, args, gen, on_step, policy_loss)
 
 
 # =============================================================================
-# Shared with recast.py: uniform W, branch layout, old-policy and EMA schedules
+# Train loop
 # =============================================================================
 
 
-# Copied from recast.uniform_W
-def uniform_W(budgets, T):
-    """W_kj = lambda_k / T: DiffusionNFT with per-reward normalisation (--credit uniform)."""
-    return np.repeat(np.asarray(budgets, dtype=np.float64)[:, None] / T, T, axis=1)
+def train(args: Args, extra_rewards=None, judges=None):
+    """The whole run: per iteration rollout -> rewards -> per-reward group directions (bandwidth
+    per reward) -> regression update to the transferred targets -> soft update of "old" ->
+    log / evaluate / checkpoint. ReCAST's credit (W for --credit recast, its D curves logged either way) is
+    recast.py's, imported here. Returns the run folder."""
+    from recast import credit  # the pairs estimator, alpha = 2; with --credit budgets W is uniform
 
+    run = setup_run(args, extra_rewards, judges)
+    start, state = start_or_resume(run, args)
+    budgets, bandwidths = run.budgets, parse_bandwidths(args.bandwidth, len(run.names))
 
-# Copied from recast.branch_layout
-def branch_layout(n_groups, T, branch_steps, offset=0):
-    """Branch steps of each prompt group (DESIGN §3.3, §5). branch_steps: a list of steps shared by
-    every group, or "rotate": group p branches once, at step 1 + (offset + p) mod (T - 2), so that
-    consecutive groups (and iterations, through `offset`) cover every step 1..T-2 in turn and each
-    sampler level gets a measured D. Returns a list of n_groups sorted lists."""
-    if branch_steps == "rotate":
-        return [[1 + (offset + p) % (T - 2)] for p in range(n_groups)]
-    return [list(branch_steps) for _ in range(n_groups)]
+    def on_step():  # after every optimizer step: the EMA of the trained LoRA (DiffusionNFT's evaluation weights)
+        state["opt_steps"] += 1
+        if args.ema:
+            copy_adapter(run.transformer, "default", "ema", keep=ema_decay(state["opt_steps"]))
 
-
-# Copied from recast.old_decay
-def old_decay(step, decay_type):
-    """DiffusionNFT's `return_decay`: the weight kept by the sampling ("old") adapter in
-    old <- decay old + (1 - decay) default, after `step` optimizer steps in all.
-    Type 0: always 0 (old = the trained policy); 1: min(0.001 step, 0.5) (GenEval, PickScore,
-    multi-reward); 2: 0 for 75 steps, then 0.0075 per step up to 0.999 (OCR)."""
-    flat, rate, cap = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}[decay_type]
-    return 0.0 if step < flat else min((step - flat) * rate, cap)
-
-
-# Copied from recast.ema_decay
-def ema_decay(step):
-    """Decay of DiffusionNFT's EMA of the trained LoRA after optimizer step `step` (1, 2, ...):
-    min((1 + step) / (10 + step), 0.9) (flow_grpo/ema.py); the evaluation uses the EMA weights."""
-    return min((1 + step) / (10 + step), 0.9)
-
-
-# =============================================================================
-# Shared with recast.py: the sampler steps (DESIGN §1)
-# =============================================================================
-
-
-# Copied from recast.sde_step
-def sde_step(x, v, s, s_next, a, s_first, noise):
-    """One FlowGRPO-form SDE step from sigma s to s_next < s (DESIGN §1).
-
-    g = a sqrt(s / (1 - s)) (at s = 1 the denominator uses s_first = s_1),
-    mean = x (1 + g^2 dt / (2 s)) + v (1 + g^2 (1 - s) / (2 s)) dt,  dt = s_next - s < 0,
-    x' = mean + g sqrt(-dt) noise.
-    Euler-Maruyama for the reverse SDE with drift v - (g^2 / 2) score, so it keeps
-    the model's marginals as steps shrink (derivations.ipynb §2; toy_gaussian.py).
-    Works on floats, numpy arrays or tensors."""
-    dt = s_next - s
-    g = a * math.sqrt(s / (1 - (s_first if s >= 1 else s)))
-    mean = x * (1 + g * g * dt / (2 * s)) + v * (1 + g * g * (1 - s) / (2 * s)) * dt
-    return mean + g * math.sqrt(-dt) * noise
-
-
-# Copied from recast.ode_step
-def ode_step(x, v, s, s_next):
-    """Euler step of dx/dt = v from sigma s to s_next."""
-    return x + (s_next - s) * v
-
-
-# Copied from recast.dpm2_step
-def dpm2_step(x, x0_hat, x0_hat_prev, s_prev, s, s_next):
-    """One step of DPM-Solver++(2M) (Lu et al. 2022, multistep, data prediction) for rectified flow,
-    alpha_t = 1 - t, sigma_t = t, lambda = log(alpha / sigma): from sigma s to s_next < s,
-      h = lambda(s_next) - lambda(s),  D = x0_hat + (x0_hat - x0_hat_prev) / (2 r),  r = h_prev / h,
-      x' = (s_next / s) x - alpha(s_next) (exp(-h) - 1) D.
-    First order (D = x0_hat, DDIM) at the first step (x0_hat_prev None) and at the last (s_next = 0,
-    where x' = x0_hat), as diffusers' DPMSolverMultistepScheduler with lower_order_final and
-    DiffusionNFT's deterministic "dpm2" rollouts do. x0_hat = x - s v. Works on floats, arrays, tensors."""
-    if s_next <= 0:
-        return x0_hat
-    if s >= 1:  # lambda(1) = -inf: h = inf, the DDIM step from pure noise
-        return s_next * x + (1 - s_next) * x0_hat
-    lam = lambda u: math.log((1 - u) / u)  # noqa: E731
-    h = lam(s_next) - lam(s)
-    D = x0_hat
-    if x0_hat_prev is not None and s_prev < 1:  # s_prev = 1: lambda = -inf, r = inf, no correction
-        D = x0_hat + (x0_hat - x0_hat_prev) * h / (2 * (lam(s) - lam(s_prev)))
-    return (s_next / s) * x - (1 - s_next) * math.expm1(-h) * D
-
-
-# Copied from recast.shifted_sigmas
-def shifted_sigmas(T, shift=3.0):
-    """Grid 1 = s_0 > ... > s_T = 0 with SD3's time shift s -> shift s / (1 + (shift - 1) s) on a
-    uniform grid. The training loop uses the scheduler's own sigmas; this is for the toy and tests."""
-    u = np.linspace(1.0, 0.0, T + 1)
-    return shift * u / (1 + (shift - 1) * u)
+    bar = tqdm(
+        range(start, args.iterations),
+        desc="rvge",
+        initial=start,
+        total=args.iterations,
+        disable=not run.acc.is_main_process,
+    )
+    for it in bar:
+        gen, before = iteration_generator(args.seed, it), None
+        if it == 0 and args.eval_every and run.eval_prompts and run.acc.is_main_process:
+            before, images = evaluate(run, args)
+            save_grid(images, run.out / "samples_before.png", prompts=run.eval_prompts)
+        t0 = time.perf_counter()  # training time: the evaluation above is not part of it
+        # 1. rollouts from the old policy, rewards
+        b = rollout_and_score(run, args, it, gen, coordinate_steps(args.coords, run.branch))
+        t2 = time.perf_counter()
+        # 2. normalised rewards (global std across processes); bandwidth, t_b and directions per reward
+        n_valid, mean_R, std = global_stats(b.R, run.reduce)
+        stop_if_a_reward_failed(run, it, n_valid, state)
+        A = advantages(b.R, b.groups, std=std)  # clipped, in global-std units (NaN rewards: 0)
+        r = optimality(b.R, b.groups, std=std)  # for the pairs estimator of --credit recast
+        sigmas = run.sigmas.double().numpy()
+        state["level_stats"], credit_info, W = credit(
+            credit_settings(args), state.get("level_stats"), r, std, b, budgets, sigmas, run.reduce
+        )
+        directions, s2, rvge_metrics = value_directions(
+            b, A, run.sigmas, run.branch, bandwidths, run.names, args, run.reduce
+        )
+        t3 = time.perf_counter()
+        # 3. regression update of "default", then the soft update of "old"
+        losses = rvge_update(run, b, directions, mixture_weights(W, budgets), s2, args, gen, on_step)
+        copy_adapter(run.transformer, "default", "old", keep=old_decay(state["opt_steps"], args.old_decay))
+        t4 = time.perf_counter()
+        # 4. log, evaluate, checkpoint
+        metrics = {
+            **reward_metrics(run, it, b, n_valid, mean_R, losses),
+            **rvge_metrics,
+            **credit_info,
+            "recast/sigmas": run.sigmas.tolist(),
+            "time/rollout": b.t_rollout - t0,
+            "time/reward": t2 - b.t_rollout,
+            "time/regression": t3 - t2,
+            "time/update": t4 - t3,
+        }
+        finish_iteration(run, args, it, metrics, state, before)
+        bar.set_postfix({"reward": f"{metrics['reward/weighted']:.3f}", "loss": f"{metrics['loss/policy']:.4g}"})
+    if run.acc.is_main_process:
+        plot_run(run.out, run.names)
+    run.acc.end_training()  # closes the --report-to tracker
+    return run.out
 
 
 # =============================================================================
-# Args
+# Arguments (flags in --help sections) and RVGE's checks
 # =============================================================================
 
-# Copied from recast.EMBEDDED_MODEL
+
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent / "assets" / "shapes-sd3")  # runs from any folder
-# Copied from recast.LORA_TARGETS
-LORA_TARGETS = [
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-]
 
 
 ARG_GROUPS = {  # --help sections, in this order: title -> what the flags set
@@ -524,27 +455,10 @@ ARG_GROUPS = {  # --help sections, in this order: title -> what the flags set
 }
 
 
-# Copied from recast.flag
 def flag(default, group, **checks):
     """One Args field: its default, its --help section (a key of ARG_GROUPS) and the checks `check_ranges` applies:
     min / max (inclusive), gt / lt (strict), choices. Its help line is the string under it (`field_docs`)."""
     return field(default=default, metadata={"group": group, **checks})
-
-
-# Copied from recast.field_docs
-def field_docs(cls):
-    """{field name: the string literal written under it} from cls's source: per-field docstrings (CleanRL's habit)
-    that become the --help lines, whitespace collapsed."""
-    import ast
-    import inspect
-    import textwrap
-
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    return {
-        a.target.id: " ".join(b.value.value.split())
-        for a, b in zip(body, body[1:])
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
-    }
 
 
 @dataclass
@@ -704,205 +618,11 @@ class Args:
     """GenEval reply field used as the reward: scores (partial credit), strict_rewards (0/1)"""
 
 
-# Copied from recast.make_parser
-def make_parser(suppress=False):
-    """argparse from Args, in the sections of ARG_GROUPS; the string under each field is its --help line. With
-    suppress=True only the flags actually given appear in the result (used by --resume)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS if suppress else None
-    )
-    sections = {title: parser.add_argument_group(title, text) for title, text in ARG_GROUPS.items()}
-    docs = field_docs(Args)
-    for f in fields(Args):
-        name, section = "--" + f.name.replace("_", "-"), sections[f.metadata["group"]]
-        extra = {} if suppress else {"default": f.default}
-        if f.type in (bool, "bool"):
-            section.add_argument(name, action="store_true", help=docs[f.name], **extra)
-        else:
-            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            section.add_argument(name, type=kind, help=docs[f.name], choices=f.metadata.get("choices"), **extra)
-    return parser
-
-
-# Copied from recast.FIXED_ON_RESUME
-FIXED_ON_RESUME = ("model", "rewards", "steps", "lora_rank", "lora_alpha", "gain_estimator", "alpha", "gain_init")
-
-
-# Copied from recast.NOT_ON_RESUME
-NOT_ON_RESUME = ("name", "overwrite")  # they choose or replace a run folder; --resume continues its own
-
-
-# Copied from recast.parse_args
-def parse_args(argv=None) -> Args:
-    """Args from the command line. With --resume DIR the settings come from DIR/config.json and
-    flags given now override them, except FIXED_ON_RESUME (refused with both values named); the
-    run folder is DIR itself, wherever it lies now."""
-    args = Args(**vars(make_parser().parse_args(argv)))
-    if not args.resume:
-        return args
-    config = Path(args.resume) / "config.json"
-    if not config.is_file():
-        raise SystemExit(f"--resume {args.resume}: no config.json there; give the run folder of an earlier run")
-    saved_config, saved = read_run_config(config)
-    script = Path(__file__).stem
-    if saved_config["script"] != script:
-        raise SystemExit(
-            f"--resume {args.resume}: that run was trained by {saved_config['script']}.py; resume it with that script"
-        )
-    given = vars(make_parser(suppress=True).parse_args(argv))
-    for k in NOT_ON_RESUME:
-        if k in given:
-            raise SystemExit(
-                f"--{k} does not go with --resume {args.resume}, which continues that run in its own folder: "
-                f"drop --{k}, or start a new run without --resume"
-            )
-    if "out" in given and Path(given["out"]).resolve() != Path(args.resume).resolve():
-        raise SystemExit(
-            f"--resume {args.resume} continues that folder in place; --out {given['out']} names another. "
-            "To branch a run, copy its folder and resume the copy"
-        )
-    changed = [
-        f"--{k.replace('_', '-')}: saved {saved.get(k)!r}, given {given[k]!r}"
-        for k in FIXED_ON_RESUME
-        if k in given and given[k] != saved.get(k)
-    ]
-    if changed:
-        raise SystemExit(
-            f"--resume {args.resume}: these settings cannot change on resume ({'; '.join(changed)}). "
-            "Drop them, or start a new run"
-        )
-    known = {f.name for f in fields(Args)}
-    args = Args(**{**{k: v for k, v in saved.items() if k in known}, **given})
-    args.out, args.resume = str(args.resume), str(args.resume)
-    return args
-
-
-# Copied from recast.read_run_config
-def read_run_config(path):
-    """(config, its args) of a run's config.json, each saved flag of the type its Args field has (an int is
-    also a float); SystemExit naming the file, the entry and the fix when it is unreadable or hand-edited wrong."""
-    problem = None
-    try:
-        config = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        config, problem = None, f"it is not readable JSON ({err})"
-    if problem is None and not (isinstance(config, dict) and isinstance(config.get("args"), dict)):
-        problem = 'it does not hold an "args" object'
-    if problem is None and config.get("script") not in ("recast", "rvge"):
-        problem = f'its "script" is {config.get("script")!r}, not recast or rvge'
-    types = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
-    for f in fields(Args) if problem is None else ():
-        value, kind = config["args"].get(f.name), f.type if isinstance(f.type, str) else f.type.__name__
-        fits = isinstance(value, types[kind]) and (kind == "bool" or not isinstance(value, bool))
-        if f.name in config["args"] and not fits and not (value is None and f.default is None):
-            problem = f"args.{f.name} is {value!r}, not of type {kind}"
-            break
-    if problem:
-        raise SystemExit(
-            f"{path}: {problem}. Repair the file (the run's checkpoints are not affected), or start a new run"
-        )
-    return config, config["args"]
-
-
-# Copied from recast.seed_everything
-def seed_everything(seed):
-    """Seeds Python's `random`, numpy's global RNG and torch's CPU and CUDA default generators.
-    The loop itself draws every random number from per-iteration generators seeded by
-    (seed, iteration), so a resumed run repeats the iterations an uninterrupted one would."""
-    import random
-
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-# Copied from recast.iteration_generator
-def iteration_generator(seed, iteration):
-    """The CPU generator that draws every random number of one iteration (noise moves to the device)."""
-    import torch
-
-    return torch.Generator().manual_seed(seed * 1_000_003 + iteration)
-
-
-# Copied from recast.check_ranges
-def check_ranges(args: Args):
-    """Each numeric flag against the bounds in its Args metadata (min / max inclusive, gt / lt strict),
-    NaN and inf refused; each flag with choices against them. Raises SystemExit naming flag, value and fix."""
-    for f in fields(Args):
-        value, meta, flag = getattr(args, f.name), f.metadata, "--" + f.name.replace("_", "-")
-        if meta.get("choices") and value not in meta["choices"]:
-            raise SystemExit(f"{flag} {value!r}: choose one of {[c for c in meta['choices'] if c]}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        bounds = [
-            (meta.get("min"), ">=", value >= meta.get("min", -math.inf)),
-            (meta.get("gt"), ">", value > meta.get("gt", -math.inf)),
-            (meta.get("max"), "<=", value <= meta.get("max", math.inf)),
-            (meta.get("lt"), "<", value < meta.get("lt", math.inf)),
-        ]
-        if not math.isfinite(value) or any(bound is not None and not ok for bound, _, ok in bounds):
-            need = " and ".join(f"{op} {bound}" for bound, op, _ in bounds if bound is not None) or "finite"
-            raise SystemExit(f"{flag} {value}: must be a finite number {need}. Fix {flag}")
-
-
 def validate(args: Args, extra_rewards=None):
-    """Every check on the user's input, before any model is loaded or any file in a run folder changes.
-    Resolves the run folder (args.out). Returns (reward names, budgets, branch steps).
-    Raises SystemExit with the problem and the fix."""
-    import torch
-
-    check_ranges(args)
-    check_report_to(args.report_to)
-    if args.resolution % 16:
-        raise SystemExit(
-            f"--resolution {args.resolution}: SD3 needs a multiple of 16 (VAE 8 x patch 2), "
-            "or 0 for the model's default"
-        )
-    device = args.device.split(":")[0]
-    if device not in ("", "cpu", "cuda"):
-        raise SystemExit(f"--device {args.device!r}: give cpu, cuda or cuda:N (or omit it: cuda when available)")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device}: no CUDA GPU is visible here. Use --device cpu (or omit --device)")
-    model_path = Path(args.model)
-    if not args.dry_run:
-        if not model_path.exists():
-            if args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:
-                raise SystemExit(
-                    f"--model {args.model}: no such folder. Give a diffusers folder or a hub id such as "
-                    "stabilityai/stable-diffusion-3.5-medium"
-                )
-            if not torch.cuda.is_available() and args.device != "cpu":
-                raise SystemExit(
-                    f"--model {args.model} (SD3.5-Medium scale) needs a CUDA GPU and none is visible. "
-                    "On a CPU, train the embedded model: omit --model"
-                )
-        elif not (model_path / "model_index.json").exists():
-            raise SystemExit(f"--model {args.model}: not a diffusers pipeline folder (no model_index.json)")
-    try:
-        budgets = parse_budgets(args.budgets)
-    except ValueError as err:
-        raise SystemExit(f"--budgets: {err}") from None
-    names = [n.strip() for n in args.rewards.split(",") if n.strip()]
-    if not names:
-        if not is_embedded(args.model):
-            raise SystemExit("--rewards is required for this model, e.g. --rewards pickscore,clipscore,aesthetic,ocr")
-        import shapes_world
-
-        names = list(shapes_world.DEFAULT_REWARDS)
-    known = set(REWARD_MODELS) | set(reward_extras(args.model, extra_rewards))
-    unknown = [n for n in names if n not in known]
-    if unknown or len(set(names)) != len(names):
-        raise SystemExit(f"unknown or repeated reward(s) in {names}; known rewards: {sorted(known)}. Fix --rewards.")
-    if len(budgets) != len(names):
-        raise SystemExit(
-            f"{len(budgets)} budgets for {len(names)} rewards ({','.join(names)}): "
-            "give one budget per reward with --budgets"
-        )
-    branch = parse_branch_steps(args.branch_steps, args.steps)
+    """Every check on the user's input, before any model is loaded or any file in a run folder changes: the shared
+    ones (check_common, check_files) and this method's. Resolves the run folder (args.out). Returns (reward names,
+    budgets, branch steps). Raises SystemExit with the problem and the fix."""
+    names, budgets, branch = check_common(args, extra_rewards)
     if branch == "rotate":
         raise SystemExit(
             "--branch-steps rotate: RVGE's local groups split at one fixed step; give it, e.g. --branch-steps 7"
@@ -933,135 +653,9 @@ def validate(args: Args, extra_rewards=None):
         raise SystemExit(
             "--credit recast estimates gains from branched pairs: it needs --n-roots >= 2 and a --branch-steps entry"
         )
-    if is_embedded(args.model) and args.train_prompts:
-        raise SystemExit(
-            "--train-prompts is not used with the embedded model (it samples prompts of its own world): "
-            "omit it, or give --model"
-        )
     check_files(args, names)
     args.out = str(run_folder(args))
     return names, budgets, branch
-
-
-# Copied from recast.check_files
-def check_files(args, names):
-    """The files a run reads, checked before any model loads: prompt files (readable, >= 2 held-out prompts, the
-    embedded world's held-out prompts inside its grammar, quoted text for the ocr reward) and, on --resume, the
-    metrics file (a damaged line is refused; metrics_lines). SystemExit naming the file, the problem and the fix."""
-    if args.train_prompts:
-        unquoted = [q for q in read_prompts(args.train_prompts, "--train-prompts") if ocr_target(q) is None]
-        if "ocr" in names and unquoted:
-            raise SystemExit(
-                f"--train-prompts {args.train_prompts}: the ocr reward scores the text between double quotes, and "
-                f"{len(unquoted)} prompt(s) quote nothing, the first: {unquoted[0]!r}. Quote the text to render"
-            )
-    if args.eval_prompts:
-        prompts = read_prompts(args.eval_prompts, "--eval-prompts")
-        if len(prompts) < 2:
-            raise SystemExit(
-                f"--eval-prompts {args.eval_prompts}: give at least 2 prompts (the held-out set is judged as a set)"
-            )
-        if is_embedded(args.model):
-            import shapes_world
-
-            for number, prompt in enumerate(prompts, 1):
-                try:
-                    shapes_world.parse_prompt(prompt)
-                except ValueError:
-                    raise SystemExit(
-                        f"--eval-prompts {args.eval_prompts}: line {number}, {prompt!r}, is outside the embedded "
-                        "world's captions (e.g. 'two red circles', 'a blue square on the left'); the world's "
-                        "rewards cannot score it. Fix the line, or give --model"
-                    ) from None
-    if args.resume:
-        metrics_lines(Path(args.resume) / "metrics.jsonl")
-
-
-# Copied from recast.check_report_to
-def check_report_to(report_to):
-    """--report-to's package is installed (no default run needs it); else SystemExit with the fix."""
-    import importlib.util
-
-    packages = {"tensorboard": ["tensorboard", "tensorboardX"], "wandb": ["wandb"]}.get(report_to, [])
-    if packages and not any(importlib.util.find_spec(p) for p in packages):
-        raise SystemExit(
-            f"--report-to {report_to} needs the {packages[0]} package: pip install {packages[0]}, "
-            "or leave --report-to at none"
-        )
-
-
-# Copied from recast.parse_branch_steps
-def parse_branch_steps(text, T):
-    """--branch-steps: "rotate" or sorted distinct steps strictly between 0 and T - 1."""
-    if text.strip() == "rotate":
-        return "rotate"
-    try:
-        branch = sorted({int(b) for b in text.split(",") if b.strip()})
-    except ValueError:
-        raise SystemExit(f"--branch-steps {text!r}: give rotate, or step indices such as 3,6") from None
-    if any(not 0 < b < T - 1 for b in branch):
-        raise SystemExit(f"--branch-steps must lie strictly between 0 and T - 1 = {T - 1} (T = --steps), got {branch}")
-    return branch
-
-
-# Copied from recast.is_run
-def is_run(folder):
-    """True when folder/config.json is a run's record (JSON with "args" and "script" recast or rvge)."""
-    try:
-        config = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return (
-        isinstance(config, dict) and isinstance(config.get("args"), dict) and config.get("script") in ("recast", "rvge")
-    )
-
-
-# Copied from recast.is_unused
-def is_unused(folder):
-    """True when nothing is at the path, or it is a folder holding nothing but a run's lock file (a start that
-    stopped before it wrote its config)."""
-    folder = Path(folder)
-    return not folder.exists() or (folder.is_dir() and all(p.name == ".lock" for p in folder.iterdir()))
-
-
-# Copied from recast.run_folder
-def run_folder(args):
-    """The run folder, checked writable, never inside another run (whose checkpoint rotation would delete it).
-    --resume: that folder. --out: a new or empty folder, or a run, which is refused unless --overwrite (a folder of
-    other files is refused even then: a run writes only where nothing else lives). Default runs/<name>: a fresh
-    -1, -2, ... suffix when the name is taken, so running a command twice gives two runs. Creates the folder;
-    changes nothing inside it."""
-    if args.resume:
-        out = Path(args.resume)
-    elif args.out:
-        out = Path(args.out)
-        if is_run(out) and not args.overwrite:
-            raise SystemExit(
-                f"--out {out} already holds a run. Continue it with --resume {out}, choose another --out, "
-                "or replace it with --overwrite"
-            )
-        if not is_run(out) and not is_unused(out):
-            raise SystemExit(
-                f"--out {out} holds files that are not a run of this project (a run writes only to a new or empty "
-                "folder, and --overwrite replaces only runs). Choose a new folder with --out"
-            )
-    else:
-        base = Path("runs") / (args.name or default_name(args))
-        out = next(p for p in (base.with_name(f"{base.name}-{i}") if i else base for i in range(10**6)) if is_unused(p))
-    host = next((p for p in Path(os.path.abspath(out)).parents if is_run(p)), None)
-    if host is not None:
-        raise SystemExit(
-            f"{out} lies inside the run folder {host}, whose checkpoint rotation and --overwrite would delete it: "
-            "choose a folder outside any run"
-        )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write_test.{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as err:
-        raise SystemExit(f"cannot write to the run folder {out} ({err.strerror}): choose another with --out") from None
-    return out
 
 
 BANDWIDTHS = ("local", "broad", "split", "auto")
@@ -1077,185 +671,168 @@ def default_name(args):
     return f"rvge-{args.credit}-{args.seed}"
 
 
-# Copied from recast.lock_run
-def lock_run(out):
-    """An exclusive lock on out/.lock for this process's lifetime: a second live process on the same
-    folder (e.g. two --resume) is refused. Returns the open file (keep it referenced)."""
-    import fcntl
-
-    handle = open(Path(out) / ".lock", "w")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
-        raise SystemExit(
-            f"{out} is in use by another live process (it holds {out}/.lock); wait for it to finish or stop it"
-        ) from None
-    return handle
-
-
-# Copied from recast.is_embedded
-def is_embedded(model):
-    return Path(model).resolve() == (Path(__file__).parent / EMBEDDED_MODEL).resolve()
+# #####################################################################################################################
+# DiffusionNFT skeleton and run machinery: identical in recast.py and rvge.py, in this order, to the end of the file.
+# test_recast.py checks that the two blocks are the same text; change it in recast.py, then
+# `python test_recast.py --fix-copies` rewrites rvge.py's block from it.
+# #####################################################################################################################
 
 
 # =============================================================================
-# Model loading
+# DiffusionNFT's rewards to optimality, and its schedules (NOTES.md §2)
 # =============================================================================
 
 
-# Copied from recast.no_torchvision_notice
-def no_torchvision_notice(record):
-    """A logging filter: drops transformers' notice that torchvision is absent (deliberately: the PIL image processors
-    it falls back to serve every model here) and nothing else."""
-    return "requires torchvision (not installed)" not in record.getMessage()
+def parse_budgets(text: str) -> list[float]:
+    """Parse a budget vector such as "0.4,0.3,0.2,0.1" -> [0.4, 0.3, 0.2, 0.1].
+
+    Budgets are NOT normalised: W's row sums equal them exactly as given. The
+    loss divides by their sum (the mixture weights T W_kj / Lam sum to one per
+    step), so scaling all budgets by a constant changes nothing in training.
+    Raises ValueError naming the problem: empty, not a number, NaN/inf,
+    negative, or all zero.
+    """
+    fix = "give comma-separated non-negative numbers, one per reward, e.g. --budgets 0.4,0.3,0.2,0.1"
+    if text is None or not str(text).strip():
+        raise ValueError(f"budgets are empty: {fix}")
+    out = []
+    for i, part in enumerate(str(text).split(",")):
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"budget {i + 1} ({part.strip()!r}) is not a number: {fix}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"budget {i + 1} is {value}: budgets must be finite; {fix}")
+        if value < 0:
+            raise ValueError(f"budget {i + 1} is negative ({value}): {fix}")
+        out.append(value)
+    if sum(out) <= 0:
+        raise ValueError(f"all budgets are zero: at least one reward needs a positive budget; {fix}")
+    if not math.isfinite(sum(out)):
+        raise ValueError(f"budgets sum to {sum(out)}: only their ratios matter, so scale them down; {fix}")
+    return out
 
 
-# Copied from recast.quiet_start_up
-def quiet_start_up():
-    """The console of a run holds one progress bar and no library notices: the filter above on the logger that
-    prints the torchvision notice, and the loading bars of diffusers and transformers off in this process."""
-    logging.getLogger("transformers.utils.import_utils").addFilter(no_torchvision_notice)
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
-
-
-# Copied from recast.load_pipeline
-def load_pipeline(args, device, dtype):
-    """StableDiffusion3Pipeline (the real SD3.5-M or the embedded tiny one, same classes) with
-    frozen VAE and text encoders, and LoRA adapters on the transformer: "default" (trained), "old"
-    (sampling policy, a copy) and with --ema "ema". Disabling adapters gives the frozen base."""
-    import torch
-    from diffusers import StableDiffusion3Pipeline
-    from peft import LoraConfig
-
-    local = Path(args.model).exists()
-    pipe = StableDiffusion3Pipeline.from_pretrained(args.model, dtype=dtype, local_files_only=local)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.to(device)
-    for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.transformer):
-        if module is not None:
-            module.requires_grad_(False)
-            module.eval()
-    transformer = pipe.transformer
-    config = LoraConfig(
-        r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian", target_modules=LORA_TARGETS
-    )
-    torch.manual_seed(args.seed)
-    transformer.add_adapter(config, adapter_name="default")
-    adapters = ["default", "old"] + (["ema"] if args.ema else [])
-    for name in adapters[1:]:  # "old" and "ema" start as copies of "default"
-        with warnings.catch_warnings():  # several adapters on one model are the design here, not a slip
-            warnings.filterwarnings("ignore", message="Already found a `peft_config`")
-            transformer.add_adapter(config, adapter_name=name)
-        copy_adapter(transformer, "default", name)
-    for p in [p for name in adapters for p in lora_params(transformer, name)]:
-        p.data = p.data.float()  # LoRA weights and their optimizer state in float32
-    transformer.set_adapter("default")
-    if args.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    return pipe
+def advantages(rewards, groups, std=None, clip=5.0, eps=1e-4):
+    """DiffusionNFT's clipped advantage, per reward column:
+    A = clip((R - mean_group R) / (std_global R + eps), -clip, clip).
+    rewards (N,) or (N, K); groups (N,) prompt-group ids; std: the global std
+    per reward if already reduced across processes (else computed here).
+    Non-finite rewards are left out of the group means and the std and get
+    A = 0 (no preference); so does a group whose rewards all tie.
+    Returns A with the shape of rewards."""
+    R = np.asarray(rewards, dtype=np.float64)
+    squeeze = R.ndim == 1
+    R = R[:, None] if squeeze else R
+    groups = np.asarray(groups)
+    valid = np.isfinite(R)
+    if std is None:
+        std = np.array([R[valid[:, k], k].std() if valid[:, k].any() else 0.0 for k in range(R.shape[1])])
+    A = np.zeros_like(R)
+    for g in np.unique(groups):
+        rows = groups == g
+        Rg, vg = R[rows], valid[rows]
+        n = vg.sum(0)
+        mean = np.where(vg, Rg, 0.0).sum(0) / np.maximum(n, 1)
+        A[rows] = np.where(vg, (np.where(vg, Rg, 0.0) - mean) / (np.asarray(std) + eps), 0.0)
+    A = np.clip(A, -clip, clip)
+    return A[:, 0] if squeeze else A
 
 
-# Copied from recast.scheduler_sigmas
-def scheduler_sigmas(pipe, steps):
-    """The pipeline scheduler's sigma grid (steps + 1,) for `steps` steps, from a copy (the pipeline's own stays
-    as set)."""
-    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
-    scheduler.set_timesteps(steps)
-    return scheduler.sigmas.float().cpu()
+def optimality(rewards, groups, std=None, clip=5.0, eps=1e-4):
+    """DiffusionNFT's reward -> optimality probability: r = 0.5 + 0.5 A / clip in [0, 1], A the
+    clipped advantage (`advantages`, same arguments). Non-finite rewards and tied groups get r = 0.5."""
+    return 0.5 + 0.5 * advantages(rewards, groups, std, clip, eps) / clip
 
 
-# Copied from recast.lora_params
-def lora_params(transformer, adapter):
-    return [p for n, p in transformer.named_parameters() if f".{adapter}." in n]
+def budget_mean(values, budgets):
+    """The budget-weighted mean sum_k lambda_k v_k / Lam of per-reward values (K,): the metrics `reward/weighted`
+    and `eval/weighted`."""
+    return np.asarray(budgets) @ values / sum(budgets)
 
 
-# Copied from recast.copy_adapter
-def copy_adapter(transformer, src, dst, keep=0.0):
-    """dst <- keep * dst + (1 - keep) * src, parameter by parameter (DiffusionNFT's soft update)."""
-    import torch
+def old_decay(step, decay_type):
+    """DiffusionNFT's `return_decay`: the weight kept by the sampling ("old") adapter in
+    old <- decay old + (1 - decay) default, after `step` optimizer steps in all.
+    Type 0: always 0 (old = the trained policy); 1: min(0.001 step, 0.5) (GenEval, PickScore,
+    multi-reward); 2: 0 for 75 steps, then 0.0075 per step up to 0.999 (OCR)."""
+    flat, rate, cap = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}[decay_type]
+    return 0.0 if step < flat else min((step - flat) * rate, cap)
 
-    with torch.no_grad():
-        for p_src, p_dst in zip(lora_params(transformer, src), lora_params(transformer, dst)):
-            p_dst.mul_(keep).add_(p_src.to(p_dst.dtype), alpha=1 - keep)
 
-
-# Copied from recast.dry_run
-def dry_run(args):
-    """SD3.5-Medium readiness without weights: its transformer (shipped config) on the meta device,
-    the LoRA attached, trainable parameters and a memory plan for one micro-batch."""
-    from accelerate import init_empty_weights
-    from diffusers import SD3Transformer2DModel
-    from peft import LoraConfig
-
-    config = json.loads((Path(__file__).parent / "assets/sd3.5-medium-transformer.json").read_text())
-    with init_empty_weights():
-        transformer = SD3Transformer2DModel.from_config(config)
-        lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=LORA_TARGETS)
-        transformer.add_adapter(lora, adapter_name="default")
-        transformer.add_adapter(lora, adapter_name="old")
-    total = sum(p.numel() for p in transformer.parameters())
-    trainable = sum(p.numel() for p in lora_params(transformer, "default"))
-    targets = sum(1 for n, _ in transformer.named_modules() if n.endswith(".lora_A.default"))
-    res = args.resolution or 512
-    tokens = (res // 8 // config["patch_size"]) ** 2 + 77 + (args.max_sequence_length or 128)
-    gib = 2**30
-    plan = {
-        "frozen weights (bf16)": 2 * (total - 2 * trainable) / gib,
-        "two LoRA adapters (fp32)": 4 * 2 * trainable / gib,
-        "AdamW state + grads (fp32)": 3 * 4 * trainable / gib,
-        # rough activation size kept for backward: per block ~ 12 tensors of (tokens, hidden) in bf16
-        f"activations, micro-batch {args.train_batch} (estimate)": args.train_batch
-        * config["num_layers"]
-        * 12
-        * tokens
-        * config["num_attention_heads"]
-        * config["attention_head_dim"]
-        * 2
-        / gib,
-    }
-    print(
-        f"SD3.5-Medium transformer: {total / 1e6:.1f}M parameters, LoRA on {targets} linear layers "
-        f"(r={args.lora_rank}, alpha={args.lora_alpha}): {trainable / 1e6:.2f}M trainable"
-    )
-    for key, value in plan.items():
-        print(f"  {key:<45} {value:8.2f} GiB")
-    print(f"  {'total (transformer training, excl. VAE/text encoders)':<45} {sum(plan.values()):8.2f} GiB")
-    return {"total_params": total, "trainable_params": trainable, "lora_layers": targets, "memory_gib": plan}
+def ema_decay(step):
+    """Decay of DiffusionNFT's EMA of the trained LoRA after optimizer step `step` (1, 2, ...):
+    min((1 + step) / (10 + step), 0.9) (flow_grpo/ema.py); the evaluation uses the EMA weights."""
+    return min((1 + step) / (10 + step), 0.9)
 
 
 # =============================================================================
-# Rewards
-# =============================================================================
-# A reward is a callable (images: list of PIL, prompts: list of str) -> np.ndarray (N,). The
-# embedded model's are programs (shapes_world.REWARDS); the real reward models (PickScore,
-# CLIPScore, aesthetic, OCR, GenEval) live in reward_models.py, shared by both scripts.
-
-
-# Copied from recast.reward_extras
-def reward_extras(model, extra=None):
-    """Rewards that are plain callables: the embedded world's programs (for the embedded model;
-    their names shadow the reward models', e.g. `geneval` is the shapes checker there) and `extra`."""
-    world = __import__("shapes_world").REWARDS if is_embedded(model) else {}
-    return {**world, **(extra or {})}
-
-
-# Copied from recast.score
-def score(rewards, images, prompts):
-    """Rewards (N, K) float64; non-finite values are kept (NaN) and handled by `optimality`."""
-    return np.stack([np.asarray(fn(images, prompts), dtype=np.float64).reshape(len(images)) for fn in rewards], 1)
-
-
-# =============================================================================
-# Rollout (DESIGN §5)
+# Sampler steps on torch tensors (NOTES.md §1)
 # =============================================================================
 
 
-# Copied from recast.encode
+def sde_step(x, v, s, s_next, a, s_first, noise):
+    """One FlowGRPO-form SDE step from sigma s to s_next < s (NOTES.md §1).
+
+    g = a sqrt(s / (1 - s)) (at s = 1 the denominator uses s_first = s_1),
+    mean = x (1 + g^2 dt / (2 s)) + v (1 + g^2 (1 - s) / (2 s)) dt,  dt = s_next - s < 0,
+    x' = mean + g sqrt(-dt) noise.
+    Euler-Maruyama for the reverse SDE with drift v - (g^2 / 2) score, so it keeps
+    the model's marginals as steps shrink (derivations.ipynb §2; toy_gaussian.py).
+    Works on floats, numpy arrays or tensors."""
+    dt = s_next - s
+    g = a * math.sqrt(s / (1 - (s_first if s >= 1 else s)))
+    mean = x * (1 + g * g * dt / (2 * s)) + v * (1 + g * g * (1 - s) / (2 * s)) * dt
+    return mean + g * math.sqrt(-dt) * noise
+
+
+def ode_step(x, v, s, s_next):
+    """Euler step of dx/dt = v from sigma s to s_next."""
+    return x + (s_next - s) * v
+
+
+def dpm2_step(x, x0_hat, x0_hat_prev, s_prev, s, s_next):
+    """One step of DPM-Solver++(2M) (Lu et al. 2022, multistep, data prediction) for rectified flow,
+    alpha_t = 1 - t, sigma_t = t, lambda = log(alpha / sigma): from sigma s to s_next < s,
+      h = lambda(s_next) - lambda(s),  D = x0_hat + (x0_hat - x0_hat_prev) / (2 r),  r = h_prev / h,
+      x' = (s_next / s) x - alpha(s_next) (exp(-h) - 1) D.
+    First order (D = x0_hat, DDIM) at the first step (x0_hat_prev None) and at the last (s_next = 0,
+    where x' = x0_hat), as diffusers' DPMSolverMultistepScheduler with lower_order_final and
+    DiffusionNFT's deterministic "dpm2" rollouts do. x0_hat = x - s v. Works on floats, arrays, tensors."""
+    if s_next <= 0:
+        return x0_hat
+    if s >= 1:  # lambda(1) = -inf: h = inf, the DDIM step from pure noise
+        return s_next * x + (1 - s_next) * x0_hat
+    lam = lambda u: math.log((1 - u) / u)  # noqa: E731
+    h = lam(s_next) - lam(s)
+    D = x0_hat
+    if x0_hat_prev is not None and s_prev < 1:  # s_prev = 1: lambda = -inf, r = inf, no correction
+        D = x0_hat + (x0_hat - x0_hat_prev) * h / (2 * (lam(s) - lam(s_prev)))
+    return (s_next / s) * x - (1 - s_next) * math.expm1(-h) * D
+
+
+def shifted_sigmas(T, shift=3.0):
+    """Grid 1 = s_0 > ... > s_T = 0 with SD3's time shift s -> shift s / (1 + (shift - 1) s) on a
+    uniform grid. The training loop uses the scheduler's own sigmas; this is for the toy and tests."""
+    u = np.linspace(1.0, 0.0, T + 1)
+    return shift * u / (1 + (shift - 1) * u)
+
+
+# =============================================================================
+# Rollout and rewards (NOTES.md §5)
+# =============================================================================
+
+
+def branch_layout(n_groups, T, branch_steps, offset=0):
+    """Branch steps of each prompt group (NOTES.md §3.3, §5). branch_steps: a list of steps shared by
+    every group, or "rotate": group p branches once, at step 1 + (offset + p) mod (T - 2), so that
+    consecutive groups (and iterations, through `offset`) cover every step 1..T-2 in turn and each
+    sampler level gets a measured D. Returns a list of n_groups sorted lists."""
+    if branch_steps == "rotate":
+        return [[1 + (offset + p) % (T - 2)] for p in range(n_groups)]
+    return [list(branch_steps) for _ in range(n_groups)]
+
+
 def encode(pipe, prompts, max_len, device):
     """CFG-free text conditioning: (prompt_embeds (P, L, D), pooled (P, D'))."""
     import torch
@@ -1267,7 +844,6 @@ def encode(pipe, prompts, max_len, device):
     return emb, pooled
 
 
-# Copied from recast.velocity
 def velocity(transformer, x, s, emb, pooled, chunk=64):
     """v(x_t, t, c) of the active adapter; x (N, C, h, w) float32, s (N,) sigmas in [0, 1],
     emb/pooled already indexed per sample. The transformer takes timestep = 1000 s (float32, as the
@@ -1290,7 +866,6 @@ def velocity(transformer, x, s, emb, pooled, chunk=64):
     return torch.cat(outs)
 
 
-# Copied from recast.tree_rollout
 def tree_rollout(
     transformer,
     emb,
@@ -1307,7 +882,7 @@ def tree_rollout(
     substeps=1,
     solver="euler",
 ):
-    """One tree per prompt (DESIGN §5): n_roots noises run with the ODE to the group's first branch
+    """One tree per prompt (NOTES.md §5): n_roots noises run with the ODE to the group's first branch
     step; at each of its branch steps every state is copied n_branch times; after the first branch the
     SDE continues (`substeps` Euler-Maruyama sub-steps per grid interval, so that siblings sample
     x0 | x_t closely: derivations.ipynb §7); the last step is an Euler step, so leaves are clean.
@@ -1381,54 +956,6 @@ def tree_rollout(
     return x, groups, ancestry, probes
 
 
-# Copied from recast.sde_continue
-def sde_continue(transformer, x, v, s, s_next, emb, pooled, sde_a, s_first, substeps, gen, chunk):
-    """`substeps` SDE steps from s to s_next on an even sub-grid; v is the velocity already taken at s."""
-    import torch
-
-    grid = np.linspace(s, s_next, substeps + 1)
-    for i, (u, u_next) in enumerate(zip(grid[:-1], grid[1:])):
-        if i:
-            v = velocity(transformer, x, torch.full((len(x),), float(u), device=x.device), emb, pooled, chunk)
-        x = sde_step(x, v, float(u), float(u_next), sde_a, s_first, torch.randn(x.shape, generator=gen).to(x.device))
-    return x
-
-
-# Copied from recast.decode
-def decode(pipe, latents, chunk=8):
-    """Latents (scaled as the transformer sees them) -> list of PIL images."""
-    import torch
-
-    cfg = pipe.vae.config
-    images = []
-    with torch.no_grad():
-        for z in latents.split(chunk):
-            x = pipe.vae.decode((z / cfg.scaling_factor + cfg.shift_factor).to(pipe.vae.dtype), return_dict=False)[0]
-            images += pipe.image_processor.postprocess(x.float(), output_type="pil")
-    return images
-
-
-# =============================================================================
-# Credit: Renyi curves -> gains -> W, for --credit recast (DESIGN §3.3-3.4)
-# =============================================================================
-
-
-# =============================================================================
-# Update: regression to the transferred target over the sampler's timesteps (DESIGN §4.3)
-# =============================================================================
-
-
-# Copied from recast.training_pairs
-def training_pairs(N, T, per_leaf, gen):
-    """(N * per_leaf, 2) (leaf, grid step) pairs in random order: each leaf trains on `per_leaf`
-    distinct sampler steps, the first of a random permutation of the T (DiffusionNFT: 9 of 10)."""
-    import torch
-
-    steps = torch.stack([torch.randperm(T, generator=gen)[: min(per_leaf, T)] for _ in range(N)])
-    pairs = torch.stack([torch.arange(N).repeat_interleave(steps.shape[1]), steps.reshape(-1)], 1)
-    return pairs[torch.randperm(len(pairs), generator=gen)]
-
-
 def ode_sample(transformer, emb, pooled, sigmas, shape, seed, chunk=64):
     """One image latent per prompt by the Euler ODE from fixed noise (`seed`): the held-out samplers' rollout
     (a tree with one root and no branch)."""
@@ -1449,31 +976,60 @@ def ode_sample(transformer, emb, pooled, sigmas, shape, seed, chunk=64):
     )[0]
 
 
-def rvge_update(run, b, directions, mix, s2, args, gen, on_step):
-    """RVGE's update: `update_loop` with the regression loss (`rvge_loss`) to the mixed target of each query at
-    t = sigmas[j]: v_target = sum_k w_kj v_k, query weight q = sum_k w_kj q_k (`mix_targets`; w_kj = mix[k, j],
-    sum_k w_kj = 1; v_k, q_k from `reward_target`). b: the iteration's rollout (leaves, groups, emb, pooled);
-    directions: K RewardDirections (`value_directions`); mix (K, T); s2 the latent variance."""
+def sde_continue(transformer, x, v, s, s_next, emb, pooled, sde_a, s_first, substeps, gen, chunk):
+    """`substeps` SDE steps from s to s_next on an even sub-grid; v is the velocity already taken at s."""
     import torch
 
-    mix_t = torch.as_tensor(mix, dtype=torch.float32)
-
-    def policy_loss(nb, v_theta, v_old):
-        with torch.no_grad():
-            w = mix_t[:, nb.j].to(nb.x0.device)  # (K, B)
-            targets = [
-                reward_target(v_old, nb.s, d.rows(nb.i), s2, args.transfer_cap, args.transfer, args.query_weights)
-                for d in directions
-            ]
-            v_target, q = mix_targets(targets, w)
-        return rvge_loss(v_theta, v_target, v_old, nb.x_t, nb.x0, nb.s, weight=q)
-
-    return update_loop(run, b, args, gen, on_step, policy_loss)
+    grid = np.linspace(s, s_next, substeps + 1)
+    for i, (u, u_next) in enumerate(zip(grid[:-1], grid[1:])):
+        if i:
+            v = velocity(transformer, x, torch.full((len(x),), float(u), device=x.device), emb, pooled, chunk)
+        x = sde_step(x, v, float(u), float(u_next), sde_a, s_first, torch.randn(x.shape, generator=gen).to(x.device))
+    return x
 
 
-# Copied from recast.update_loop
+def decode(pipe, latents, chunk=8):
+    """Latents (scaled as the transformer sees them) -> list of PIL images."""
+    import torch
+
+    cfg = pipe.vae.config
+    images = []
+    with torch.no_grad():
+        for z in latents.split(chunk):
+            x = pipe.vae.decode((z / cfg.scaling_factor + cfg.shift_factor).to(pipe.vae.dtype), return_dict=False)[0]
+            images += pipe.image_processor.postprocess(x.float(), output_type="pil")
+    return images
+
+
+def reward_extras(model, extra=None):
+    """Rewards that are plain callables: the embedded world's programs (for the embedded model;
+    their names shadow the reward models', e.g. `geneval` is the shapes checker there) and `extra`."""
+    world = __import__("shapes_world").REWARDS if is_embedded(model) else {}
+    return {**world, **(extra or {})}
+
+
+def score(rewards, images, prompts):
+    """Rewards (N, K) float64; non-finite values are kept (NaN) and handled by `optimality`."""
+    return np.stack([np.asarray(fn(images, prompts), dtype=np.float64).reshape(len(images)) for fn in rewards], 1)
+
+
+# =============================================================================
+# The update loop: (leaf, timestep) samples, frozen forwards, optimizer step (NOTES.md §2)
+# =============================================================================
+
+
+def training_pairs(N, T, per_leaf, gen):
+    """(N * per_leaf, 2) (leaf, grid step) pairs in random order: each leaf trains on `per_leaf`
+    distinct sampler steps, the first of a random permutation of the T (DiffusionNFT: 9 of 10)."""
+    import torch
+
+    steps = torch.stack([torch.randperm(T, generator=gen)[: min(per_leaf, T)] for _ in range(N)])
+    pairs = torch.stack([torch.arange(N).repeat_interleave(steps.shape[1]), steps.reshape(-1)], 1)
+    return pairs[torch.randperm(len(pairs), generator=gen)]
+
+
 def update_loop(run, b, args, gen, on_step, policy_loss):
-    """The update both methods share (DESIGN §2, §4.3): the iteration's (leaf, timestep) samples in
+    """The update both methods share (NOTES.md §2, §4.3): the iteration's (leaf, timestep) samples in
     --updates-per-iter equal chunks, one AdamW step per chunk on the mean loss over its samples (all processes;
     1 chunk is DiffusionNFT's one step per epoch). Per micro-batch: fresh noise (`noised_batch`), the frozen
     v_old / v_base, v_theta, and loss = mean(policy_loss(nb, v_theta, v_old)) + base_reg mean(|v_theta - v_base|^2),
@@ -1506,7 +1062,6 @@ def update_loop(run, b, args, gen, on_step, policy_loss):
     return totals
 
 
-# Copied from recast.NoisedBatch
 class NoisedBatch(NamedTuple):
     """One micro-batch of training samples. pairs (B, 2) (leaf, grid step); i, j (B,) its columns; x0 (B, C, h, w)
     the leaves; s (B,) sigmas[j]; x_t (B, C, h, w) = (1 - s) x0 + s eps; cond (emb (B, L, D), pooled (B, D'))."""
@@ -1520,7 +1075,6 @@ class NoisedBatch(NamedTuple):
     cond: tuple
 
 
-# Copied from recast.noised_batch
 def noised_batch(pairs, leaves, groups, emb, pooled, sigmas, gen):
     """One micro-batch of (leaf, step) pairs -> NoisedBatch, with fresh noise eps from gen."""
     import torch
@@ -1532,7 +1086,6 @@ def noised_batch(pairs, leaves, groups, emb, pooled, sigmas, gen):
     return NoisedBatch(pairs, i, j, x0, s, x_t, (emb[groups[i]], pooled[groups[i]]))
 
 
-# Copied from recast.frozen_velocities_ahead
 def frozen_velocities_ahead(transformer, batches, size, with_base):
     """--frozen-batch: the no-grad v_old / v_base of every micro-batch of an optimizer step, computed
     ahead in chunks of `size` (larger than the gradient micro-batch: no activations are kept), then
@@ -1557,7 +1110,6 @@ def frozen_velocities_ahead(transformer, batches, size, with_base):
     return list(zip(torch.cat(v_old).split(sizes), torch.cat(v_base).split(sizes)))
 
 
-# Copied from recast.frozen_velocities
 def frozen_velocities(transformer, x_t, s, cond, with_base):
     """No-grad velocities of the "old" (sampling) adapter and of the frozen base (adapters off; v_old
     again when the base term is off); leaves the "default" adapter active."""
@@ -1573,7 +1125,6 @@ def frozen_velocities(transformer, x_t, s, cond, with_base):
     return v_old, v_base
 
 
-# Copied from recast.optimizer_step
 def optimizer_step(opt, params, totals, grad_clip, all_reduce_grads):
     """Average the gradients over processes, clip their norm, refuse a non-finite step, step AdamW."""
     import torch
@@ -1586,7 +1137,6 @@ def optimizer_step(opt, params, totals, grad_clip, all_reduce_grads):
     totals["train/opt_steps"] += 1
 
 
-# Copied from recast.check_finite
 def check_finite(values):
     """Stop before an optimizer step that would write NaN/inf into the weights (exit code 1; the run
     folder keeps its last good checkpoint). values: the step's losses and gradient norm."""
@@ -1599,203 +1149,10 @@ def check_finite(values):
 
 
 # =============================================================================
-# Checkpoints (atomic) and evaluation
+# One iteration's shared steps (train's steps 1 and 4)
 # =============================================================================
 
 
-# Copied from recast.save_checkpoint
-def save_checkpoint(out, iteration, transformer, opt, state):
-    """checkpoints/iter_N/: the "default" LoRA in diffusers' format with its LoraConfig as metadata, so that
-    pipe.load_lora_weights("<run>/checkpoints/iter_N") gives the trained model exactly (without the metadata
-    diffusers takes lora_alpha = r, a wrong scale unless alpha = r); iter_N/ema the EMA with --ema; and state.pt
-    (every adapter, optimizer, level statistics, optimizer-step count, iteration). Written to a .tmp folder,
-    renamed, then `latest` is replaced atomically: a kill at any moment leaves the last good one.
-    Keeps this checkpoint and the newest earlier one. Refuses to write non-finite weights."""
-    import torch
-    from diffusers import StableDiffusion3Pipeline
-    from peft.utils import get_peft_model_state_dict
-
-    lora = {a: get_peft_model_state_dict(transformer, adapter_name=a) for a in transformer.peft_config}
-    bad = [k for sd in lora.values() for k, v in sd.items() if not torch.isfinite(v).all()]
-    if bad:
-        raise SystemExit(
-            f"non-finite LoRA weights ({bad[0]}, {len(bad)} tensors) at iteration {iteration}: not saved; "
-            f"the last good checkpoint in {out}/checkpoints is kept"
-        )
-    root = out / "checkpoints"
-    final, tmp = root / f"iter_{iteration:06d}", root / f"iter_{iteration:06d}.tmp"
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for adapter, folder in (("default", tmp), ("ema", tmp / "ema")):  # ema: DiffusionNFT's evaluation weights
-            if adapter in lora:  # the adapter's config (rank, alpha, targets) in the file: loaders scale as trained
-                StableDiffusion3Pipeline.save_lora_weights(
-                    folder,
-                    transformer_lora_layers=lora[adapter],
-                    transformer_lora_adapter_metadata=transformer.peft_config[adapter].to_dict(),
-                )
-        torch.save({"iteration": iteration, "lora": lora, "optimizer": opt.state_dict(), **state}, tmp / "state.pt")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        (root / "latest.tmp").write_text(final.name)
-        os.replace(root / "latest.tmp", root / "latest")
-    except (OSError, RuntimeError) as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise SystemExit(
-            f"writing the checkpoint of iteration {iteration} failed ({err}); is the disk full? "
-            f"The last good checkpoint in {root} is kept; free space, then continue with --resume {out}"
-        ) from None
-    previous = max((p for p in root.glob("iter_??????") if p.name < final.name), default=None)
-    for old in root.glob("iter_??????"):
-        if old not in (final, previous):
-            shutil.rmtree(old, ignore_errors=True)
-
-
-# Copied from recast.load_checkpoint
-def load_checkpoint(out, transformer, opt, lr, weight_decay):
-    """Restore the newest intact checkpoint of a run folder (the one `latest` names, else the newest
-    iter_N whose state.pt loads; says so when it falls back); the optimizer then takes this run's lr and
-    weight decay (its saved moments are kept). Returns its state dict, None when the run has no checkpoint yet;
-    SystemExit, with nothing changed, when it has checkpoints and none loads."""
-    import torch
-    from peft.utils import set_peft_model_state_dict
-
-    root = out / "checkpoints"
-    latest = root / "latest"
-    named = root / latest.read_text().strip() if latest.is_file() else None
-    candidates = ([named] if named else []) + sorted((p for p in root.glob("iter_??????") if p != named), reverse=True)
-    for ckpt in candidates:
-        try:
-            state = torch.load(ckpt / "state.pt", weights_only=False)
-        except Exception as err:  # missing, truncated or corrupt: try the next older one
-            tqdm.write(f"checkpoint {ckpt} is not loadable ({type(err).__name__}); trying an older one")
-            continue
-        if ckpt != named:
-            tqdm.write(f"resuming from {ckpt.name}, the newest intact checkpoint")
-        lora = state.pop("lora")
-        for adapter, sd in lora.items():
-            if adapter in transformer.peft_config:
-                set_peft_model_state_dict(transformer, sd, adapter_name=adapter)
-        if "ema" in transformer.peft_config and "ema" not in lora:  # --ema switched on at resume: start it here
-            copy_adapter(transformer, "default", "ema")
-        opt.load_state_dict(state.pop("optimizer"))
-        for group in opt.param_groups:  # the saved groups hold the old run's values: --lr / --weight-decay apply
-            group.update(lr=lr, weight_decay=weight_decay)
-        transformer.set_adapter("default")
-        return state
-    if candidates:
-        raise SystemExit(
-            f"--resume {out}: none of its checkpoints loads ({', '.join(p.name for p in candidates)}); nothing was "
-            "changed. Their LoRA files (pytorch_lora_weights.safetensors) may still load in diffusers; to train "
-            "again, start a new run"
-        )
-    return None
-
-
-# Copied from recast.evaluate
-def evaluate(run, args):
-    """Held-out evaluation of the trained adapter (its EMA with --ema, as DiffusionNFT evaluates):
-    Euler ODE sampling with --eval-steps on fixed prompts and seeds, training rewards and held-out
-    judges. Returns (metrics, images)."""
-
-    emb, pooled = run.encode(run.eval_prompts)
-    run.transformer.set_adapter("ema" if args.ema else "default")
-    latents = ode_sample(run.transformer, emb, pooled, run.eval_sigmas, run.shape, seed=12345, chunk=args.rollout_batch)
-    run.transformer.set_adapter("default")
-    images = decode(run.pipe, latents)
-    R = score(run.rewards, images, run.eval_prompts)
-    metrics = {f"eval/{n}": float(np.nanmean(R[:, k])) for k, n in enumerate(run.names)}
-    metrics["eval/weighted"] = float(budget_mean(np.nanmean(R, 0), run.budgets))
-    for name, fn in (run.judges or {}).items():
-        metrics[f"eval/judge/{name}"] = float(np.nanmean(fn(images, run.eval_prompts)))
-    if run.frechet:
-        metrics["eval/judge/frechet"] = float(run.frechet(images, run.eval_prompts))
-    return metrics, images
-
-
-# Copied from recast.save_grid
-def save_grid(images, path, prompts=(), cols=8, cell=128):
-    """The images in rows of `cols`, each upscaled (nearest) to at least `cell` px wide, with its prompt written
-    under it (wrapped to the image's width). Returns the grid (PIL)."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    scale = max(1, -(-cell // images[0].size[0]))  # ceil: small images grow to at least `cell` px
-    w, h = images[0].size[0] * scale, images[0].size[1] * scale
-    font = ImageFont.load_default(size=max(10, w // 12))
-    draw = ImageDraw.Draw(Image.new("RGB", (w, h)))
-    captions = [wrap_text(draw, text, font, w - 4) for text in list(prompts) + [""] * (len(images) - len(prompts))]
-    line = font.getbbox("Ag")[3] + 2
-    text_h = line * max(len(c) for c in captions) + 4
-    rows = (len(images) + cols - 1) // cols
-    grid = Image.new("RGB", (cols * w, rows * (h + text_h)), "white")
-    draw = ImageDraw.Draw(grid)
-    for i, (im, caption) in enumerate(zip(images, captions)):
-        x, y = (i % cols) * w, (i // cols) * (h + text_h)
-        grid.paste(im.convert("RGB").resize((w, h), Image.NEAREST), (x, y))
-        for k, text in enumerate(caption):
-            draw.text((x + 2, y + h + 2 + k * line), text, fill="black", font=font)
-    grid.save(path)
-    return grid
-
-
-# Copied from recast.wrap_text
-def wrap_text(draw, text, font, width):
-    """Lines of `text` (words kept whole) that fit in `width` px with `font`."""
-    lines = []
-    for word in text.split():
-        if lines and draw.textlength(f"{lines[-1]} {word}", font=font) <= width:
-            lines[-1] += f" {word}"
-        else:
-            lines.append(word)
-    return lines
-
-
-# Copied from recast.plot_run
-def plot_run(out, names):
-    """Figures from metrics.jsonl: reward curves, the last W heatmap, D_k(t) curves and gains."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    if not rows:
-        return
-    its = [m["iteration"] for m in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for n in names + ["weighted"]:
-        ax.plot(its, [m[f"reward/{n}"] for m in rows], label=n)
-    ax.set(xlabel="iteration", ylabel="mean training reward", title="rewards")
-    ax.legend(fontsize=7)
-    fig.savefig(out / "rewards.png", dpi=120, bbox_inches="tight")
-    last, sig = rows[-1], np.array(rows[-1]["recast/sigmas"])
-    fig, axes = plt.subplots(1, 3, figsize=(16, 3.6), gridspec_kw={"wspace": 0.35})
-    im = axes[0].imshow(np.array(last["recast/W"]), aspect="auto", cmap="viridis")
-    axes[0].set(yticks=range(len(names)), yticklabels=names, xlabel="step j (t = sigma_j)", title="W (last iteration)")
-    fig.colorbar(im, ax=axes[0])
-    D_meas, D_se = np.array(last["recast/D_measured"]), np.array(last["recast/D_se"])  # -1: level not measured
-    for k, n in enumerate(names):
-        (line,) = axes[1].plot(
-            sig, np.array(last["recast/D"])[k], label=f"{n} (evidence {last['recast/evidence'][k]:.2f})"
-        )
-        ok = D_se[k] >= 0
-        axes[1].errorbar(sig[ok], D_meas[k, ok], yerr=2 * D_se[k, ok], fmt="o", ms=3, capsize=2, color=line.get_color())
-        axes[2].plot(sig[:-1], np.array(last["recast/gains"])[k], marker=".", label=n)
-    axes[1].set(xlabel="t", ylabel="D_k(t)", title="Renyi discriminability: levels +- 2 se, monotone fit")
-    axes[2].set(xlabel="t at step start", ylabel="gain", title="gains per step")
-    for a in axes[1:]:
-        a.invert_xaxis()
-        a.legend(fontsize=7)
-    fig.savefig(out / "credit.png", dpi=120, bbox_inches="tight")
-    plt.close("all")
-
-
-# =============================================================================
-# Train loop
-# =============================================================================
-
-
-# Copied from recast.setup_run
 def setup_run(args: Args, extra_rewards=None, judges=None):
     """Validate, then load everything one run needs; returns a namespace shared by the loop's steps."""
     import torch
@@ -1863,7 +1220,6 @@ def setup_run(args: Args, extra_rewards=None, judges=None):
     )
 
 
-# Copied from recast.rollout_and_score
 def rollout_and_score(run, args, it, gen, probe_steps=()):
     """Step 1 of an iteration: prompts, rollouts from the "old" adapter (--sampler tree: branched trees
     with this iteration's branch layout; ode: independent deterministic DPM-Solver-2 samples, as
@@ -1912,7 +1268,6 @@ def rollout_and_score(run, args, it, gen, probe_steps=()):
     )
 
 
-# Copied from recast.global_stats
 def global_stats(R, reduce):
     """Per-column (count, mean, std) of the finite rewards of all processes; R (N, K)."""
     finite = np.isfinite(R)
@@ -1922,7 +1277,6 @@ def global_stats(R, reduce):
     return n, mean, np.sqrt(np.maximum(reduce((Rz**2).sum(0)) / np.maximum(n, 1) - mean**2, 0.0))
 
 
-# Copied from recast.stop_if_a_reward_failed
 def stop_if_a_reward_failed(run, it, n_valid, state):
     """Stop the run when a reward returned NaN/inf for every image of iteration `it` (all processes): the state
     before it is checkpointed, and the message names the reward(s) and how to continue. n_valid (K,)."""
@@ -1936,7 +1290,6 @@ def stop_if_a_reward_failed(run, it, n_valid, state):
         )
 
 
-# Copied from recast.reward_metrics
 def reward_metrics(run, it, b, n_valid, mean_R, losses):
     """The first entries of an iteration's metrics line: training rewards per reward and budget-weighted, the
     count of non-finite ones (all processes), the update's losses and sample count."""
@@ -1951,7 +1304,6 @@ def reward_metrics(run, it, b, n_valid, mean_R, losses):
     }
 
 
-# Copied from recast.finish_iteration
 def finish_iteration(run, args, it, metrics, state, before=None):
     """Step 4: evaluate (every eval_every iterations and at the end), append the metrics line,
     checkpoint (every save_every iterations and at the end). Main process only."""
@@ -1972,34 +1324,531 @@ def finish_iteration(run, args, it, metrics, state, before=None):
     run.acc.wait_for_everyone()
 
 
-# Copied from recast.start_trackers
-def start_trackers(run, args):
-    """--report-to tensorboard | wandb: accelerate's tracker, started with the run's flags (TensorBoard: event files
-    in <run>/tensorboard; W&B: a run named after the run folder, in project <script>). Nothing for none."""
-    if args.report_to == "none":
-        return
-    wandb = {"wandb": {"name": run.out.name, "dir": str(run.out)}}
-    name, kwargs = ("tensorboard", {}) if args.report_to == "tensorboard" else (Path(__file__).stem, wandb)
-    run.acc.init_trackers(name, config=asdict(args), init_kwargs=kwargs)
+# =============================================================================
+# Model loading
+# =============================================================================
 
 
-# Copied from recast.log_to_trackers
-def log_to_trackers(acc, metrics, step):
-    """The metrics line's numbers and strings to the --report-to tracker under the same keys (lists such as D stay in
-    metrics.jsonl); W (K, T) also as an image on TensorBoard (viridis, 16 px a cell, scaled to its largest entry)."""
-    if not acc.trackers:
-        return
-    acc.log({k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}, step=step)
-    if "recast/W" in metrics and any(tracker.name == "tensorboard" for tracker in acc.trackers):
-        import matplotlib
-
-        W = np.asarray(metrics["recast/W"])
-        rgb = matplotlib.colormaps["viridis"](W / max(W.max(), 1e-300))[..., :3]  # (K, T, 3)
-        image = np.kron(rgb, np.ones((16, 16, 1)))
-        acc.get_tracker("tensorboard", unwrap=True).add_image("recast/W", image, step, dataformats="HWC")
+LORA_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+]
 
 
-# Copied from recast.start_or_resume
+def no_torchvision_notice(record):
+    """A logging filter: drops transformers' notice that torchvision is absent (deliberately: the PIL image processors
+    it falls back to serve every model here) and nothing else."""
+    return "requires torchvision (not installed)" not in record.getMessage()
+
+
+def quiet_start_up():
+    """The console of a run holds one progress bar and no library notices: the filter above on the logger that
+    prints the torchvision notice, and the loading bars of diffusers and transformers off in this process."""
+    logging.getLogger("transformers.utils.import_utils").addFilter(no_torchvision_notice)
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def load_pipeline(args, device, dtype):
+    """StableDiffusion3Pipeline (the real SD3.5-M or the embedded tiny one, same classes) with
+    frozen VAE and text encoders, and LoRA adapters on the transformer: "default" (trained), "old"
+    (sampling policy, a copy) and with --ema "ema". Disabling adapters gives the frozen base."""
+    import torch
+    from diffusers import StableDiffusion3Pipeline
+    from peft import LoraConfig
+
+    local = Path(args.model).exists()
+    pipe = StableDiffusion3Pipeline.from_pretrained(args.model, dtype=dtype, local_files_only=local)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.to(device)
+    for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.transformer):
+        if module is not None:
+            module.requires_grad_(False)
+            module.eval()
+    transformer = pipe.transformer
+    config = LoraConfig(
+        r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian", target_modules=LORA_TARGETS
+    )
+    torch.manual_seed(args.seed)
+    transformer.add_adapter(config, adapter_name="default")
+    adapters = ["default", "old"] + (["ema"] if args.ema else [])
+    for name in adapters[1:]:  # "old" and "ema" start as copies of "default"
+        with warnings.catch_warnings():  # several adapters on one model are the design here, not a slip
+            warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+            transformer.add_adapter(config, adapter_name=name)
+        copy_adapter(transformer, "default", name)
+    for p in [p for name in adapters for p in lora_params(transformer, name)]:
+        p.data = p.data.float()  # LoRA weights and their optimizer state in float32
+    transformer.set_adapter("default")
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    return pipe
+
+
+def scheduler_sigmas(pipe, steps):
+    """The pipeline scheduler's sigma grid (steps + 1,) for `steps` steps, from a copy (the pipeline's own stays
+    as set)."""
+    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+    scheduler.set_timesteps(steps)
+    return scheduler.sigmas.float().cpu()
+
+
+def lora_params(transformer, adapter):
+    return [p for n, p in transformer.named_parameters() if f".{adapter}." in n]
+
+
+def copy_adapter(transformer, src, dst, keep=0.0):
+    """dst <- keep * dst + (1 - keep) * src, parameter by parameter (DiffusionNFT's soft update)."""
+    import torch
+
+    with torch.no_grad():
+        for p_src, p_dst in zip(lora_params(transformer, src), lora_params(transformer, dst)):
+            p_dst.mul_(keep).add_(p_src.to(p_dst.dtype), alpha=1 - keep)
+
+
+def dry_run(args):
+    """SD3.5-Medium readiness without weights: its transformer (shipped config) on the meta device,
+    the LoRA attached, trainable parameters and a memory plan for one micro-batch."""
+    from accelerate import init_empty_weights
+    from diffusers import SD3Transformer2DModel
+    from peft import LoraConfig
+
+    config = json.loads((Path(__file__).parent / "assets/sd3.5-medium-transformer.json").read_text())
+    with init_empty_weights():
+        transformer = SD3Transformer2DModel.from_config(config)
+        lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=LORA_TARGETS)
+        transformer.add_adapter(lora, adapter_name="default")
+        transformer.add_adapter(lora, adapter_name="old")
+    total = sum(p.numel() for p in transformer.parameters())
+    trainable = sum(p.numel() for p in lora_params(transformer, "default"))
+    targets = sum(1 for n, _ in transformer.named_modules() if n.endswith(".lora_A.default"))
+    res = args.resolution or 512
+    tokens = (res // 8 // config["patch_size"]) ** 2 + 77 + (args.max_sequence_length or 128)
+    gib = 2**30
+    plan = {
+        "frozen weights (bf16)": 2 * (total - 2 * trainable) / gib,
+        "two LoRA adapters (fp32)": 4 * 2 * trainable / gib,
+        "AdamW state + grads (fp32)": 3 * 4 * trainable / gib,
+        # rough activation size kept for backward: per block ~ 12 tensors of (tokens, hidden) in bf16
+        f"activations, micro-batch {args.train_batch} (estimate)": args.train_batch
+        * config["num_layers"]
+        * 12
+        * tokens
+        * config["num_attention_heads"]
+        * config["attention_head_dim"]
+        * 2
+        / gib,
+    }
+    print(
+        f"SD3.5-Medium transformer: {total / 1e6:.1f}M parameters, LoRA on {targets} linear layers "
+        f"(r={args.lora_rank}, alpha={args.lora_alpha}): {trainable / 1e6:.2f}M trainable"
+    )
+    for key, value in plan.items():
+        print(f"  {key:<45} {value:8.2f} GiB")
+    print(f"  {'total (transformer training, excl. VAE/text encoders)':<45} {sum(plan.values()):8.2f} GiB")
+    return {"total_params": total, "trainable_params": trainable, "lora_layers": targets, "memory_gib": plan}
+
+
+# =============================================================================
+# Arguments: parsing, resume, input checks
+# =============================================================================
+
+
+def field_docs(cls):
+    """{field name: the string literal written under it} from cls's source: per-field docstrings (CleanRL's habit)
+    that become the --help lines, whitespace collapsed."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {
+        a.target.id: " ".join(b.value.value.split())
+        for a, b in zip(body, body[1:])
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
+    }
+
+
+def make_parser(suppress=False):
+    """argparse from Args, in the sections of ARG_GROUPS; the string under each field is its --help line. With
+    suppress=True only the flags actually given appear in the result (used by --resume)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS if suppress else None
+    )
+    sections = {title: parser.add_argument_group(title, text) for title, text in ARG_GROUPS.items()}
+    docs = field_docs(Args)
+    for f in fields(Args):
+        name, section = "--" + f.name.replace("_", "-"), sections[f.metadata["group"]]
+        extra = {} if suppress else {"default": f.default}
+        if f.type in (bool, "bool"):
+            section.add_argument(name, action="store_true", help=docs[f.name], **extra)
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            section.add_argument(name, type=kind, help=docs[f.name], choices=f.metadata.get("choices"), **extra)
+    return parser
+
+
+# Refused on --resume when they differ from the saved run (those of them a script has): a checkpoint is only valid with
+# the first five; the level statistics it holds were measured with the gain estimator and order; --gain-init only
+# seeds iteration 0. Every other flag applies from the resumed iteration on (the optimizer takes --lr, --weight-decay).
+FIXED_ON_RESUME = ("model", "rewards", "steps", "lora_rank", "lora_alpha", "gain_estimator", "alpha", "gain_init")
+
+
+NOT_ON_RESUME = ("name", "overwrite")  # they choose or replace a run folder; --resume continues its own
+
+
+def parse_args(argv=None) -> Args:
+    """Args from the command line. With --resume DIR the settings come from DIR/config.json and
+    flags given now override them, except FIXED_ON_RESUME (refused with both values named); the
+    run folder is DIR itself, wherever it lies now."""
+    args = Args(**vars(make_parser().parse_args(argv)))
+    if not args.resume:
+        return args
+    config = Path(args.resume) / "config.json"
+    if not config.is_file():
+        raise SystemExit(f"--resume {args.resume}: no config.json there; give the run folder of an earlier run")
+    saved_config, saved = read_run_config(config)
+    script = Path(__file__).stem
+    if saved_config["script"] != script:
+        raise SystemExit(
+            f"--resume {args.resume}: that run was trained by {saved_config['script']}.py; resume it with that script"
+        )
+    given = vars(make_parser(suppress=True).parse_args(argv))
+    for k in NOT_ON_RESUME:
+        if k in given:
+            raise SystemExit(
+                f"--{k} does not go with --resume {args.resume}, which continues that run in its own folder: "
+                f"drop --{k}, or start a new run without --resume"
+            )
+    if "out" in given and Path(given["out"]).resolve() != Path(args.resume).resolve():
+        raise SystemExit(
+            f"--resume {args.resume} continues that folder in place; --out {given['out']} names another. "
+            "To branch a run, copy its folder and resume the copy"
+        )
+    changed = [
+        f"--{k.replace('_', '-')}: saved {saved.get(k)!r}, given {given[k]!r}"
+        for k in FIXED_ON_RESUME
+        if k in given and given[k] != saved.get(k)
+    ]
+    if changed:
+        raise SystemExit(
+            f"--resume {args.resume}: these settings cannot change on resume ({'; '.join(changed)}). "
+            "Drop them, or start a new run"
+        )
+    known = {f.name for f in fields(Args)}
+    args = Args(**{**{k: v for k, v in saved.items() if k in known}, **given})
+    args.out, args.resume = str(args.resume), str(args.resume)
+    return args
+
+
+def read_run_config(path):
+    """(config, its args) of a run's config.json, each saved flag of the type its Args field has (an int is
+    also a float); SystemExit naming the file, the entry and the fix when it is unreadable or hand-edited wrong."""
+    problem = None
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        config, problem = None, f"it is not readable JSON ({err})"
+    if problem is None and not (isinstance(config, dict) and isinstance(config.get("args"), dict)):
+        problem = 'it does not hold an "args" object'
+    if problem is None and config.get("script") not in ("recast", "rvge"):
+        problem = f'its "script" is {config.get("script")!r}, not recast or rvge'
+    types = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+    for f in fields(Args) if problem is None else ():
+        value, kind = config["args"].get(f.name), f.type if isinstance(f.type, str) else f.type.__name__
+        fits = isinstance(value, types[kind]) and (kind == "bool" or not isinstance(value, bool))
+        if f.name in config["args"] and not fits and not (value is None and f.default is None):
+            problem = f"args.{f.name} is {value!r}, not of type {kind}"
+            break
+    if problem:
+        raise SystemExit(
+            f"{path}: {problem}. Repair the file (the run's checkpoints are not affected), or start a new run"
+        )
+    return config, config["args"]
+
+
+def seed_everything(seed):
+    """Seeds Python's `random`, numpy's global RNG and torch's CPU and CUDA default generators.
+    The loop itself draws every random number from per-iteration generators seeded by
+    (seed, iteration), so a resumed run repeats the iterations an uninterrupted one would."""
+    import random
+
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def iteration_generator(seed, iteration):
+    """The CPU generator that draws every random number of one iteration (noise moves to the device)."""
+    import torch
+
+    return torch.Generator().manual_seed(seed * 1_000_003 + iteration)
+
+
+def check_ranges(args: Args):
+    """Each numeric flag against the bounds in its Args metadata (min / max inclusive, gt / lt strict),
+    NaN and inf refused; each flag with choices against them. Raises SystemExit naming flag, value and fix."""
+    for f in fields(Args):
+        value, meta, flag = getattr(args, f.name), f.metadata, "--" + f.name.replace("_", "-")
+        if meta.get("choices") and value not in meta["choices"]:
+            raise SystemExit(f"{flag} {value!r}: choose one of {[c for c in meta['choices'] if c]}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        bounds = [
+            (meta.get("min"), ">=", value >= meta.get("min", -math.inf)),
+            (meta.get("gt"), ">", value > meta.get("gt", -math.inf)),
+            (meta.get("max"), "<=", value <= meta.get("max", math.inf)),
+            (meta.get("lt"), "<", value < meta.get("lt", math.inf)),
+        ]
+        if not math.isfinite(value) or any(bound is not None and not ok for bound, _, ok in bounds):
+            need = " and ".join(f"{op} {bound}" for bound, op, _ in bounds if bound is not None) or "finite"
+            raise SystemExit(f"{flag} {value}: must be a finite number {need}. Fix {flag}")
+
+
+def check_report_to(report_to):
+    """--report-to's package is installed (no default run needs it); else SystemExit with the fix."""
+    import importlib.util
+
+    packages = {"tensorboard": ["tensorboard", "tensorboardX"], "wandb": ["wandb"]}.get(report_to, [])
+    if packages and not any(importlib.util.find_spec(p) for p in packages):
+        raise SystemExit(
+            f"--report-to {report_to} needs the {packages[0]} package: pip install {packages[0]}, "
+            "or leave --report-to at none"
+        )
+
+
+def check_common(args: Args, extra_rewards=None):
+    """The checks both scripts make on the user's input, before any model is loaded or any file in a run folder
+    changes: flag ranges, tracker, resolution, device, model, budgets and rewards, branch steps. Returns (reward
+    names, budgets, branch steps). Raises SystemExit with the problem and the fix."""
+    import torch
+
+    check_ranges(args)
+    check_report_to(args.report_to)
+    if args.resolution % 16:
+        raise SystemExit(
+            f"--resolution {args.resolution}: SD3 needs a multiple of 16 (VAE 8 x patch 2), "
+            "or 0 for the model's default"
+        )
+    device = args.device.split(":")[0]
+    if device not in ("", "cpu", "cuda"):
+        raise SystemExit(f"--device {args.device!r}: give cpu, cuda or cuda:N (or omit it: cuda when available)")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA GPU is visible here. Use --device cpu (or omit --device)")
+    model_path = Path(args.model)
+    if not args.dry_run:
+        if not model_path.exists():
+            if args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:
+                raise SystemExit(
+                    f"--model {args.model}: no such folder. Give a diffusers folder or a hub id such as "
+                    "stabilityai/stable-diffusion-3.5-medium"
+                )
+            if not torch.cuda.is_available() and args.device != "cpu":
+                raise SystemExit(
+                    f"--model {args.model} (SD3.5-Medium scale) needs a CUDA GPU and none is visible. "
+                    "On a CPU, train the embedded model: omit --model"
+                )
+        elif not (model_path / "model_index.json").exists():
+            raise SystemExit(f"--model {args.model}: not a diffusers pipeline folder (no model_index.json)")
+    try:
+        budgets = parse_budgets(args.budgets)
+    except ValueError as err:
+        raise SystemExit(f"--budgets: {err}") from None
+    names = [n.strip() for n in args.rewards.split(",") if n.strip()]
+    if not names:
+        if not is_embedded(args.model):
+            raise SystemExit("--rewards is required for this model, e.g. --rewards pickscore,clipscore,aesthetic,ocr")
+        import shapes_world
+
+        names = list(shapes_world.DEFAULT_REWARDS)
+    known = set(REWARD_MODELS) | set(reward_extras(args.model, extra_rewards))
+    unknown = [n for n in names if n not in known]
+    if unknown or len(set(names)) != len(names):
+        raise SystemExit(f"unknown or repeated reward(s) in {names}; known rewards: {sorted(known)}. Fix --rewards.")
+    if len(budgets) != len(names):
+        raise SystemExit(
+            f"{len(budgets)} budgets for {len(names)} rewards ({','.join(names)}): "
+            "give one budget per reward with --budgets"
+        )
+    branch = parse_branch_steps(args.branch_steps, args.steps)
+    if is_embedded(args.model) and args.train_prompts:
+        raise SystemExit(
+            "--train-prompts is not used with the embedded model (it samples prompts of its own world): "
+            "omit it, or give --model"
+        )
+    return names, budgets, branch
+
+
+def check_files(args, names):
+    """The files a run reads, checked before any model loads: prompt files (readable, >= 2 held-out prompts, the
+    embedded world's held-out prompts inside its grammar, quoted text for the ocr reward) and, on --resume, the
+    metrics file (a damaged line is refused; metrics_lines). SystemExit naming the file, the problem and the fix."""
+    if args.train_prompts:
+        unquoted = [q for q in read_prompts(args.train_prompts, "--train-prompts") if ocr_target(q) is None]
+        if "ocr" in names and unquoted:
+            raise SystemExit(
+                f"--train-prompts {args.train_prompts}: the ocr reward scores the text between double quotes, and "
+                f"{len(unquoted)} prompt(s) quote nothing, the first: {unquoted[0]!r}. Quote the text to render"
+            )
+    if args.eval_prompts:
+        prompts = read_prompts(args.eval_prompts, "--eval-prompts")
+        if len(prompts) < 2:
+            raise SystemExit(
+                f"--eval-prompts {args.eval_prompts}: give at least 2 prompts (the held-out set is judged as a set)"
+            )
+        if is_embedded(args.model):
+            import shapes_world
+
+            for number, prompt in enumerate(prompts, 1):
+                try:
+                    shapes_world.parse_prompt(prompt)
+                except ValueError:
+                    raise SystemExit(
+                        f"--eval-prompts {args.eval_prompts}: line {number}, {prompt!r}, is outside the embedded "
+                        "world's captions (e.g. 'two red circles', 'a blue square on the left'); the world's "
+                        "rewards cannot score it. Fix the line, or give --model"
+                    ) from None
+    if args.resume:
+        metrics_lines(Path(args.resume) / "metrics.jsonl")
+
+
+def parse_branch_steps(text, T):
+    """--branch-steps: "rotate" or sorted distinct steps strictly between 0 and T - 1."""
+    if text.strip() == "rotate":
+        return "rotate"
+    try:
+        branch = sorted({int(b) for b in text.split(",") if b.strip()})
+    except ValueError:
+        raise SystemExit(f"--branch-steps {text!r}: give rotate, or step indices such as 3,6") from None
+    if any(not 0 < b < T - 1 for b in branch):
+        raise SystemExit(f"--branch-steps must lie strictly between 0 and T - 1 = {T - 1} (T = --steps), got {branch}")
+    return branch
+
+
+def is_embedded(model):
+    return Path(model).resolve() == (Path(__file__).parent / EMBEDDED_MODEL).resolve()
+
+
+def read_prompts(path, flag="prompts"):
+    """Prompts of a UTF-8 text file, one per line; SystemExit naming the flag when the file is missing,
+    binary, not UTF-8 or empty."""
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except OSError as err:
+        raise SystemExit(
+            f"{flag} {path}: cannot read it ({err.strerror}); give a text file with one prompt per line"
+        ) from None
+    except UnicodeDecodeError:
+        raise SystemExit(f"{flag} {path}: not UTF-8 text; save it as UTF-8, one prompt per line") from None
+    if "\x00" in text:
+        raise SystemExit(f"{flag} {path}: a binary file, not prompts; give a text file with one prompt per line")
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise SystemExit(f"{flag} {path}: no prompts (one per line)")
+    return prompts
+
+
+def distinct_prompts(prompts, n, seed, rank, world_size):
+    """Process `rank`'s n prompts of one iteration, as DiffusionNFT's sampler draws them: one permutation of the
+    prompt file's lines per iteration (seed), shared by every process and cut into consecutive slices, so no prompt
+    is drawn twice in an iteration while the file has n * world_size lines or more (a shorter file is cycled)."""
+    need = n * world_size
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    order = np.tile(order, -(-need // len(order)))[:need]
+    return [prompts[i] for i in order[rank * n : (rank + 1) * n]]
+
+
+# =============================================================================
+# Run folders, resume and locks
+# =============================================================================
+
+
+def is_run(folder):
+    """True when folder/config.json is a run's record (JSON with "args" and "script" recast or rvge)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(config, dict) and isinstance(config.get("args"), dict) and config.get("script") in ("recast", "rvge")
+    )
+
+
+def is_unused(folder):
+    """True when nothing is at the path, or it is a folder holding nothing but a run's lock file (a start that
+    stopped before it wrote its config)."""
+    folder = Path(folder)
+    return not folder.exists() or (folder.is_dir() and all(p.name == ".lock" for p in folder.iterdir()))
+
+
+def run_folder(args):
+    """The run folder, checked writable, never inside another run (whose checkpoint rotation would delete it).
+    --resume: that folder. --out: a new or empty folder, or a run, which is refused unless --overwrite (a folder of
+    other files is refused even then: a run writes only where nothing else lives). Default runs/<name>: a fresh
+    -1, -2, ... suffix when the name is taken, so running a command twice gives two runs. Creates the folder;
+    changes nothing inside it."""
+    if args.resume:
+        out = Path(args.resume)
+    elif args.out:
+        out = Path(args.out)
+        if is_run(out) and not args.overwrite:
+            raise SystemExit(
+                f"--out {out} already holds a run. Continue it with --resume {out}, choose another --out, "
+                "or replace it with --overwrite"
+            )
+        if not is_run(out) and not is_unused(out):
+            raise SystemExit(
+                f"--out {out} holds files that are not a run of this project (a run writes only to a new or empty "
+                "folder, and --overwrite replaces only runs). Choose a new folder with --out"
+            )
+    else:
+        base = Path("runs") / (args.name or default_name(args))
+        out = next(p for p in (base.with_name(f"{base.name}-{i}") if i else base for i in range(10**6)) if is_unused(p))
+    host = next((p for p in Path(os.path.abspath(out)).parents if is_run(p)), None)
+    if host is not None:
+        raise SystemExit(
+            f"{out} lies inside the run folder {host}, whose checkpoint rotation and --overwrite would delete it: "
+            "choose a folder outside any run"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write_test.{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise SystemExit(f"cannot write to the run folder {out} ({err.strerror}): choose another with --out") from None
+    return out
+
+
+def lock_run(out):
+    """An exclusive lock on out/.lock for this process's lifetime: a second live process on the same
+    folder (e.g. two --resume) is refused. Returns the open file (keep it referenced)."""
+    import fcntl
+
+    handle = open(Path(out) / ".lock", "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise SystemExit(
+            f"{out} is in use by another live process (it holds {out}/.lock); wait for it to finish or stop it"
+        ) from None
+    return handle
+
+
 def start_or_resume(run, args):
     """Restore the newest intact checkpoint when resuming (metrics cut back to it), or clear the folder
     for --overwrite; remove this program's .tmp leftovers; write config.json; start the --report-to tracker.
@@ -2030,114 +1879,12 @@ def start_or_resume(run, args):
     return start, {"opt_steps": 0, "level_stats": None, **(state or {})}
 
 
-def train(args: Args, extra_rewards=None, judges=None):
-    """The whole run: per iteration rollout -> rewards -> per-reward group directions (bandwidth
-    per reward) -> regression update to the transferred targets -> soft update of "old" ->
-    log / evaluate / checkpoint. ReCAST's credit (W for --credit recast, its D curves logged either way) is
-    recast.py's, imported here. Returns the run folder."""
-    from recast import credit  # the pairs estimator, alpha = 2; with --credit budgets W is uniform
-
-    run = setup_run(args, extra_rewards, judges)
-    start, state = start_or_resume(run, args)
-    budgets, bandwidths = run.budgets, parse_bandwidths(args.bandwidth, len(run.names))
-
-    def on_step():  # after every optimizer step: the EMA of the trained LoRA (DiffusionNFT's evaluation weights)
-        state["opt_steps"] += 1
-        if args.ema:
-            copy_adapter(run.transformer, "default", "ema", keep=ema_decay(state["opt_steps"]))
-
-    bar = tqdm(
-        range(start, args.iterations),
-        desc="rvge",
-        initial=start,
-        total=args.iterations,
-        disable=not run.acc.is_main_process,
-    )
-    for it in bar:
-        gen, before = iteration_generator(args.seed, it), None
-        if it == 0 and args.eval_every and run.eval_prompts and run.acc.is_main_process:
-            before, images = evaluate(run, args)
-            save_grid(images, run.out / "samples_before.png", prompts=run.eval_prompts)
-        t0 = time.perf_counter()  # training time: the evaluation above is not part of it
-        # 1. rollouts from the old policy, rewards
-        b = rollout_and_score(run, args, it, gen, coordinate_steps(args.coords, run.branch))
-        t2 = time.perf_counter()
-        # 2. normalised rewards (global std across processes); bandwidth, t_b and directions per reward
-        n_valid, mean_R, std = global_stats(b.R, run.reduce)
-        stop_if_a_reward_failed(run, it, n_valid, state)
-        A = advantages(b.R, b.groups, std=std)  # clipped, in global-std units (NaN rewards: 0)
-        r = optimality(b.R, b.groups, std=std)  # for the pairs estimator of --credit recast
-        sigmas = run.sigmas.double().numpy()
-        credit_args = SimpleNamespace(**asdict(args), gain_estimator="pairs", alpha=2.0)
-        state["level_stats"], credit_info, W = credit(
-            credit_args, state.get("level_stats"), r, std, b, budgets, sigmas, run.reduce
-        )
-        directions, s2, rvge_metrics = value_directions(
-            b, A, run.sigmas, run.branch, bandwidths, run.names, args, run.reduce
-        )
-        t3 = time.perf_counter()
-        # 3. regression update of "default", then the soft update of "old"
-        losses = rvge_update(run, b, directions, mixture_weights(W, budgets), s2, args, gen, on_step)
-        copy_adapter(run.transformer, "default", "old", keep=old_decay(state["opt_steps"], args.old_decay))
-        t4 = time.perf_counter()
-        # 4. log, evaluate, checkpoint
-        metrics = {
-            **reward_metrics(run, it, b, n_valid, mean_R, losses),
-            **rvge_metrics,
-            **credit_info,
-            "recast/sigmas": run.sigmas.tolist(),
-            "time/rollout": b.t_rollout - t0,
-            "time/reward": t2 - b.t_rollout,
-            "time/regression": t3 - t2,
-            "time/update": t4 - t3,
-        }
-        finish_iteration(run, args, it, metrics, state, before)
-        bar.set_postfix({"reward": f"{metrics['reward/weighted']:.3f}", "loss": f"{metrics['loss/policy']:.4g}"})
-    if run.acc.is_main_process:
-        plot_run(run.out, run.names)
-    run.acc.end_training()  # closes the --report-to tracker
-    return run.out
-
-
-# Copied from recast.distinct_prompts
-def distinct_prompts(prompts, n, seed, rank, world_size):
-    """Process `rank`'s n prompts of one iteration, as DiffusionNFT's sampler draws them: one permutation of the
-    prompt file's lines per iteration (seed), shared by every process and cut into consecutive slices, so no prompt
-    is drawn twice in an iteration while the file has n * world_size lines or more (a shorter file is cycled)."""
-    need = n * world_size
-    order = np.random.default_rng(seed).permutation(len(prompts))
-    order = np.tile(order, -(-need // len(order)))[:need]
-    return [prompts[i] for i in order[rank * n : (rank + 1) * n]]
-
-
-# Copied from recast.read_prompts
-def read_prompts(path, flag="prompts"):
-    """Prompts of a UTF-8 text file, one per line; SystemExit naming the flag when the file is missing,
-    binary, not UTF-8 or empty."""
-    try:
-        text = Path(path).read_bytes().decode("utf-8")
-    except OSError as err:
-        raise SystemExit(
-            f"{flag} {path}: cannot read it ({err.strerror}); give a text file with one prompt per line"
-        ) from None
-    except UnicodeDecodeError:
-        raise SystemExit(f"{flag} {path}: not UTF-8 text; save it as UTF-8, one prompt per line") from None
-    if "\x00" in text:
-        raise SystemExit(f"{flag} {path}: a binary file, not prompts; give a text file with one prompt per line")
-    prompts = [line.strip() for line in text.splitlines() if line.strip()]
-    if not prompts:
-        raise SystemExit(f"{flag} {path}: no prompts (one per line)")
-    return prompts
-
-
-# Copied from recast.write_atomic
 def write_atomic(path, text):
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
 
 
-# Copied from recast.leftovers
 def leftovers(out):
     """The half-written files a kill can leave in a run folder: write_atomic's and save_checkpoint's .tmp names
     (nothing else is ever deleted: a user's own *.tmp files stay)."""
@@ -2146,7 +1893,6 @@ def leftovers(out):
     return [p for p in ours if p.exists()]
 
 
-# Copied from recast.metrics_lines
 def metrics_lines(path):
     """(iteration, line) of each line of a metrics.jsonl. A last line that does not decode is a write a kill cut
     short and is left out; a damaged line before the last is not ours to drop: SystemExit naming it and the fix."""
@@ -2164,7 +1910,6 @@ def metrics_lines(path):
     return rows
 
 
-# Copied from recast.keep_metrics_until
 def keep_metrics_until(path, start):
     """On resume, keep the metric lines of iterations before `start` (later ones will be redone); a partial last
     line (a kill or a full disk mid-write) is dropped (metrics_lines)."""
@@ -2172,7 +1917,6 @@ def keep_metrics_until(path, start):
         write_atomic(path, "".join(line + "\n" for it, line in metrics_lines(path) if it < start))
 
 
-# Copied from recast.git_sha
 def git_sha():
     try:
         return subprocess.run(
@@ -2183,11 +1927,226 @@ def git_sha():
 
 
 # =============================================================================
+# Checkpoints (atomic)
+# =============================================================================
+
+
+def save_checkpoint(out, iteration, transformer, opt, state):
+    """checkpoints/iter_N/: the "default" LoRA in diffusers' format with its LoraConfig as metadata, so that
+    pipe.load_lora_weights("<run>/checkpoints/iter_N") gives the trained model exactly (without the metadata
+    diffusers takes lora_alpha = r, a wrong scale unless alpha = r); iter_N/ema the EMA with --ema; and state.pt
+    (every adapter, optimizer, level statistics, optimizer-step count, iteration). Written to a .tmp folder,
+    renamed, then `latest` is replaced atomically: a kill at any moment leaves the last good one.
+    Keeps this checkpoint and the newest earlier one. Refuses to write non-finite weights."""
+    import torch
+    from diffusers import StableDiffusion3Pipeline
+    from peft.utils import get_peft_model_state_dict
+
+    lora = {a: get_peft_model_state_dict(transformer, adapter_name=a) for a in transformer.peft_config}
+    bad = [k for sd in lora.values() for k, v in sd.items() if not torch.isfinite(v).all()]
+    if bad:
+        raise SystemExit(
+            f"non-finite LoRA weights ({bad[0]}, {len(bad)} tensors) at iteration {iteration}: not saved; "
+            f"the last good checkpoint in {out}/checkpoints is kept"
+        )
+    root = out / "checkpoints"
+    final, tmp = root / f"iter_{iteration:06d}", root / f"iter_{iteration:06d}.tmp"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for adapter, folder in (("default", tmp), ("ema", tmp / "ema")):  # ema: DiffusionNFT's evaluation weights
+            if adapter in lora:  # the adapter's config (rank, alpha, targets) in the file: loaders scale as trained
+                StableDiffusion3Pipeline.save_lora_weights(
+                    folder,
+                    transformer_lora_layers=lora[adapter],
+                    transformer_lora_adapter_metadata=transformer.peft_config[adapter].to_dict(),
+                )
+        torch.save({"iteration": iteration, "lora": lora, "optimizer": opt.state_dict(), **state}, tmp / "state.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        (root / "latest.tmp").write_text(final.name)
+        os.replace(root / "latest.tmp", root / "latest")
+    except (OSError, RuntimeError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SystemExit(
+            f"writing the checkpoint of iteration {iteration} failed ({err}); is the disk full? "
+            f"The last good checkpoint in {root} is kept; free space, then continue with --resume {out}"
+        ) from None
+    previous = max((p for p in root.glob("iter_??????") if p.name < final.name), default=None)
+    for old in root.glob("iter_??????"):
+        if old not in (final, previous):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(out, transformer, opt, lr, weight_decay):
+    """Restore the newest intact checkpoint of a run folder (the one `latest` names, else the newest
+    iter_N whose state.pt loads; says so when it falls back); the optimizer then takes this run's lr and
+    weight decay (its saved moments are kept). Returns its state dict, None when the run has no checkpoint yet;
+    SystemExit, with nothing changed, when it has checkpoints and none loads."""
+    import torch
+    from peft.utils import set_peft_model_state_dict
+
+    root = out / "checkpoints"
+    latest = root / "latest"
+    named = root / latest.read_text().strip() if latest.is_file() else None
+    candidates = ([named] if named else []) + sorted((p for p in root.glob("iter_??????") if p != named), reverse=True)
+    for ckpt in candidates:
+        try:
+            state = torch.load(ckpt / "state.pt", weights_only=False)
+        except Exception as err:  # missing, truncated or corrupt: try the next older one
+            tqdm.write(f"checkpoint {ckpt} is not loadable ({type(err).__name__}); trying an older one")
+            continue
+        if ckpt != named:
+            tqdm.write(f"resuming from {ckpt.name}, the newest intact checkpoint")
+        lora = state.pop("lora")
+        for adapter, sd in lora.items():
+            if adapter in transformer.peft_config:
+                set_peft_model_state_dict(transformer, sd, adapter_name=adapter)
+        if "ema" in transformer.peft_config and "ema" not in lora:  # --ema switched on at resume: start it here
+            copy_adapter(transformer, "default", "ema")
+        opt.load_state_dict(state.pop("optimizer"))
+        for group in opt.param_groups:  # the saved groups hold the old run's values: --lr / --weight-decay apply
+            group.update(lr=lr, weight_decay=weight_decay)
+        transformer.set_adapter("default")
+        return state
+    if candidates:
+        raise SystemExit(
+            f"--resume {out}: none of its checkpoints loads ({', '.join(p.name for p in candidates)}); nothing was "
+            "changed. Their LoRA files (pytorch_lora_weights.safetensors) may still load in diffusers; to train "
+            "again, start a new run"
+        )
+    return None
+
+
+# =============================================================================
+# Evaluation, trackers and figures
+# =============================================================================
+
+
+def evaluate(run, args):
+    """Held-out evaluation of the trained adapter (its EMA with --ema, as DiffusionNFT evaluates):
+    Euler ODE sampling with --eval-steps on fixed prompts and seeds, training rewards and held-out
+    judges. Returns (metrics, images)."""
+
+    emb, pooled = run.encode(run.eval_prompts)
+    run.transformer.set_adapter("ema" if args.ema else "default")
+    latents = ode_sample(run.transformer, emb, pooled, run.eval_sigmas, run.shape, seed=12345, chunk=args.rollout_batch)
+    run.transformer.set_adapter("default")
+    images = decode(run.pipe, latents)
+    R = score(run.rewards, images, run.eval_prompts)
+    metrics = {f"eval/{n}": float(np.nanmean(R[:, k])) for k, n in enumerate(run.names)}
+    metrics["eval/weighted"] = float(budget_mean(np.nanmean(R, 0), run.budgets))
+    for name, fn in (run.judges or {}).items():
+        metrics[f"eval/judge/{name}"] = float(np.nanmean(fn(images, run.eval_prompts)))
+    if run.frechet:
+        metrics["eval/judge/frechet"] = float(run.frechet(images, run.eval_prompts))
+    return metrics, images
+
+
+def start_trackers(run, args):
+    """--report-to tensorboard | wandb: accelerate's tracker, started with the run's flags (TensorBoard: event files
+    in <run>/tensorboard; W&B: a run named after the run folder, in project <script>). Nothing for none."""
+    if args.report_to == "none":
+        return
+    wandb = {"wandb": {"name": run.out.name, "dir": str(run.out)}}
+    name, kwargs = ("tensorboard", {}) if args.report_to == "tensorboard" else (Path(__file__).stem, wandb)
+    run.acc.init_trackers(name, config=asdict(args), init_kwargs=kwargs)
+
+
+def log_to_trackers(acc, metrics, step):
+    """The metrics line's numbers and strings to the --report-to tracker under the same keys (lists such as D stay in
+    metrics.jsonl); W (K, T) also as an image on TensorBoard (viridis, 16 px a cell, scaled to its largest entry)."""
+    if not acc.trackers:
+        return
+    acc.log({k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}, step=step)
+    if "recast/W" in metrics and any(tracker.name == "tensorboard" for tracker in acc.trackers):
+        import matplotlib
+
+        W = np.asarray(metrics["recast/W"])
+        rgb = matplotlib.colormaps["viridis"](W / max(W.max(), 1e-300))[..., :3]  # (K, T, 3)
+        image = np.kron(rgb, np.ones((16, 16, 1)))
+        acc.get_tracker("tensorboard", unwrap=True).add_image("recast/W", image, step, dataformats="HWC")
+
+
+def save_grid(images, path, prompts=(), cols=8, cell=128):
+    """The images in rows of `cols`, each upscaled (nearest) to at least `cell` px wide, with its prompt written
+    under it (wrapped to the image's width). Returns the grid (PIL)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    scale = max(1, -(-cell // images[0].size[0]))  # ceil: small images grow to at least `cell` px
+    w, h = images[0].size[0] * scale, images[0].size[1] * scale
+    font = ImageFont.load_default(size=max(10, w // 12))
+    draw = ImageDraw.Draw(Image.new("RGB", (w, h)))
+    captions = [wrap_text(draw, text, font, w - 4) for text in list(prompts) + [""] * (len(images) - len(prompts))]
+    line = font.getbbox("Ag")[3] + 2
+    text_h = line * max(len(c) for c in captions) + 4
+    rows = (len(images) + cols - 1) // cols
+    grid = Image.new("RGB", (cols * w, rows * (h + text_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, (im, caption) in enumerate(zip(images, captions)):
+        x, y = (i % cols) * w, (i // cols) * (h + text_h)
+        grid.paste(im.convert("RGB").resize((w, h), Image.NEAREST), (x, y))
+        for k, text in enumerate(caption):
+            draw.text((x + 2, y + h + 2 + k * line), text, fill="black", font=font)
+    grid.save(path)
+    return grid
+
+
+def wrap_text(draw, text, font, width):
+    """Lines of `text` (words kept whole) that fit in `width` px with `font`."""
+    lines = []
+    for word in text.split():
+        if lines and draw.textlength(f"{lines[-1]} {word}", font=font) <= width:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word)
+    return lines
+
+
+def plot_run(out, names):
+    """Figures from metrics.jsonl: reward curves, the last W heatmap, D_k(t) curves and gains."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    if not rows:
+        return
+    its = [m["iteration"] for m in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n in names + ["weighted"]:
+        ax.plot(its, [m[f"reward/{n}"] for m in rows], label=n)
+    ax.set(xlabel="iteration", ylabel="mean training reward", title="rewards")
+    ax.legend(fontsize=7)
+    fig.savefig(out / "rewards.png", dpi=120, bbox_inches="tight")
+    last, sig = rows[-1], np.array(rows[-1]["recast/sigmas"])
+    fig, axes = plt.subplots(1, 3, figsize=(16, 3.6), gridspec_kw={"wspace": 0.35})
+    im = axes[0].imshow(np.array(last["recast/W"]), aspect="auto", cmap="viridis")
+    axes[0].set(yticks=range(len(names)), yticklabels=names, xlabel="step j (t = sigma_j)", title="W (last iteration)")
+    fig.colorbar(im, ax=axes[0])
+    D_meas, D_se = np.array(last["recast/D_measured"]), np.array(last["recast/D_se"])  # -1: level not measured
+    for k, n in enumerate(names):
+        (line,) = axes[1].plot(
+            sig, np.array(last["recast/D"])[k], label=f"{n} (evidence {last['recast/evidence'][k]:.2f})"
+        )
+        ok = D_se[k] >= 0
+        axes[1].errorbar(sig[ok], D_meas[k, ok], yerr=2 * D_se[k, ok], fmt="o", ms=3, capsize=2, color=line.get_color())
+        axes[2].plot(sig[:-1], np.array(last["recast/gains"])[k], marker=".", label=n)
+    axes[1].set(xlabel="t", ylabel="D_k(t)", title="Renyi discriminability: levels +- 2 se, monotone fit")
+    axes[2].set(xlabel="t at step start", ylabel="gain", title="gains per step")
+    for a in axes[1:]:
+        a.invert_xaxis()
+        a.legend(fontsize=7)
+    fig.savefig(out / "credit.png", dpi=120, bbox_inches="tight")
+    plt.close("all")
+
+
+# =============================================================================
 # Main
 # =============================================================================
 
 
-# Copied from recast.main
 def main(argv=None):
     args = parse_args(argv)
     if args.dry_run:

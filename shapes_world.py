@@ -24,7 +24,7 @@ Conventions: images are PIL RGB; every reward/judge resizes to 32x32 (box filter
 so they also score 512 px images. Latents follow SD3: the pipeline's scaled latent is
 ``x = (z - shift_factor) * scaling_factor`` with z the VAE posterior mean; the VAE config's
 factors are set so that x has about zero mean and unit variance over the world.
-Flow matching as in DESIGN.md §1: ``x_t = (1-t) x0 + t eps``, target ``eps - x0``,
+Flow matching as in NOTES.md §1: ``x_t = (1-t) x0 + t eps``, target ``eps - x0``,
 transformer timestep ``1000 t``.
 
 `import shapes_world` is cheap: numpy/scipy/PIL only; torch and diffusers are imported
@@ -1088,7 +1088,7 @@ def train_transformer(
     ema_decay: float = 0.999,
     seed: int = 0,
 ):
-    """Rectified flow matching (DESIGN.md §1), VAE and text encoders frozen.
+    """Rectified flow matching (NOTES.md §1), VAE and text encoders frozen.
 
     x_t = (1-t) x0 + t eps, t ~ logit-normal(0, 1) (sigmoid of a standard normal);
     loss = mean (v(x_t, 1000 t, c) - (eps - x0))^2; captions dropped to the empty prompt

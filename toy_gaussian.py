@@ -1,6 +1,6 @@
 """Gaussian-mixture toy: exact checks of the ReCAST / DiffusionRVGE math before the full run.
 
-Every quantity of DESIGN.md §1-§4 has a closed form (or a quadrature that is exact
+Every quantity of NOTES.md §1-§4 has a closed form (or a quadrature that is exact
 to rounding) when the data is a Gaussian mixture, so this script checks the
 shipped functions of recast.py and rvge.py against them (it imports them and
 never re-implements them). `python toy_gaussian.py` runs all checks, prints a
@@ -12,8 +12,8 @@ Notation map (code name -> symbol)
     resp     (n, C)    posterior component probabilities rho_c(x_t) = P(c | x_t)
     m, s2    (n, C, d) per-component posterior mean and (diagonal) variance of x0 | x_t, c
     h        (n,)      h_t(x_t) = E[r(x0) | x_t]
-    D        (L,)      Renyi discriminability D_alpha(t) of p+ = p r / Z (DESIGN §3.2)
-    shift    (n, d)    tilted posterior-mean shift E*[x0 | x_t] - E[x0 | x_t] (DESIGN §4.1)
+    D        (L,)      Renyi discriminability D_alpha(t) of p+ = p r / Z (NOTES.md §3.2)
+    shift    (n, d)    tilted posterior-mean shift E*[x0 | x_t] - E[x0 | x_t] (NOTES.md §4.1)
 Rewards are ridge functions r(x) = f(u . x); z = u . x0 is Gaussian under every
 mixture component, so all reward expectations are 1-D (quadrature or closed form).
 """
@@ -138,7 +138,7 @@ class GaussianMixture:
         return (resp * E0).sum(1)
 
     def tilted_shift(self, x, t, reward, beta=None, eta=1.0):
-        """Exact E*[x0 | x_t] - E[x0 | x_t] under p* propto p0 exp(r / beta) (DESIGN §4.1);
+        """Exact E*[x0 | x_t] - E[x0 | x_t] under p* propto p0 exp(r / beta) (NOTES.md §4.1);
         beta None: first order eta Cov(x0, r | x_t). x (n, d) -> (n, d)."""
         g = None if beta is None else (lambda r: np.exp(r / beta))
         resp, m, E0, Ex0g = self._reward_moments(x, t, reward, g)
@@ -398,7 +398,7 @@ def check_coarse_fine(quick, out=None):
 
 
 def sample_exact_trees(gm, n_trees, n_roots, n_branch, t_branch, rng):
-    """Branched samples with exact conditionals (DESIGN §5 with the exact sampler): per tree n_roots
+    """Branched samples with exact conditionals (NOTES.md §5 with the exact sampler): per tree n_roots
     states x_{t_1} ~ p_{t_1}; at each branch time t_l every state is copied n_branch times; a copy
     moves to x_{t_{l+1}} ~ p(. | x_{t_l}) (sample x0' | x_{t_l}, then the bridge x_{t_{l+1}} | x0', x_{t_l})
     or, after the last branch time, to x0 ~ p(x0 | x_{t_L}). Leaves in C order (tree, root, b_1..b_L).
@@ -502,7 +502,7 @@ def sde_sample(gm, T, n, rng, a=0.7, keep=()):
 def check_sde(quick, out=None):
     """recast.sde_step keeps the model's marginals as steps grow. 1-D Gaussian N(0, 0.7^2), exact
     velocity (linear, so the variance recursion var' = c_x^2 var + c_n^2 is exact with the coefficients
-    read off sde_step): final std 0.61 / 0.68 / 0.70 for 10 / 40 / 160 steps (DESIGN §1), error shrinking.
+    read off sde_step): final std 0.61 / 0.68 / 0.70 for 10 / 40 / 160 steps (NOTES.md §1), error shrinking.
     Mixture: KS distance to the data falls with steps; intermediate marginals match p_t."""
     steps = (10, 20, 40, 80, 160)
     s2, stds = 0.49, []
@@ -892,7 +892,7 @@ def check_rvge(quick, out=None):
 def mixture_16d(seed=16):
     """d = 16 mixture with anisotropic components, as image latents are: 4 modes with means ~ N(0, 0.6^2 I),
     per-dimension variances log-spaced 0.02 ... 0.5 (shuffled per mode). With G << d a group's centred samples span
-    at most G - 1 of the 16 directions (DESIGN §4.2's subspace argument), so the estimator noise shows here and not
+    at most G - 1 of the 16 directions (NOTES.md §4.2's subspace argument), so the estimator noise shows here and not
     in d = 2."""
     rng = np.random.default_rng(seed)
     var = np.geomspace(0.02, 0.5, 16)
@@ -1232,7 +1232,7 @@ def train_base(gm, steps, seed=0):
 
 
 def rollout(model, sig, n_groups, n_roots, n_branch, branch_steps, gen, a=0.7):
-    """DESIGN §5 trees: n_roots noises per group, ODE (recast.ode_step) to the first branch step, then at
+    """NOTES.md §5 trees: n_roots noises per group, ODE (recast.ode_step) to the first branch step, then at
     each branch step every state is copied n_branch times and continued with recast.sde_step. No branch
     steps: plain ODE samples. Returns x0 (N, 2) float32, groups (N,), ancestry (N, L+1)."""
     import torch
