@@ -1,19 +1,17 @@
-"""Tests, from fast to slow: hand-computed values, vectorised vs naive loops,
-properties of the W solver, closed-form checks against the Gaussian toy, and
-end-to-end runs. Run: python -m pytest -q
+"""recast.py and the skeleton both scripts share, from fast to slow: hand-computed values, vectorised vs naive
+loops, properties of the W solver, the shared block's identity check, then end-to-end runs of both scripts on a
+tiny random SD3 pipeline (run folders, resume, locks, several processes) and on the embedded model.
+RVGE's math: test_rvge.py; reward models: test_reward_models.py; the toy: test_toy_gaussian.py.
+Run: python -m pytest -q
 """
 
-import http.server
-import io
 import itertools
 import json
 import math
 import os
-import pickle
 import re
 import subprocess
 import sys
-import threading
 from dataclasses import fields, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image
 
 import recast
 import reward_models
@@ -425,178 +423,6 @@ def test_mixture_with_one_reward_is_diffusionnft_and_uniform_is_per_reward_norma
 
 
 # -----------------------------------------------------------------------------
-# RVGE math (NOTES.md §4)
-# -----------------------------------------------------------------------------
-
-
-def test_value_direction_by_hand_and_ties():
-    x0 = np.array([[0.0, 1.0], [2.0, 1.0], [4.0, 4.0]])
-    R = np.array([0.0, 1.0, 2.0])
-    # centred: R - 1 = (-1, 0, 1); x0 - mean = ((-2,-1), (0,-1), (2,2)); 1/(G-1) sum = (4, 3) / 2
-    assert np.allclose(rvge.value_direction(x0, R), [2.0, 1.5])
-    assert np.array_equal(rvge.value_direction(x0[:1], R[:1]), np.zeros(2))  # one sample: no contrast
-    assert np.array_equal(rvge.value_direction(x0, np.ones(3)), np.zeros(2))
-    assert np.array_equal(rvge.value_direction(x0, np.ones(3), beta=0.1), np.zeros(2))
-    w = np.exp(R / 0.5) / np.exp(R / 0.5).sum()
-    assert np.allclose(rvge.value_direction(x0, R, beta=0.5), w @ x0 - x0.mean(0))
-    t = torch.tensor(x0)
-    assert torch.allclose(rvge.value_direction(t, torch.tensor(R), beta=0.5), torch.tensor(w @ x0 - x0.mean(0)))
-    with pytest.raises(ValueError, match="kl-beta"):
-        rvge.value_direction(x0, R, beta=0.0)
-
-
-def test_value_direction_matches_the_linear_gaussian_tilt():
-    """x0 ~ N(mu, s2 I), R = w.x0: E[x0 | x_t] under the tilt exp(R / beta) moves by kappa(t) w / beta."""
-    rng = np.random.default_rng(5)
-    d, s2, t, beta = 8, 0.8, 0.6, 4.0
-    w = rng.normal(size=d)
-    x_t = rng.normal(size=d)
-    # exact posterior x0 | x_t for the Gaussian base (mu = 0)
-    kappa = rvge.posterior_var(t, s2)
-    post_mean = (1 - t) * s2 / ((1 - t) ** 2 * s2 + t**2) * x_t
-    x0 = post_mean + math.sqrt(kappa) * rng.normal(size=(200_000, d))
-    exact = kappa * w / beta
-    for est in (rvge.value_direction(x0, x0 @ w, beta=beta), rvge.value_direction(x0, x0 @ w, eta=1 / beta)):
-        cos = est @ exact / np.linalg.norm(est) / np.linalg.norm(exact)
-        assert cos > 0.99 and abs(np.linalg.norm(est) / np.linalg.norm(exact) - 1) < 0.05
-
-
-def test_kappa_transfer_and_query_weights():
-    s2 = 0.5
-    t = np.linspace(0.01, 1.0, 50)
-    kappa = rvge.posterior_var(t, s2)
-    assert np.all(np.diff(kappa) > 0) and np.isclose(kappa[-1], s2)
-    # the posterior variance of x0 given x_t for x0 ~ N(0, s2): s2 - s2^2 (1-t)^2 / ((1-t)^2 s2 + t^2)
-    assert np.allclose(kappa, s2 - s2**2 * (1 - t) ** 2 / ((1 - t) ** 2 * s2 + t**2))
-    assert np.allclose(rvge.transfer_ratio(t, 0.3, s2, cap=1e9), kappa / rvge.posterior_var(0.3, s2))
-    assert rvge.transfer_ratio(1.0, 0.05, s2, cap=4.0) == 4.0
-    qw = rvge.query_weight(t, 0.3, s2)
-    assert np.all(qw[t <= 0.3] == 1.0) and np.all(qw[t > 0.3] < 1.0)
-    v_old, d_B = torch.zeros(3, 2), torch.ones(3, 2)
-    tq = torch.tensor([0.2, 0.3, 0.5])
-    v = rvge.target_velocity(v_old, d_B, tq, 0.3, s2)
-    assert torch.allclose(v[1], -d_B[1] / 0.3)  # at t = t_b: d(t) = d_B
-
-
-def hand_tree(P, R, C, L=1):
-    """(groups, ancestry) exactly as tree_rollout builds them: P prompts x R roots, each state copied C times
-    at each of L branch steps (repeat_interleave: leaf i descends from root i // C^L)."""
-    roots = np.arange(P * R)
-    groups, ancestry = roots // R, [roots]
-    for _ in range(L):
-        groups, ancestry = groups.repeat(C), [a.repeat(C) for a in ancestry] + [np.tile(np.arange(C), len(groups))]
-    return groups, np.stack(ancestry, 1)
-
-
-@pytest.mark.parametrize("L", [1, 2])
-def test_local_and_broad_groups_are_like_for_like(L):
-    P, R, C = 2, 3, 3
-    groups, ancestry = hand_tree(P, R, C, L)
-    local, broad = rvge.regression_groups(groups, ancestry, True), rvge.regression_groups(groups, ancestry, False)
-    assert (np.bincount(local) == C).all() and (np.bincount(broad) == R).all()  # same size, same leaves
-    for g in np.unique(local):  # the C siblings of one state at the last branch step
-        rows = ancestry[local == g]
-        assert (rows[:, :-1] == rows[0, :-1]).all() and sorted(rows[:, -1]) == list(range(C))
-    for g in np.unique(broad):  # one leaf per root of one prompt, all with the same branch indices
-        rows, members = ancestry[broad == g], np.flatnonzero(broad == g)
-        assert len(set(rows[:, 0])) == R and len(set(groups[members])) == 1 and (rows[:, 1:] == rows[0, 1:]).all()
-    # no branch step: the broad group is the prompt group
-    assert (rvge.regression_groups(groups, ancestry[:, :1], False) == groups).all()
-
-
-def test_split_bandwidth_transfer_and_query_weight_ablations_change_the_target():
-    s2, t_b, cap = 0.5, 0.4, 1e9
-    t = torch.tensor([0.2, 0.4, 0.7], dtype=torch.float64)
-    v_old, d_loc, d_br = (
-        torch.zeros(3, 2, dtype=torch.float64),
-        torch.ones(3, 2, dtype=torch.float64),
-        torch.full((3, 2), 2.0, dtype=torch.float64),
-    )
-    tb = torch.full((3,), t_b, dtype=torch.float64)
-    kappa = lambda x: rvge.posterior_var(x, s2)  # noqa: E731
-    shift = lambda v: (-v[:, 0] * t).numpy()  # d(t) per query  # noqa: E731
-    target = lambda bw, **kw: rvge.reward_target(v_old, t, rvge.RewardDirections(bw, d_loc, d_br, tb), s2, cap, **kw)  # noqa: E731
-    ratio_loc, ratio_br = (kappa(t) / kappa(t_b)).numpy(), (kappa(t) / kappa(1.0)).numpy()
-    v, q = target("split")
-    assert (
-        np.allclose(shift(v), [ratio_loc[0], 1.0, 2 * ratio_br[2]]) and (q == 1).all()
-    )  # local below t_b, broad above
-    assert np.allclose(shift(target("local")[0]), ratio_loc) and np.allclose(shift(target("broad")[0]), 2 * ratio_br)
-    assert np.allclose(shift(target("split", transfer="none")[0]), [1.0, 1.0, 2.0])  # no transfer: d(t) = d_B
-    v, q = target("local", query_weights="on")
-    assert np.allclose(q.numpy(), [1.0, 1.0, kappa(t_b) / kappa(0.7)])
-    assert np.isclose(q[2] * shift(v)[2], 1.0)  # weight x ratio = 1 above t_b: the weight undoes the transfer
-    assert (target("split", query_weights="on")[1] == 1).all()  # the broad group's t_b = 1: nothing to weight
-    assert (target("local", query_weights="off")[1] == 1).all()
-
-
-def test_auto_bandwidth_picks_broad_for_tied_rewards_and_split_for_smooth_ones():
-    assert rvge.pick_bandwidth("auto", 0.5, 0.2) == "broad" and rvge.pick_bandwidth("auto", 0.0, 0.2) == "split"
-    assert all(rvge.pick_bandwidth(b, 0.9, 0.2) == b for b in ("local", "broad", "split"))
-    P, R, C = 2, 4, 4
-    groups, ancestry = hand_tree(P, R, C)
-    gen = torch.Generator().manual_seed(0)
-    x0 = torch.randn(len(groups), 3, 2, 2, generator=gen)
-    smooth = x0.flatten(1) @ torch.randn(12, generator=gen)
-    coarse = (ancestry[:, 0] % 2).astype(float)  # a 0/1 reward set by the root: siblings always tie
-    A = rvge.advantages(np.stack([smooth.numpy(), coarse], 1), groups)
-    b = SimpleNamespace(leaves=x0, groups=groups, ancestry=ancestry)
-    sigmas = torch.linspace(1, 0, 11)
-    dirs, s2, m = rvge.value_directions(
-        b, A, sigmas, [7], ["auto", "auto"], ["smooth", "coarse"], rvge.Args(), np.asarray
-    )
-    assert [d.bandwidth for d in dirs] == ["split", "broad"] and m["rvge/tie_share/coarse"] == 1.0
-    assert m["rvge/group_size/smooth"] == m["rvge/group_size/coarse"] == 4.0
-    assert np.isclose(m["rvge/t_b/smooth"], float(sigmas[7])) and m["rvge/t_b/coarse"] == 1.0
-    assert dirs[1].local is None and torch.allclose(
-        dirs[1].broad,
-        rvge.group_directions(
-            x0, torch.tensor(A[:, 1]).float(), rvge.regression_groups(groups, ancestry, False), eta=0.2
-        ),
-    )
-    broad = rvge.regression_groups(
-        groups, ancestry, False
-    )  # s2: unbiased variance around the broad (independent) groups
-    dev = torch.cat([x0[broad == g] - x0[broad == g].mean(0) for g in np.unique(broad)])
-    assert np.isclose(s2, float(dev.pow(2).sum()) / ((R - 1) * len(np.unique(broad)) * 12))
-
-
-def test_noisy_coordinates_come_from_each_leafs_own_trajectory():
-    assert rvge.coordinate_steps("clean", [7]) == () and rvge.coordinate_steps("noisy", [7]) == (1, 8)
-    assert rvge.coordinate_steps("noisy", [1]) == (1, 2) and rvge.coordinate_steps("noisy", []) == (1,)
-    P, R, C = 2, 3, 2
-    groups, ancestry = hand_tree(P, R, C)
-    states = torch.arange(P * R, dtype=torch.float32).view(-1, 1) * torch.ones(1, 2)  # step 1: one state per root
-    leaves_states = torch.arange(len(groups), dtype=torch.float32).view(-1, 1) * torch.ones(
-        1, 2
-    )  # step 8: one per leaf
-    probes = [(1, states, None), (8, leaves_states, None)]
-    assert torch.equal(
-        rvge.denoised_coordinates(probes, 1, len(groups))[:, 0], torch.as_tensor(ancestry[:, 0], dtype=torch.float32)
-    )
-    assert torch.equal(rvge.denoised_coordinates(probes, 8, len(groups)), leaves_states)
-    x0 = torch.randn(len(groups), 2, generator=torch.Generator().manual_seed(1))
-    b = SimpleNamespace(leaves=x0, groups=groups, ancestry=ancestry, probes=probes)
-    A = rvge.advantages(x0[:, :1].double().numpy(), groups)
-    sig = torch.linspace(1, 0, 11)
-    clean, _, _ = rvge.value_directions(b, A, sig, [7], ["split"], ["r"], rvge.Args(), np.asarray)
-    noisy, _, _ = rvge.value_directions(b, A, sig, [7], ["split"], ["r"], rvge.Args(coords="noisy"), np.asarray)
-    A_t = torch.tensor(A[:, 0]).float()
-    assert torch.allclose(
-        clean[0].local, rvge.group_directions(x0, A_t, rvge.regression_groups(groups, ancestry, True), eta=0.2)
-    )
-    assert torch.allclose(
-        noisy[0].local,
-        rvge.group_directions(leaves_states, A_t, rvge.regression_groups(groups, ancestry, True), eta=0.2),
-    )
-    assert torch.allclose(
-        noisy[0].broad,
-        rvge.group_directions(states[ancestry[:, 0]], A_t, rvge.regression_groups(groups, ancestry, False), eta=0.2),
-    )
-    assert not torch.allclose(noisy[0].local, clean[0].local)
-
-
-# -----------------------------------------------------------------------------
 # The SDE step (NOTES.md §1)
 # -----------------------------------------------------------------------------
 
@@ -613,6 +439,77 @@ def test_sde_step_is_the_reverse_sde_euler_maruyama_step():
     )
     # at s = 1 the denominator uses s_1
     assert math.isfinite(recast.sde_step(x, v, 1.0, 0.9, a, 0.9, 1.0))
+
+
+# -----------------------------------------------------------------------------
+# The shared skeleton: one block, the same text at the end of recast.py and rvge.py (diffusers' check_copies idea)
+# -----------------------------------------------------------------------------
+# After editing recast.py's block, `python test_recast.py --fix-copies` rewrites rvge.py's.
+
+SHARED_BANNER = "# DiffusionNFT skeleton and run machinery: identical in recast.py and rvge.py"
+
+
+def shared_block(source):
+    """The text of a script from the line holding SHARED_BANNER to the end of the file (with its banner)."""
+    start = source.index(SHARED_BANNER)
+    return source[source.rindex("\n", 0, start) + 1 :]
+
+
+def fix_copies(original=Path(__file__).parent / "recast.py", copy=Path(__file__).parent / "rvge.py"):
+    """Rewrite copy's shared block with original's (the method part above it stays)."""
+    src, dst = original.read_text(), copy.read_text()
+    copy.write_text(dst[: len(dst) - len(shared_block(dst))] + shared_block(src))
+
+
+def test_the_shared_skeleton_is_one_identical_block_in_both_scripts():
+    """recast.py and rvge.py: method first, then one shared block, the same text in both; no definition of the shared
+    block is defined again above it, so `diff recast.py rvge.py` shows the two methods and nothing else."""
+    here = Path(__file__).parent
+    src, dst = (here / "recast.py").read_text(), (here / "rvge.py").read_text()
+    assert shared_block(src) == shared_block(dst), (
+        "rvge.py's shared block differs from recast.py's: change recast.py, then python test_recast.py --fix-copies"
+    )
+    import ast
+
+    def names(text):
+        tree = ast.parse(text)
+        return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+    shared = names(shared_block(src))
+    for text in (src, dst):
+        method = text[: len(text) - len(shared_block(text))]
+        assert not names(method) & shared, "a shared definition is defined again in a method part"
+        assert "# Copied from" not in text
+
+
+def test_gain_init_reads_the_runs_rewards_rows_and_refuses_a_mismatch(tmp_path):
+    """--gain-init: the rows of the run's rewards, in the run's order; other steps, a missing reward or a broken file
+    are refused."""
+    T, names = 4, ["a", "b", "c"]
+    s1 = np.arange(3 * (T + 1), dtype=float).reshape(3, T + 1)
+    saved = {
+        "names": names,
+        "steps": T,
+        "estimator": "pairs",
+        "n": [5.0] * (T + 1),
+        "s1": s1.tolist(),
+        "s2": (s1**2).tolist(),
+    }
+    path = tmp_path / "profiles.json"
+    path.write_text(json.dumps(saved))
+    n, got1, got2 = recast.initial_level_stats(path, ["c", "a"], T)
+    assert (
+        n.tolist() == [5.0] * (T + 1)
+        and got1.tolist() == [s1[2].tolist(), s1[0].tolist()]
+        and got2.tolist() == (got1**2).tolist()
+    )
+    with pytest.raises(SystemExit, match="--steps 10"):
+        recast.initial_level_stats(path, ["a"], 10)
+    with pytest.raises(SystemExit, match="holding rewards \\['a', 'zzz'\\]"):
+        recast.initial_level_stats(path, ["a", "zzz"], T)
+    path.write_text("{not json")
+    with pytest.raises(SystemExit, match="--gain-init"):
+        recast.initial_level_stats(path, ["a"], T)
 
 
 # -----------------------------------------------------------------------------
@@ -1597,6 +1494,18 @@ def test_prompt_files_are_checked(tiny, tmp_path, content, words):
         )
 
 
+def test_t5_prompt_length_is_diffusionnfts_128_off_the_embedded_model(tiny, tmp_path):
+    """Without --max-sequence-length a model other than the embedded one encodes T5 at 128 tokens (DiffusionNFT's
+    length): the text states are the CLIP tokens followed by 128 T5 tokens."""
+    argv = tiny_argv(tiny, tmp_path / "run")
+    i = argv.index("--max-sequence-length")
+    argv = argv[:i] + argv[i + 2 :]
+    run = recast.setup_run(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+    emb, _ = run.encode(["a red circle"])
+    assert emb.shape[1] == run.pipe.tokenizer.model_max_length + 128
+    run.lock.close()
+
+
 def test_file_prompts_are_drawn_as_diffusionnft_draws_them():
     """DiffusionNFT's sampler: per iteration one permutation of the lines, split over processes: no prompt twice in an
     iteration (all processes together), every line equally likely over iterations; a short file is cycled."""
@@ -1697,311 +1606,6 @@ def test_dry_run_attaches_lora_to_sd35_medium_on_the_meta_device(capsys, module)
 
 
 # -----------------------------------------------------------------------------
-# Reward models: tiny random CLIP from configs, real RapidOCR models, a local GenEval server
-# -----------------------------------------------------------------------------
-
-PROMPTS = ['a sign that says "HELLO"', "a red square on a blue field", "a cat", "two dogs in the snow"]
-
-
-def _images(n, seed=0, size=40):
-    rng = np.random.default_rng(seed)
-    return [Image.fromarray(rng.integers(0, 256, (size, size + 8, 3), dtype=np.uint8)) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def tiny_clip(tmp_path_factory):
-    """A random CLIP (hidden 32, projection 16, 32x32 images) + tokenizer + image processor, saved to disk."""
-    import torch
-    from transformers import CLIPConfig, CLIPModel, CLIPProcessor, CLIPTokenizer
-
-    try:
-        from transformers import CLIPImageProcessorPil as ImageProcessor  # no torchvision needed, no warning
-    except ImportError:
-        from transformers import CLIPImageProcessor as ImageProcessor
-
-    chars = [chr(c) for c in range(33, 127)]
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for token in chars + [c + "</w>" for c in chars]:
-        vocab[token] = len(vocab)
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=[])
-    tower = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4)
-    config = CLIPConfig(
-        text_config=dict(
-            tower, vocab_size=len(vocab), max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1
-        ),
-        vision_config=dict(tower, image_size=32, patch_size=8),
-        projection_dim=16,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_clip")
-    CLIPModel(config).save_pretrained(path)
-    image_processor = ImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
-    return str(path)
-
-
-def _opts(tiny_clip, **kw):
-    base = dict(
-        device="cpu",
-        dtype="float32",
-        local_files_only=True,
-        pickscore_model=tiny_clip,
-        pickscore_processor=tiny_clip,
-        clip_model=tiny_clip,
-    )
-    return SimpleNamespace(**{**base, **kw})
-
-
-def _forward(path, images, prompts):
-    """Scores through CLIPModel.forward, a different code path: (cos (N,), exp(logit_scale))."""
-    import torch
-    from transformers import CLIPModel, CLIPProcessor
-
-    model, proc = CLIPModel.from_pretrained(path).eval(), CLIPProcessor.from_pretrained(path)
-    with torch.no_grad():
-        out = model(**proc(text=prompts, images=images, padding=True, return_tensors="pt"))
-        scale = model.logit_scale.exp()
-        return (out.logits_per_image.diagonal() / scale).double().numpy(), scale.item()
-
-
-def test_import_loads_no_model():
-    code = (
-        "import recast, rvge, reward_models, sys; "
-        "assert not {'torch', 'transformers', 'rapidocr_onnxruntime'} & set(sys.modules)"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(recast.__file__))
-
-
-def test_unknown_or_repeated_name_lists_known_rewards():
-    with pytest.raises(ValueError, match=r"unknown reward 'pickscor'.*--rewards.*aesthetic, clipscore, count"):
-        reward_models.build_rewards("pickscor,ocr", None, extra={"count": lambda i, p: np.zeros(len(i))})
-    with pytest.raises(ValueError, match="distinct"):
-        reward_models.build_rewards(["ocr", "ocr"], None)
-
-
-def test_extra_rewards_keep_order_and_load_nothing():
-    a, b = (lambda i, p: np.ones(len(i))), (lambda i, p: np.zeros(len(i)))
-    assert reward_models.build_rewards(["b", "a"], None, extra={"a": a, "b": b}) == [b, a]
-
-
-def test_clipscore_is_the_cosine_of_the_model(tiny_clip):
-    images = _images(4)
-    (reward,) = reward_models.build_rewards(["clipscore"], _opts(tiny_clip))
-    got = reward(images, PROMPTS)
-    cos, _ = _forward(tiny_clip, images, PROMPTS)
-    assert got.dtype == np.float64 and got.shape == (4,)
-    np.testing.assert_allclose(got, cos, atol=1e-5)
-
-
-def test_pickscore_scale_batching_and_cache(tiny_clip):
-    images = _images(2, seed=1)
-    images, prompts = images * 18, PROMPTS[:2] * 18  # 36 images: two chunks of REWARD_BATCH = 32
-    (reward,) = reward_models.build_rewards(["pickscore"], _opts(tiny_clip))
-    got = reward(images, prompts)
-    assert got.shape == (36,) and np.isfinite(got).all()
-    np.testing.assert_allclose(got, np.tile(got[:2], 18), atol=1e-6)  # same pair, same score, any chunk
-    cos, scale = _forward(tiny_clip, images[:2], prompts[:2])
-    np.testing.assert_allclose(got[:2], scale * cos / 26, atol=1e-5)
-    info = reward_models.load_clip.cache_info()
-    reward_models.build_rewards(["pickscore"], _opts(tiny_clip))
-    assert (
-        reward_models.load_clip.cache_info().hits == info.hits + 1
-        and reward_models.load_clip.cache_info().misses == info.misses
-    )
-
-
-@pytest.mark.parametrize("fmt", ["pth", "safetensors"])
-def test_aesthetic_is_mlp_of_normalised_image_embedding(tiny_clip, tmp_path, fmt):
-    import torch
-
-    torch.manual_seed(1)
-    mlp = reward_models.aesthetic_mlp(16).eval()  # the tiny CLIP's projection size
-    for p in mlp.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    path = tmp_path / f"mlp.{fmt}"
-    if fmt == "pth":
-        torch.save(mlp.state_dict(), path)
-    else:
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in mlp.state_dict().items()}, str(path))
-    images = _images(3, seed=2)
-    with pytest.raises(ValueError, match="--aesthetic-mlp"):
-        reward_models.build_rewards(["aesthetic"], _opts(tiny_clip, aesthetic_mlp=""))  # recast.py's Args default
-    (reward,) = reward_models.build_rewards(["aesthetic"], _opts(tiny_clip, aesthetic_mlp=str(path), dtype=""))
-    got = reward(images, PROMPTS[:3])
-    model, proc = reward_models.load_clip(tiny_clip, tiny_clip, "cpu", "float32", True)
-    with torch.no_grad():
-        emb = model.get_image_features(**proc(images=images, return_tensors="pt")).pooler_output
-        want = mlp(emb / emb.norm(dim=-1, keepdim=True))[:, 0].double().numpy()
-    assert got.shape == (3,)
-    np.testing.assert_allclose(got, want, atol=1e-5)
-    assert abs(got[0] - got[1]) > 1e-6  # the image matters
-
-
-def test_ocr_formula_by_hand():
-    assert reward_models.ocr_target('a sign that says "Hello World" in neon') == "Hello World"
-    assert reward_models.ocr_target("no quotes here") is None
-    assert reward_models.ocr_score("HELLOWORLD", "hello world") == 1.0  # spaces and case ignored
-    assert reward_models.ocr_score("xx hello world yy", "Hello World") == 1.0  # substring: d = 0
-    assert reward_models.ocr_score("HELL0", "hello") == pytest.approx(0.8)  # one substitution: 1 - 1/5
-    assert reward_models.ocr_score("", "hello") == 0.0  # d = 5 = |target|
-    assert reward_models.ocr_score("abcdefghijklmnop", "hello") == 0.0  # d clipped at |target|
-    assert np.isnan(reward_models.ocr_score("hello", " "))
-
-
-def _render(text):
-    image = Image.new("RGB", (512, 512), "white")
-    ImageDraw.Draw(image).text((40, 200), text, fill="black", font=ImageFont.load_default(size=80))
-    return image
-
-
-def test_ocr_reads_rendered_text():
-    (reward,) = reward_models.build_rewards(["ocr"], None)
-    got = reward(
-        [_render("HELLO"), _render(""), _render("WORLD"), _render("HELLO")],
-        ['A sign that says "HELLO"'] * 3 + ["a sign with no quoted text"],
-    )
-    assert got[0] > 0.99  # read back exactly
-    assert got[1] == 0.0  # nothing to read
-    assert got[2] == pytest.approx(0.2)  # reads "WORLD": Levenshtein("world", "hello") = 4 -> 1 - 4/5
-    assert np.isnan(got[3])  # reward does not apply
-
-
-def test_ocr_engine_failure_gives_nan_not_a_crash(monkeypatch):
-    calls = []
-
-    def flaky(image, use_cls=False):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("onnxruntime: bad input")
-        return [(None, "HELLO", 0.9)], None
-
-    monkeypatch.setattr(reward_models, "load_ocr", lambda: flaky)
-    (reward,) = reward_models.build_rewards(["ocr"], None)
-    got = reward([_render("HELLO")] * 3, ['a sign that says "HELLO"'] * 3)
-    assert got[0] == 1.0 and np.isnan(got[1]) and got[2] == 1.0
-
-
-def test_ocr_training_prompts_must_quote_their_text(tmp_path):
-    prompts = tmp_path / "p.txt"
-    prompts.write_text('a sign that says "OPEN"\na red barn at dusk\n')
-    argv = [
-        "--model",
-        "stabilityai/stable-diffusion-3.5-medium",
-        "--rewards",
-        "ocr",
-        "--budgets",
-        "1",
-        "--device",
-        "cpu",
-        "--train-prompts",
-        str(prompts),
-        "--out",
-        str(tmp_path / "run"),
-    ]
-    with pytest.raises(SystemExit, match="quote nothing, the first: 'a red barn at dusk'"):
-        recast.validate(recast.parse_args(argv))
-    assert not (tmp_path / "run").exists()
-
-
-class _GenEvalHandler(http.server.BaseHTTPRequestHandler):
-    """Speaks the reward-server protocol; score = metadata "want" if the image's red channel is bright."""
-
-    def do_POST(self):
-        data = pickle.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.server.batches.append((len(data["images"]), data["only_strict"]))
-        if any(m["tag"] == "crash" for m in data["meta_datas"]):
-            self.send_response(500)
-            self.end_headers()
-            self.wfile.write(b"Traceback: KeyError 'class'")
-            return
-        images = [Image.open(io.BytesIO(b), formats=["jpeg"]) for b in data["images"]]
-        scores = [m["want"] * float(np.asarray(im)[..., 0].mean() > 128) for im, m in zip(images, data["meta_datas"])]
-        strict = [float(s == 1.0) for s in scores]
-        body = pickle.dumps(
-            {
-                "scores": scores,
-                "rewards": [0.0] * len(scores),
-                "strict_rewards": strict,
-                "group_rewards": {"counting": strict},
-                "group_strict_rewards": {"counting": strict},
-            }
-        )
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def geneval_server():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _GenEvalHandler)
-    server.batches = []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join()
-
-
-def test_geneval_client_decodes_server_scores(geneval_server, tmp_path):
-    meta = tmp_path / "meta.jsonl"
-    rows = [
-        {"tag": "counting", "include": [{"class": "dog", "count": 2}], "prompt": f"p{i}", "want": i / 70}
-        for i in range(70)
-    ]
-    rows += [
-        {"tag": "counting", "include": [], "prompt": "full", "want": 1.0},
-        {"tag": "crash", "include": [], "prompt": "bad", "want": 0.0},
-    ]
-    meta.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    url = f"http://127.0.0.1:{geneval_server.server_address[1]}"
-    red, black = Image.new("RGB", (16, 16), (255, 0, 0)), Image.new("RGB", (16, 16), (0, 0, 0))
-    images, prompts = [red if i % 2 else black for i in range(70)], [f"p{i}" for i in range(70)]
-    (reward,) = reward_models.build_rewards(["geneval"], SimpleNamespace(geneval_url=url, geneval_metadata=str(meta)))
-    got = reward(images, prompts)
-    np.testing.assert_allclose(got, [(i % 2) * i / 70 for i in range(70)])
-    assert geneval_server.batches == [(64, True), (6, True)]
-    (strict,) = reward_models.build_rewards(
-        ["geneval"], dict(geneval_url=url, geneval_metadata=str(meta), geneval_key="strict_rewards")
-    )
-    assert strict([red, black, red], ["full", "full", "p1"]).tolist() == [1.0, 0.0, 0.0]
-    with pytest.raises(RuntimeError, match="(?s)answered 500.*KeyError"):
-        reward([red], ["bad"])
-    with pytest.raises(ValueError, match="no GenEval metadata for prompt 'p999'"):
-        reward([red], ["p999"])
-
-
-def test_geneval_needs_metadata_a_valid_key_and_a_server():
-    with pytest.raises(ValueError, match="--geneval-metadata"):
-        reward_models.build_rewards(["geneval"], None)
-    with pytest.raises(ValueError, match="--geneval-key"):
-        reward_models.build_rewards(["geneval"], dict(geneval_key="score"))
-    with pytest.raises(RuntimeError, match="no GenEval server"):
-        reward_models.geneval_request("http://127.0.0.1:9", [Image.new("RGB", (8, 8))], [{}], retries=1, timeout=2)
-
-
-# -----------------------------------------------------------------------------
-# The Gaussian-mixture toy: every check of toy_gaussian.py, quick sizes
-# -----------------------------------------------------------------------------
-
-
-def test_toy_gaussian_quick_passes_every_check(tmp_path, capsys):
-    import toy_gaussian
-
-    assert toy_gaussian.main(["--quick", "--out", str(tmp_path)]) == 0
-    table = capsys.readouterr().out
-    passed = re.search(r"(\d+)/(\d+) passed", table)
-    assert "FAIL" not in table and passed and passed.group(1) == passed.group(2) and int(passed.group(2)) >= 40
-    assert len(list(tmp_path.glob("*.png"))) >= 5
-
-
-# -----------------------------------------------------------------------------
 # The embedded model (assets/shapes-sd3) with both scripts
 # -----------------------------------------------------------------------------
 
@@ -2044,76 +1648,5 @@ def test_rvge_direction_follows_a_linear_latent_reward_on_the_embedded_model():
         assert c.mean() > 3 * c.std() / np.sqrt(len(c)) and c.mean() > 0.02
 
 
-# -----------------------------------------------------------------------------
-# The shared skeleton: one block, the same text at the end of recast.py and rvge.py (diffusers' check_copies idea)
-# -----------------------------------------------------------------------------
-# After editing recast.py's block, `python test_recast.py --fix-copies` rewrites rvge.py's.
-
-SHARED_BANNER = "# DiffusionNFT skeleton and run machinery: identical in recast.py and rvge.py"
-
-
-def shared_block(source):
-    """The text of a script from the line holding SHARED_BANNER to the end of the file (with its banner)."""
-    start = source.index(SHARED_BANNER)
-    return source[source.rindex("\n", 0, start) + 1 :]
-
-
-def fix_copies(original=Path(__file__).parent / "recast.py", copy=Path(__file__).parent / "rvge.py"):
-    """Rewrite copy's shared block with original's (the method part above it stays)."""
-    src, dst = original.read_text(), copy.read_text()
-    copy.write_text(dst[: len(dst) - len(shared_block(dst))] + shared_block(src))
-
-
-def test_the_shared_skeleton_is_one_identical_block_in_both_scripts():
-    """recast.py and rvge.py: method first, then one shared block, the same text in both; no definition of the shared
-    block is defined again above it, so `diff recast.py rvge.py` shows the two methods and nothing else."""
-    here = Path(__file__).parent
-    src, dst = (here / "recast.py").read_text(), (here / "rvge.py").read_text()
-    assert shared_block(src) == shared_block(dst), (
-        "rvge.py's shared block differs from recast.py's: change recast.py, then python test_recast.py --fix-copies"
-    )
-    import ast
-
-    def names(text):
-        tree = ast.parse(text)
-        return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-
-    shared = names(shared_block(src))
-    for text in (src, dst):
-        method = text[: len(text) - len(shared_block(text))]
-        assert not names(method) & shared, "a shared definition is defined again in a method part"
-        assert "# Copied from" not in text
-
-
 if __name__ == "__main__" and "--fix-copies" in sys.argv:
     fix_copies()
-
-
-def test_gain_init_reads_the_runs_rewards_rows_and_refuses_a_mismatch(tmp_path):
-    """--gain-init: the rows of the run's rewards, in the run's order; other steps, a missing reward or a broken file
-    are refused."""
-    T, names = 4, ["a", "b", "c"]
-    s1 = np.arange(3 * (T + 1), dtype=float).reshape(3, T + 1)
-    saved = {
-        "names": names,
-        "steps": T,
-        "estimator": "pairs",
-        "n": [5.0] * (T + 1),
-        "s1": s1.tolist(),
-        "s2": (s1**2).tolist(),
-    }
-    path = tmp_path / "profiles.json"
-    path.write_text(json.dumps(saved))
-    n, got1, got2 = recast.initial_level_stats(path, ["c", "a"], T)
-    assert (
-        n.tolist() == [5.0] * (T + 1)
-        and got1.tolist() == [s1[2].tolist(), s1[0].tolist()]
-        and got2.tolist() == (got1**2).tolist()
-    )
-    with pytest.raises(SystemExit, match="--steps 10"):
-        recast.initial_level_stats(path, ["a"], 10)
-    with pytest.raises(SystemExit, match="holding rewards \\['a', 'zzz'\\]"):
-        recast.initial_level_stats(path, ["a", "zzz"], T)
-    path.write_text("{not json")
-    with pytest.raises(SystemExit, match="--gain-init"):
-        recast.initial_level_stats(path, ["a"], T)
