@@ -30,6 +30,7 @@ Where to change what
                 rollout_and_score (which adapter samples, what is decoded and scored; probes for --coords noisy)
     rewards     reward_models.py (REWARD_MODELS, build_rewards; README "Add a reward"), score, reward_extras
     directions  value_directions: regression_groups, pick_bandwidth, group_directions -> value_direction
+                (--combine reward: one direction on the budget-weighted reward, weighted_advantage)
     transfer    reward_target: uses_local, target_velocity (transfer_ratio, posterior_var), query_weight
     credit      mixture_weights (w_kj from W); W itself is recast.credit (--credit recast), imported in train
     loss        rvge_loss, mix_targets, rvge_update; the loop shared with recast.py: update_loop
@@ -323,6 +324,17 @@ def value_directions(b, A, sigmas, branch, bandwidths, names, args, reduce):
     return directions, s2, metrics
 
 
+def weighted_advantage(b, budgets, run):
+    """--combine reward: the advantage (N, 1) of the one reward sum_k lambda_k R_k (`recast.combine_raw`), normalised
+    once with its global std over all processes, as DiffusionNFT's multi-reward baseline forms it
+    (`recast.nft_baseline`)."""
+    from recast import combine_raw
+
+    Rc = combine_raw(b.R, budgets)[:, None]
+    _, _, std = global_stats(Rc, run.reduce)
+    return advantages(Rc, b.groups, std=std)
+
+
 def credit_settings(args):
     """rvge.py's flags for recast.credit: W learned with --credit recast (else uniform, the budgets' lambda / T), by
     ReCAST's pairs estimator at order 2 on RVGE's trees (CreditSettings' defaults)."""
@@ -377,7 +389,8 @@ def train(args: Args, extra_rewards=None, judges=None):
 
     run = setup_run(args, extra_rewards, judges)
     start, state = start_or_resume(run, args)
-    budgets, bandwidths = run.budgets, parse_bandwidths(args.bandwidth, len(run.names))
+    budgets, targets = run.budgets, run.names if args.combine == "directions" else ["weighted"]
+    bandwidths = parse_bandwidths(args.bandwidth, len(targets))
 
     def on_step():  # after every optimizer step: the EMA of the trained LoRA (DiffusionNFT's evaluation weights)
         state["opt_steps"] += 1
@@ -403,18 +416,19 @@ def train(args: Args, extra_rewards=None, judges=None):
         # 2. normalised rewards (global std across processes); bandwidth, t_b and directions per reward
         n_valid, mean_R, std = global_stats(b.R, run.reduce)
         stop_if_a_reward_failed(run, it, n_valid, state)
-        A = advantages(b.R, b.groups, std=std)  # clipped, in global-std units (NaN rewards: 0)
+        A = advantages(b.R, b.groups, std=std) if args.combine == "directions" else weighted_advantage(b, budgets, run)
         r = optimality(b.R, b.groups, std=std)  # for the pairs estimator of --credit recast
         sigmas = run.sigmas.double().numpy()
         state["level_stats"], credit_info, W = credit(
             credit_settings(args), state.get("level_stats"), r, std, b, budgets, sigmas, run.reduce
         )
         directions, s2, rvge_metrics = value_directions(
-            b, A, run.sigmas, run.branch, bandwidths, run.names, args, run.reduce
+            b, A, run.sigmas, run.branch, bandwidths, targets, args, run.reduce
         )
+        mix = mixture_weights(W, budgets) if args.combine == "directions" else np.ones((1, len(sigmas) - 1))
         t3 = time.perf_counter()
         # 3. regression update of "default", then the soft update of "old"
-        losses = rvge_update(run, b, directions, mixture_weights(W, budgets), s2, args, gen, on_step)
+        losses = rvge_update(run, b, directions, mix, s2, args, gen, on_step)
         copy_adapter(run.transformer, "default", "old", keep=old_decay(state["opt_steps"], args.old_decay))
         t4 = time.perf_counter()
         # 4. log, evaluate, checkpoint
@@ -471,6 +485,10 @@ class Args:
     credit: str = flag("budgets", "method", choices=["budgets", "recast"])
     """budgets: reward k's direction weighted lambda_k / Lam at every step; recast: T W_kj / Lam with ReCAST's W (Renyi
     gains from the pairs estimator)"""
+    combine: str = flag("directions", "method", choices=["directions", "reward"])
+    """directions: one direction per reward (each normalised apart), mixed per step by w_kj; reward: one direction for
+    the budget-weighted reward sum_k lambda_k R_k, normalised once, as DiffusionNFT forms one advantage (with
+    --credit budgets only; --bandwidth one value)"""
     bandwidth: str = flag("auto", "method")
     """local (regress among the C siblings of a root, t_b = sigma at the last branch step), broad (among the R leaves
     with the same child index, one per root, t_b = 1), split (local for training queries t <= t_b, broad above) or
@@ -648,6 +666,11 @@ def validate(args: Args, extra_rewards=None):
     if branch and args.n_branch < 2 and any(b != "broad" for b in bandwidths):
         raise SystemExit(
             f"--n-branch {args.n_branch}: local groups need >= 2 siblings; raise --n-branch or use --bandwidth broad"
+        )
+    if args.combine == "reward" and (args.credit == "recast" or "," in args.bandwidth):
+        raise SystemExit(
+            "--combine reward regresses one direction on the budget-weighted reward: it takes --credit budgets and "
+            "one --bandwidth value (ReCAST's W and per-reward bandwidths are per-reward settings)"
         )
     if args.credit == "recast" and (args.n_roots < 2 or not branch):
         raise SystemExit(

@@ -824,6 +824,34 @@ def test_rvge_two_iterations_log_bandwidths_directions_and_W(tiny, tmp_path, cre
     assert (out / "samples_after.png").exists() and (out / "credit.png").exists()
 
 
+def test_rvge_one_direction_on_the_weighted_reward(tiny, tmp_path):
+    """--combine reward regresses one direction on sum_k lambda_k R_k normalised once. With one reward it is the
+    per-reward run exactly (same advantages, mixture weight 1 at every step); with two it logs one direction,
+    "weighted", whose advantage is DiffusionNFT's combined one; per-reward settings are refused with it."""
+    one = ["--iterations", "2", "--eval-every", "1", "--save-every", "1", "--rewards", "brightness", "--budgets", "1"]
+    for combine in ("directions", "reward"):
+        rvge.train(rvge.parse_args(tiny_argv(tiny, tmp_path / combine, *one, "--combine", combine)), TINY_REWARDS)
+    per, joint = read_metrics(tmp_path / "directions"), read_metrics(tmp_path / "reward")
+    for a, b in zip(per, joint):
+        assert a["loss/policy"] == b["loss/policy"] and a["eval/brightness"] == b["eval/brightness"]
+        assert a["rvge/direction_rms/brightness"] == b["rvge/direction_rms/weighted"]
+    states = [
+        torch.load(tmp_path / c / "checkpoints/iter_000001/state.pt", weights_only=False)["lora"]["default"]
+        for c in ("directions", "reward")
+    ]
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    out = tmp_path / "two"
+    rvge.train(
+        rvge.parse_args(tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0", "--combine", "reward")),
+        TINY_REWARDS,
+    )
+    m = read_metrics(out)[0]
+    assert "rvge/bandwidth/weighted" in m and not any(k.startswith("rvge/bandwidth/bright") for k in m)
+    for bad in (["--credit", "recast"], ["--bandwidth", "split,broad"]):
+        with pytest.raises(SystemExit, match="--combine reward regresses one direction"):
+            rvge.validate(rvge.parse_args(tiny_argv(tiny, tmp_path / "x", "--combine", "reward", *bad)), TINY_REWARDS)
+
+
 def test_diffusionnft_step_counts_ema_and_ode_sampler(tiny, tmp_path):
     """--updates-per-iter 1 is one AdamW step per iteration over all its samples; --ema keeps
     DiffusionNFT's EMA (ema_s = d_s ema_{s-1} + (1 - d_s) default_s, d_s = min((1 + s) / (10 + s), 0.9)),

@@ -181,3 +181,13 @@ def test_noisy_coordinates_come_from_each_leafs_own_trajectory():
         rvge.group_directions(states[ancestry[:, 0]], A_t, rvge.regression_groups(groups, ancestry, False), eta=0.2),
     )
     assert not torch.allclose(noisy[0].local, clean[0].local)
+
+
+def test_weighted_advantage_is_diffusionnfts_combined_advantage():
+    R = np.random.default_rng(0).normal(size=(12, 3))
+    groups = np.repeat(np.arange(3), 4)
+    run = SimpleNamespace(reduce=np.asarray)
+    A = rvge.weighted_advantage(SimpleNamespace(R=R, groups=groups), [0.5, 0.3, 0.2], run)
+    Rc = R @ [0.5, 0.3, 0.2]
+    centred = Rc - np.array([Rc[groups == g].mean() for g in groups])
+    assert A.shape == (12, 1) and np.allclose(A[:, 0], centred / (Rc.std() + 1e-4))
