@@ -1928,7 +1928,13 @@ def run_folder(args):
     else:
         base = Path("runs") / (args.name or default_name(args))
         out = next(p for p in (base.with_name(f"{base.name}-{i}") if i else base for i in range(10**6)) if is_unused(p))
-    host = next((p for p in Path(os.path.abspath(out)).parents if is_run(p)), None)
+    where = Path(os.path.abspath(out))
+    if len(where.parts) <= 2 or where == Path.home().absolute():
+        raise SystemExit(
+            f"{out} is a system folder (the root, a folder directly under it, or your home folder): a run writes only "
+            "to a folder of its own. Choose one such as runs/<name> with --out"
+        )
+    host = next((p for p in where.parents if is_run(p)), None)
     if host is not None:
         raise SystemExit(
             f"{out} lies inside the run folder {host}, whose checkpoint rotation and --overwrite would delete it: "
