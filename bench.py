@@ -15,6 +15,8 @@ An experiment is data (`EXPERIMENTS`): a list of cells, each (script, extra flag
 plus iterations, prompt groups per iteration, held-out evaluation cadence and seeds. Every cell
 runs once per seed; the seed alone fixes the prompts and the noise, so runs with the same seed
 are paired across cells, and every interval below is over seeds of paired differences (t, 95%).
+An interval that holds 0 also prints `n95 N`: the seeds that would resolve a difference of the measured size at
+the measured sd (`seeds_needed`), so an unresolved comparison says how large a run would resolve it.
 
 Runs and results. Each (cell, seed) is one run of `recast.py` or `rvge.py` (with --overwrite) in
 its run folder --out/<experiment>/work/<run>/ (checkpoints: large, git-ignored); once it finishes,
@@ -635,12 +637,28 @@ def paired(a: dict, b: dict):
     return [a[s] - b[s] for s in sorted(set(a) & set(b))]
 
 
+def seeds_needed(m, lo, hi, n, most=10_000):
+    """Power of a paired comparison: the fewest seeds N whose 95% t interval would exclude 0 if the paired differences
+    kept their measured mean m and sd (sd from the interval: (hi - lo) / 2 = t(0.975, n - 1) sd / sqrt(n)), i.e. the
+    smallest N >= 2 with t(0.975, N - 1) sd / sqrt(N) < |m|. None when it is over `most` (or m = 0)."""
+    from scipy import stats
+
+    sd = (hi - lo) / 2 * np.sqrt(n) / stats.t.ppf(0.975, n - 1)
+    return next((N for N in range(2, most + 1) if stats.t.ppf(0.975, N - 1) * sd / np.sqrt(N) < abs(m)), None)
+
+
 def fmt_ci(m, lo, hi, n, digits=4):
+    """mean [95% t interval]; an interval that holds 0 (unresolved) also gives the seeds that would resolve a
+    difference of this size at this sd (`seeds_needed`): "n95 14" or "n95 > 10000"."""
     if not np.isfinite(m):
         return "n/a"
     if not np.isfinite(lo):
         return f"{m:+.{digits}f} (n={n})"
-    return f"{m:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
+    text = f"{m:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
+    if lo <= 0 <= hi:
+        need = seeds_needed(m, lo, hi, n)
+        text += f" n95 {need}" if need else " n95 > 10000"
+    return text
 
 
 def mean_std(values, digits=4):

@@ -119,6 +119,16 @@ def test_statistics_by_hand():
         and lo == pytest.approx(2 * m - hi)
     )
     assert np.isnan(bench.mean_ci([1.0])[1])
+
+
+def test_seeds_needed_resolves_the_observed_difference_at_its_sd():
+    """mean 1, sd 1 over 3 seeds (unresolved): t(0.975, N - 1) / sqrt(N) < 1 first at N = 7 (2.447 < 2.646; at N = 6
+    2.571 > 2.449); a resolved interval prints no n95, an unresolved one does."""
+    m, lo, hi, n = bench.mean_ci([0.0, 1.0, 2.0])
+    assert lo < 0 < hi and bench.seeds_needed(m, lo, hi, n) == 7
+    assert bench.fmt_ci(m, lo, hi, n).endswith(" n95 7")
+    assert "n95" not in bench.fmt_ci(*bench.mean_ci([1.0, 1.1, 0.9]))
+    assert bench.seeds_needed(0.0, -1.0, 1.0, 3) is None
     assert bench.verdict("eval/judge/frechet", -5.0, -1.0) == 1 and bench.verdict("eval/weighted", -5.0, -1.0) == -1
     assert bench.verdict("eval/weighted", -1.0, 1.0) == 0 and bench.verdict("eval/weighted", np.nan, np.nan) == 0
     assert bench.paired({0: 1.0, 1: 5.0, 2: 2.0}, {0: 0.5, 2: 1.0}) == [0.5, 1.0]
