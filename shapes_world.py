@@ -16,7 +16,7 @@ segmentation + connected components + shape test) · rewards · held-out judges
 text encoders, VAE, transformer) · build (VAE -> judge -> transformer) · eval/bench · CLI.
 
 Commands (all deterministic, fixed seeds, CPU):
-    python shapes_world.py build   # regenerate assets/ from scratch (~25 min on 2 cores)
+    python shapes_world.py build   # regenerate assets/ from scratch (~40 min on 1 thread)
     python shapes_world.py eval    # checker accuracy on held-out prompts + assets/samples.png
     python shapes_world.py bench   # rollout and LoRA-step timings
 
@@ -63,14 +63,16 @@ SHAPES = ("circle", "square", "triangle")
 NUMBER_WORDS = {"a": 1, "an": 1, "one": 1, "two": 2, "three": 3}
 COUNT_WORD = {1: "a", 2: "two", 3: "three"}
 SIDES = ("left", "right")
-TEXTURES = ("striped", "dotted")
+TEXTURES = ("striped", "barred")
 """Fine, low-contrast texture inside every object of a caption (the late attribute): named in the caption
-("a red striped circle", "two blue dotted squares"), plain when unnamed. See :func:`_texture_pattern`."""
-TEXTURE = dict(kind="A", amp=0.25)
-"""The texture design (chosen by measurement, results/world-design/): kind A = horizontal lines every 2nd pixel
-row (striped) and a dot every 2nd pixel in x and y (dotted), each with a random phase per object; kind B = the same
-lines and a random speckle (each pixel darkened with probability 0.3). ``amp``: the darkened pixels' brightness
-factor is 1 - amp (hue kept)."""
+("a red striped circle", "two blue barred squares"), plain when unnamed. See :func:`_texture_pattern`."""
+TEXTURE = dict(kind="C", amp=0.3)
+"""The texture design, chosen by measurement (results/world-design/README.md). Kind C (the world's): striped =
+2-pixel horizontal lines every 4 pixel rows, barred = 2-pixel vertical lines every 4 columns, each with a random
+phase per object. The prototypes that lost: kind A = 1-pixel lines every 2nd row (striped) and a dot every 2nd
+pixel in x and y (the VAE averaged both away); 2x2 dots or a 2x2 checkerboard on the 4-pixel grid (the VAE
+averaged them away; lines survive). Kind B = kind A's lines and a random speckle (not prototyped). ``amp``: the
+darkened pixels' brightness factor is 1 - amp (hue kept)."""
 
 
 def _hue_deg(rgb: np.ndarray) -> np.ndarray:
@@ -154,7 +156,7 @@ def sample_prompts(n: int, split: str = "train", seed: int = 0) -> list[str]:
 
 def parse_prompt(prompt: str) -> dict:
     """Prompt -> spec ``{"objects": [(colour, shape), ...], "side": None|"left"|"right"}``, plus
-    ``"texture": "striped"|"dotted"`` when the caption names one (absent: plain).
+    ``"texture": "striped"|"barred"`` when the caption names one (absent: plain).
 
     Accepts the grammar of :func:`all_captions` (also unseen combinations, e.g. a texture word in a
     pair); raises ValueError otherwise (two different textures in one caption included).
@@ -214,6 +216,9 @@ def _texture_pattern(texture: str, rng: np.random.Generator, kind: str | None = 
     """(32, 32) 0/1 mask of the pixels a texture darkens, its phase drawn from rng (see TEXTURE)."""
     kind = kind or TEXTURE["kind"]
     yy, xx = np.mgrid[:RES, :RES]
+    if kind == "C":  # 2-pixel horizontal lines every 4 rows (striped) / vertical ones every 4 columns (barred)
+        py, px = int(rng.integers(4)), int(rng.integers(4))
+        return ((yy + py) % 4 < 2 if texture == "striped" else (xx + px) % 4 < 2).astype(np.float64)
     py, px = int(rng.integers(2)), int(rng.integers(2))
     if texture == "striped":
         return ((yy + py) % 2 == 0).astype(np.float64)
@@ -293,11 +298,13 @@ def _texture_features(v: np.ndarray, m: np.ndarray) -> tuple[float, float, int]:
 
 
 def _texture_of(ex: float, ey: float, n: int) -> str:
-    """plain if the fine energy ex + ey < TEX_PLAIN (or no inner pixels); striped if one direction
-    dominates (ratio > TEX_ANISO: lines); else dotted."""
+    """plain if the fine energy ex + ey < TEX_PLAIN (or no inner pixels); else striped (horizontal lines) if
+    ey > TEX_ANISO ex, barred (vertical lines) if ex > TEX_ANISO ey, else mixed (matches no caption)."""
     if n == 0 or ex + ey < TEX_PLAIN:
         return "plain"
-    return "striped" if max(ex, ey) > TEX_ANISO * max(min(ex, ey), 1e-9) else "dotted"
+    if ey > TEX_ANISO * ex:
+        return "striped"
+    return "barred" if ex > TEX_ANISO * ey else "mixed"
 
 
 def _as_array(img: Image.Image) -> np.ndarray:
@@ -324,7 +331,7 @@ def detect(img: Image.Image) -> list[dict]:
        triangle width ratio <= 0.36. The diagonal test survives blur and rounded corners,
        e.g. VAE reconstructions: square diag >= 0.85 in 99.5% of cases.)
     5. texture from the fine contrast inside the component (:func:`_texture_features`,
-       :func:`_texture_of`): plain, striped or dotted.
+       :func:`_texture_of`): plain, striped, barred (or mixed).
     """
     from scipy import ndimage
 
@@ -399,10 +406,11 @@ def check(img: Image.Image, prompt: str) -> dict:
     ``partial`` = mean of the applicable attributes; ``strict`` = 1 iff the detected
     (colour, shape) multiset equals the prompt's exactly and the position holds.
     Texture (the late attribute; in neither partial nor strict):
-      texture = share of the detected objects whose texture is the prompt's (plain when it
-                names none); 0 when nothing is detected;
-      grain   = fine contrast inside the detected objects, (ex + ey) / 2 pooled over their
-                inner pixels, / GRAIN_SCALE (0 with no inner pixels).
+      texture = 1 iff objects are detected and the texture read from their inner pixels pooled
+                (ex, ey weighted by n_inner; :func:`_texture_of`) is the prompt's (plain when it
+                names none; the caption's texture is every object's); else 0;
+      grain   = fine contrast inside the detected objects, max(ex, ey) of their inner pixels
+                pooled, / GRAIN_SCALE (0 with no inner pixels).
     """
     spec, objs = parse_prompt(prompt), detect(img)
     exp = spec["objects"]
@@ -426,14 +434,14 @@ def check(img: Image.Image, prompt: str) -> dict:
         s["position"] = float(pos_ok)
     s["partial"] = float(np.mean(list(s.values())))
     s["strict"] = float(sorted(det_cs) == sorted(exp) and pos_ok)
-    want = spec.get("texture", "plain")
-    s["texture"] = float(np.mean([o["texture"] == want for o in objs])) if objs else 0.0
     n_in = sum(o["n_inner"] for o in objs)
-    s["grain"] = sum(o["n_inner"] * (o["ex"] + o["ey"]) / 2 for o in objs) / n_in / GRAIN_SCALE if n_in else 0.0
+    ex, ey = (sum(o["n_inner"] * o[k] for o in objs) / max(n_in, 1) for k in ("ex", "ey"))
+    s["texture"] = float(bool(objs) and _texture_of(ex, ey, n_in) == spec.get("texture", "plain"))
+    s["grain"] = max(ex, ey) / GRAIN_SCALE
     return s
 
 
-GRAIN_SCALE = 0.14  # (ex + ey) / 2 of ground-truth textured objects
+GRAIN_SCALE = 0.17  # max(ex, ey) of ground-truth textured objects (amp / 2 / (1 - amp / 2) at amp 0.3)
 
 
 # ========================================================== rewards ====
@@ -444,13 +452,13 @@ def _gray(img: Image.Image) -> np.ndarray:
 def reward_geneval(images: list, prompts: list[str]) -> np.ndarray:
     """Partial GenEval-like score: mean of the attribute scores of :func:`check`
     (count, colour, shape, object[, position]). Range [0, 1]; ground truth ~1."""
-    return np.array([check(i, p)["partial"] for i, p in zip(images, prompts)], np.float64)
+    return _checked(images, prompts, "partial")  # one detection per image, shared with the other checker rewards
 
 
 def reward_geneval_strict(images: list, prompts: list[str]) -> np.ndarray:
     """Strict GenEval-like score: 1 iff exactly the prompt's objects (colour and shape,
     counted) are present and the position holds, else 0. Values {0, 1}."""
-    return np.array([check(i, p)["strict"] for i, p in zip(images, prompts)], np.float64)
+    return _checked(images, prompts, "strict")
 
 
 SHARP_SCALE = 0.06
@@ -547,7 +555,7 @@ def reward_texture(images: list, prompts: list[str]) -> np.ndarray:
     """The caption's texture (the late attribute), 0/1: 1 iff objects are detected and every one of them
     has the texture the prompt names (plain when it names none), by :func:`check`. Fine, low-contrast
     detail: decided by the last denoising steps."""
-    return np.floor(_checked(images, prompts, "texture", 0.0))
+    return _checked(images, prompts, "texture", 0.0)
 
 
 def reward_grain(images: list, prompts: list[str] | None = None) -> np.ndarray:
@@ -599,7 +607,7 @@ DEFAULT_BUDGETS = [0.4, 0.3, 0.2, 0.1]
 def _judge_net():
     """Small CNN (~100k params): 32x32x3 -> 64 features -> heads
     count (3-way: 1, 2, 3 objects), colour presence (4 logits), shape presence (3 logits),
-    texture (3-way: plain, striped, dotted)."""
+    texture (3-way: plain, striped, barred)."""
     import torch.nn as nn
 
     return nn.ModuleDict(
@@ -689,11 +697,11 @@ def judge_cnn(images: list, prompts: list[str]) -> np.ndarray:
     out = []
     for lg, p in zip(logits, prompts):
         t = torch.from_numpy(_judge_targets(p)).double()
-        nc = 3 + len(COLORS) + len(SHAPES)
+        npres = len(COLORS) + len(SHAPES)
         p_count = torch.softmax(lg[:3], 0)[int(t[0])]
-        pres = torch.sigmoid(lg[3:nc])
-        p_pres = torch.where(t[1:nc] > 0, pres, 1 - pres)
-        p_tex = torch.softmax(lg[nc:], 0)[int(t[nc])]
+        pres = torch.sigmoid(lg[3 : 3 + npres])
+        p_pres = torch.where(t[1 : 1 + npres] > 0, pres, 1 - pres)
+        p_tex = torch.softmax(lg[3 + npres :], 0)[int(t[1 + npres])]
         out.append(float((p_count + p_pres[: len(COLORS)].mean() + p_pres[len(COLORS) :].mean() + p_tex) / 4))
     return np.array(out, np.float64)
 
@@ -742,7 +750,7 @@ PROMPT_DIM = 25
 
 def _prompt_vector(prompt: str) -> np.ndarray:
     """(25,) counts per colour (4), per shape (3), per (colour, shape) (12), side one-hot (none, left, right),
-    texture one-hot (plain, striped, dotted)."""
+    texture one-hot (plain, striped, barred)."""
     spec = parse_prompt(prompt)
     objs = spec["objects"]
     v = [sum(c == k for c, _ in objs) for k in COLORS] + [sum(s == k for _, s in objs) for k in SHAPES]
@@ -754,7 +762,7 @@ def _prompt_vector(prompt: str) -> np.ndarray:
 
 def _mutate(spec: dict, rng: np.random.Generator) -> dict:
     """The spec with one thing wrong: an object's colour or shape, the count (one more or one fewer), the side,
-    or the texture (another of plain, striped, dotted)."""
+    or the texture (another of plain, striped, barred)."""
     objs, side, texture = list(spec["objects"]), spec["side"], spec.get("texture")
     kinds = ["colour", "shape", "count", "texture"] + (["side"] if side else [])
     kind = kinds[rng.integers(len(kinds))]
@@ -1127,9 +1135,20 @@ def _warmup_cosine(opt, steps: int, warm: int):
     )
 
 
-def train_vae(vae, images: list, steps: int, batch: int = 64, seed: int = 0):
-    """Reconstruction training: loss = mean(w |x - x'|) + mean(w (x - x')^2) + 1e-6 KL,
-    w = 1 + 3 * foreground (shapes matter more than flat background); AdamW 2e-3, warm-up + cosine."""
+def _laplacian(x):
+    """4-neighbour Laplacian of (B, C, H, W) over the interior (B, C, H-2, W-2)."""
+    c = x[..., 1:-1, 1:-1]
+    return 4 * c - x[..., :-2, 1:-1] - x[..., 2:, 1:-1] - x[..., 1:-1, :-2] - x[..., 1:-1, 2:]
+
+
+VAE_HF_WEIGHT = 1.0
+
+
+def train_vae(vae, images: list, steps: int, batch: int = 64, seed: int = 0, hf_weight: float | None = None):
+    """Reconstruction training: loss = mean(w |x - x'|) + mean(w (x - x')^2) + hf mean(w |lap x - lap x'|)
+    + 1e-6 KL, w = 1 + 3 * foreground (shapes matter more than flat background), lap the 4-neighbour
+    Laplacian (fine detail: the texture inside the shapes), hf = VAE_HF_WEIGHT; AdamW 2e-3, warm-up + cosine."""
+    hf_weight = VAE_HF_WEIGHT if hf_weight is None else hf_weight
     import torch
     from tqdm import tqdm
 
@@ -1149,6 +1168,8 @@ def train_vae(vae, images: list, steps: int, batch: int = 64, seed: int = 0):
         post = vae.encode(x).latent_dist
         rec = vae.decode(post.sample(generator=g)).sample
         loss = (w * (rec - x).abs()).mean() + (w * (rec - x) ** 2).mean() + 1e-6 * post.kl().mean()
+        if hf_weight:
+            loss = loss + hf_weight * (w[..., 1:-1, 1:-1] * (_laplacian(rec) - _laplacian(x)).abs()).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -1203,11 +1224,11 @@ def train_judge(images: list, prompts: list[str], steps: int, seed: int = 0):
         x, y = x_all[idx], y_all[idx]
         x = torch.where(torch.rand(len(x), 1, 1, 1, generator=g) < 0.5, x, x.flip(-1))  # h-flip
         lg = net["head"](net["features"](x))
-        nc = 3 + len(COLORS) + len(SHAPES)
+        npres = len(COLORS) + len(SHAPES)
         loss = (
             F.cross_entropy(lg[:, :3], y[:, 0].long())
-            + F.binary_cross_entropy_with_logits(lg[:, 3:nc], y[:, 1:nc])
-            + F.cross_entropy(lg[:, nc:], y[:, nc].long())
+            + F.binary_cross_entropy_with_logits(lg[:, 3 : 3 + npres], y[:, 1 : 1 + npres])
+            + F.cross_entropy(lg[:, 3 + npres :], y[:, 1 + npres].long())
         )
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -1279,8 +1300,10 @@ def train_transformer(
     return ema.state_dict()
 
 
-BUILD = dict(n_images=24_000, vae_steps=600, judge_steps=600, transformer_steps=2_000, threads=1)
-"""Build settings. One torch thread: bit-reproducible and robust when the 2 cores are shared."""
+BUILD = dict(n_images=24_000, vae_steps=600, judge_steps=600, transformer_steps=3_500, threads=1)
+"""Build settings. One torch thread: bit-reproducible and robust when the 2 cores are shared. 3,500 transformer steps
+(was 2,000 before the texture; ~2.5 steps/s on one thread): the texture is the last thing the model learns (a
+800-step prototype drew a plaid on every caption, results/world-design/tables.md)."""
 
 
 def build(out_dir: Path = ASSETS, **overrides) -> dict:
@@ -1358,9 +1381,13 @@ def world_metrics(vae, n: int = 500) -> dict:
         "checker_vae_strict": float(reward_geneval_strict(recs, prompts).mean()),
         "vae_psnr": float(np.mean([_psnr(_as_array(a), _as_array(b)) for a, b in zip(gt, recs)])),
     }
-    for name in ("geneval", "sharpness", "jpeg", "saturation"):
+    for name in ("geneval", "sharpness", "jpeg", "saturation", "texture", "grain"):
         m[f"gt_{name}_mean"] = float(REWARDS[name](gt, prompts).mean())
         m[f"vae_{name}_mean"] = float(REWARDS[name](recs, prompts).mean())
+    named = np.array(["texture" in parse_prompt(p) for p in prompts])
+    for what, ims in (("gt", gt), ("vae", recs)):  # the texture survives the VAE round trip: named / plain captions
+        r = REWARDS["texture"](ims, prompts)
+        m[f"{what}_texture_named"], m[f"{what}_texture_plain"] = float(r[named].mean()), float(r[~named].mean())
     m.update(
         judge_gt=float(judge_cnn(gt, prompts).mean()),
         judge_vae=float(judge_cnn(recs, prompts).mean()),
@@ -1407,8 +1434,12 @@ def evaluate(
     for t in TEMPLATES:
         sel = [c["strict"] for c, p in zip(checks, prompts) if _template(p) == t]
         m[f"gen_strict_{t}"] = float(np.mean(sel)) if sel else None
-    for name in ("sharpness", "jpeg", "saturation"):
+    for name in ("sharpness", "jpeg", "saturation", "texture", "grain"):
         m[f"gen_{name}_mean"] = float(REWARDS[name](imgs, prompts).mean())
+    tex = REWARDS["texture"](imgs, prompts)
+    for t in ("plain",) + TEXTURES:
+        sel = [parse_prompt(p).get("texture", "plain") == t for p in prompts]
+        m[f"gen_texture_{t}"] = float(tex[sel].mean()) if any(sel) else None
     m["gen_judge_cnn"] = float(judge_cnn(imgs, prompts).mean())
     m["gen_frechet"] = frechet_distance(imgs, prompts)
     # reproducibility: a fresh load with a fixed generator gives identical pixels

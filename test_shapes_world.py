@@ -57,9 +57,9 @@ def test_parse_prompt():
         "side": None,
         "texture": "striped",
     }
-    assert sw.parse_prompt("a blue dotted square on the left")["texture"] == "dotted"
+    assert sw.parse_prompt("a blue barred square on the left")["texture"] == "barred"
     assert sw.parse_prompt("a red striped circle and a blue square")["texture"] == "striped"  # outside the grammar
-    for bad in ("a photo of a cat", "a red striped circle and a blue dotted square", "a red wavy circle"):
+    for bad in ("a photo of a cat", "a red striped circle and a blue barred square", "a red wavy circle"):
         with pytest.raises(ValueError):
             sw.parse_prompt(bad)
 
@@ -142,40 +142,41 @@ def test_reward_known_values():
     assert sw.REWARDS["jpeg"]([_step_edge()], p)[0] < 1.0
 
 
-def _textured(texture, amp=0.25, side=8):
-    """A flat red square of 2 * side pixels on grey, its texture drawn by hand: 1-pixel lines on even rows
-    (striped) or a dot on even rows and columns (dotted), darkened by 1 - amp."""
+def _textured(texture, amp=0.3, side=8):
+    """A flat red square of 2 * side pixels on grey, its texture drawn by hand: 2-pixel lines every 4 rows
+    (striped) or every 4 columns (barred), darkened by 1 - amp."""
     a = np.full((32, 32, 3), 235.0)
     a[16 - side : 16 + side, 16 - side : 16 + side] = (215, 45, 45)
     yy, xx = np.mgrid[:32, :32]
     inside = (abs(yy - 15.5) < side) & (abs(xx - 15.5) < side)
-    pattern = {"plain": yy < 0, "striped": yy % 2 == 0, "dotted": (yy % 2 == 0) & (xx % 2 == 0)}[texture]
+    pattern = {"plain": yy < 0, "striped": yy % 4 < 2, "barred": xx % 4 < 2}[texture]
     a[inside & pattern] *= 1 - amp
     return Image.fromarray(np.round(a).astype(np.uint8))
 
 
 def test_texture_checker_and_rewards_by_hand():
-    ims = {t: _textured(t) for t in ("plain", "striped", "dotted")}
+    ims = {t: _textured(t) for t in ("plain", "striped", "barred")}
     for t, im in ims.items():
         (o,) = sw.detect(im)
         assert (o["colour"], o["shape"], o["texture"]) == ("red", "square", t)
         assert o["n_inner"] == 12 * 12  # the 16x16 square less a 2-pixel rim
-    # striped: every inner pixel differs by amp * V from both vertical neighbours, none along x
+    # striped: every inner pixel has one vertical neighbour like itself and one amp * V away, none along x;
+    # half the inner rows are dark, so mean v = V (1 - amp / 2)
     o = sw.detect(ims["striped"])[0]
-    assert o["ex"] == 0.0 and o["ey"] == pytest.approx(0.25 * 215 / (215 * (1 - 0.25 / 2)), rel=0.02)
+    assert o["ex"] == 0.0 and o["ey"] == pytest.approx((0.3 / 2) / (1 - 0.3 / 2), rel=0.02)
     for t, im in ims.items():
         prompt = "a red square" if t == "plain" else f"a red {t} square"
         assert sw.REWARDS["texture"]([im], [prompt])[0] == 1.0
         assert sw.REWARDS["geneval_strict"]([im], [prompt])[0] == 1.0  # texture leaves colour and shape alone
-        for other in {"plain", "striped", "dotted"} - {t}:
+        for other in {"plain", "striped", "barred"} - {t}:
             wrong = "a red square" if other == "plain" else f"a red {other} square"
             assert sw.REWARDS["texture"]([im], [wrong])[0] == 0.0
     assert sw.REWARDS["texture"]([Image.new("RGB", (32, 32), (235, 235, 235))], ["a red square"])[0] == 0.0
     g = {t: sw.REWARDS["grain"]([im], ["a red square"])[0] for t, im in ims.items()}
-    assert g["plain"] == 0.0 and 0.7 < g["dotted"] < 1.3 and 0.7 < g["striped"] < 1.3
+    assert g["plain"] == 0.0 and 0.7 < g["barred"] < 1.3 and 0.7 < g["striped"] < 1.3
     assert sw.REWARDS["grain"]([_textured("striped", amp=0.1)], ["a red square"])[0] < 0.5 * g["striped"]
     # ground-truth renders: the texture the caption names, plain when unnamed; grain 0 on plain fills
-    for i, p in enumerate(["a green dotted circle", "two yellow striped squares", "a blue triangle on the left"]):
+    for i, p in enumerate(["a green barred circle", "two yellow striped squares", "a blue triangle on the left"]):
         im = sw.render(p, 40 + i)
         assert sw.REWARDS["texture"]([im], [p])[0] == 1.0 and sw.check(im, p)["strict"] == 1.0
     assert sw.REWARDS["grain"]([sw.render("a blue triangle", 1)], ["a blue triangle"])[0] == 0.0
