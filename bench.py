@@ -1083,6 +1083,8 @@ PROFILE_CANDIDATES = (
     "shape",
     "position",
     "detail",
+    "texture",
+    "grain",
 )
 
 

@@ -596,10 +596,12 @@ REWARDS = {
 }
 """name -> callable (images: list[PIL.Image], prompts: list[str]) -> np.ndarray (N,) float64."""
 
-DEFAULT_REWARDS = ["geneval", "saturation", "sharpness", "jpeg"]
-"""Used with budgets 0.4, 0.3, 0.2, 0.1. When they become informative during denoising:
-geneval (layout, counts, colours: early-mid), saturation (coloured area: early),
-sharpness (edges: late), jpeg (global byte cost; conflicts with sharpness)."""
+DEFAULT_REWARDS = ["geneval", "saturation", "texture", "grain"]
+"""Used with budgets 0.4, 0.3, 0.2, 0.1, one reward per stage of the trajectory (profiles measured on the pretrained
+model: results/world-design/README.md): geneval (the composition the caption asks for: count, colour, shape,
+position; early-mid; the largest budget), saturation (colourful coloured area: decided early), texture (the caption's
+texture, 0/1: decided late) and grain (fine contrast inside shapes, smooth: late; the smallest budget, since on plain
+captions it pulls against texture)."""
 DEFAULT_BUDGETS = [0.4, 0.3, 0.2, 0.1]
 
 
@@ -714,9 +716,9 @@ JUDGES = {"cnn": judge_cnn}
 # The LLM-as-a-judge stand-in: shown two images for one prompt, which is better? A Bradley-Terry
 # model p(a > b | prompt) = sigmoid(s(a, prompt) - s(b, prompt)) with s a small CNN + the prompt's
 # attribute vector, trained on its own data: a ground-truth render against a corrupted one (wrong
-# content: one colour, shape, count or side changed; or degraded: blur, pixel noise, washed-out
-# colour, a smudge; blur and noise also wash out or fake the texture), and a mild against a strong degradation. It never calls the checker, the
-# rewards or the CNN judge, and it is never a training reward.
+# content: one colour, shape, count, side or texture changed; or degraded: blur, pixel noise, washed-out
+# colour, a smudge; blur and noise also wash out or fake the texture), and a mild against a strong
+# degradation. It never calls the checker, the rewards or the CNN judge, and it is never a training reward.
 PREF_BUILD = dict(steps=1500, batch=64, lr=2e-3, pool=4000)
 
 
