@@ -175,6 +175,10 @@ def test_texture_checker_and_rewards_by_hand():
     g = {t: sw.REWARDS["grain"]([im], ["a red square"])[0] for t, im in ims.items()}
     assert g["plain"] == 0.0 and 0.7 < g["barred"] < 1.3 and 0.7 < g["striped"] < 1.3
     assert sw.REWARDS["grain"]([_textured("striped", amp=0.1)], ["a red square"])[0] < 0.5 * g["striped"]
+    # a texture at half the contrast is faint: neither the named texture nor plain
+    faint = _textured("barred", amp=0.15)
+    assert sw.detect(faint)[0]["texture"] == "faint"
+    assert sw.REWARDS["texture"]([faint, faint], ["a red barred square", "a red square"]).tolist() == [0.0, 0.0]
     # ground-truth renders: the texture the caption names, plain when unnamed; grain 0 on plain fills
     for i, p in enumerate(["a green barred circle", "two yellow striped squares", "a blue triangle on the left"]):
         im = sw.render(p, 40 + i)
