@@ -36,7 +36,26 @@ sig = np.asarray(prof["sigmas"])
 late = names.index(a.late) if a.late else None
 T = len(sig) - 1
 out = {"profiles": a.profiles, "rewards": names, "budgets": budgets, "n_measured": float(n0[1]), "by_n": []}
-for n in (5, 10, 20, 30, 40, 50, 60, 80, 100, 150):
+# the derivation: Q_k (the chi^2 of reward k's curve against the rewards' common shape, recast.evidence_weight) grows
+# as p + n q_k with n groups per level; rho_k = max(0, 1 - c p / Q_k) >= 1/2 needs Q_k >= 2 c p, i.e.
+# n >= (2 c p - p) / q_k with q_k = (Q_k(n_measured) - p) / n_measured.
+D, se = recast.level_curves(n0, s1, s2)
+inner = np.arange(1, T)
+ok = np.isfinite(D[:, inner]).all(0)
+j = inner[ok]
+p = len(j)
+shape = D[:, j].sum(0) / D[:, T].sum()
+sd = np.sqrt(se[:, j] ** 2 + (shape * se[:, T:]) ** 2)
+Q = (((D[:, j] - D[:, T:] * shape) / sd) ** 2).sum(1)
+q = np.maximum(Q - p, 1e-9) / n0[1]
+out["derivation"] = {
+    "p_levels": int(p),
+    "Q_measured": dict(zip(names, Q.round(2).tolist())),
+    "q_per_group": dict(zip(names, q.round(4).tolist())),
+    "n_for_rho_half (c = 2)": dict(zip(names, ((2 * 2 * p - p) / q).round(1).tolist())),
+}
+print(out["derivation"])
+for n in (5, 10, 20, 30, 40, 50, 60, 80, 100, 150, 1000, 100000):
     f = n / n0[1]
     D, se = recast.level_curves(n0 * f, s1 * f, s2 * f)
     _, _, P, rho = recast.credit_profiles(D, se, sig, n0 * f)
@@ -49,7 +68,7 @@ for n in (5, 10, 20, 30, 40, 50, 60, 80, 100, 150):
     print(row)
 out["n_eff"] = {
     f"gain_ema {g} x {it} iterations": (1 - g**it) / (1 - g)
-    for g in (0.9, 0.95, 0.97, 0.98, 0.99)
+    for g in (0.9, 0.95, 0.97, 0.98, 0.99, 0.999)
     for it in (80, 90, 100, 120)
 }
 if a.out:
