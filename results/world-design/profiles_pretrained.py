@@ -1,6 +1,6 @@
 """Profiles of the rebuilt pretrained model (issue 24, step 4): every candidate reward's D_k(t) / D_k(0).
 
-    OMP_NUM_THREADS=1 python results/world-design/profiles_pretrained.py [ITERATIONS]
+    OMP_NUM_THREADS=1 python results/world-design/profiles_pretrained.py [ITERATIONS [SUBFOLDER]]
 
 bench.measure_profiles (recast.py's own rotated-tree rollouts, no update) with ITERATIONS (default 96) x 8 prompt
 groups, i.e. ITERATIONS groups per inner level; writes results/world-design/profiles.json (the statistics; also a
@@ -20,8 +20,9 @@ import bench  # noqa: E402
 import shapes_world  # noqa: E402
 
 iterations = int(sys.argv[1]) if len(sys.argv) > 1 else 96
+out = HERE / sys.argv[2] if len(sys.argv) > 2 else HERE  # a sub-folder for a second measurement
 t0 = time.time()
-prof = bench.measure_profiles(HERE, iterations=iterations)
+prof = bench.measure_profiles(out, iterations=iterations)
 sig, D, se, n = (np.asarray(prof[k]) for k in ("sigmas", "D", "se", "n"))
 levels = [j for j in range(1, len(sig)) if n[j] >= 2]
 lines = bench.profile_table(prof)
@@ -39,5 +40,5 @@ for name in order:
     cells = [f"{D[k, j] / top:.2f} ± {se[k, j] / top:.2f}" for j in levels]
     default = "yes" if name in shapes_world.DEFAULT_REWARDS else ""
     lines.append(f"| {name} | {default} | {top:.4f} ± {se[k, -1]:.4f} | " + " | ".join(cells) + " |")
-(HERE / "profiles.md").write_text("\n".join(lines) + "\n")
+(out / "profiles.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
