@@ -1101,6 +1101,8 @@ PROFILE_CANDIDATES = (
     "shape",
     "position",
     "detail",
+    "texture",
+    "grain",
 )
 
 

@@ -629,8 +629,11 @@ class Args:
     """temperature of the profile in W's kernel lambda_k P~^tau (0: uniform W)"""
     eps: float = flag(1e-3, "method", min=0, max=1)
     """profile smoothing P~ = (1 - eps) P + eps / T (> 0 keeps W unique)"""
-    gain_ema: float = flag(0.9, "method", min=0, lt=1)
-    """discount of the level statistics across iterations (horizon ~ 1 / (1 - gain_ema) iterations)"""
+    gain_ema: float = flag(0.999, "method", min=0, lt=1)
+    """discount of the level statistics across iterations (horizon ~ 1 / (1 - gain_ema) iterations). 0.999: the default
+    run keeps nearly every observation, (1 - 0.999^I) / 0.001 groups per level after I iterations (95 at the default
+    100): W needs >= ~60 per level to resolve the embedded world's measured profiles (results/world-design/README.md;
+    at 0.9 the levels held ~10)"""
     evidence: float = flag(2.0, "method", min=0)
     """shrink each reward's profile towards uniform by rho = max(0, 1 - c p / Q), Q the chi^2 of its curve against
     uniform gains (0: no shrinkage)"""
@@ -666,8 +669,8 @@ class Args:
     rollout_batch: int = flag(64, "rollout", min=1)
     """chunk size for transformer calls during rollouts"""
     # optimisation
-    iterations: int = flag(120, "optimisation", min=1)
-    """training iterations (rollout + update); the default run takes ~8 min on 2 CPU cores"""
+    iterations: int = flag(100, "optimisation", min=1)
+    """training iterations (rollout + update); the default run takes <= 9 min on 2 CPU cores"""
     nft_b: float = flag(1.0, "optimisation", gt=0)
     """DiffusionNFT guidance strength b in v+- = v_old +- b (v_theta - v_old)"""
     base_reg: float = flag(1e-4, "optimisation", min=0)

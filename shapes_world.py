@@ -16,7 +16,7 @@ segmentation + connected components + shape test) · rewards · held-out judges
 text encoders, VAE, transformer) · build (VAE -> judge -> transformer) · eval/bench · CLI.
 
 Commands (all deterministic, fixed seeds, CPU):
-    python shapes_world.py build   # regenerate assets/ from scratch (~25 min on 2 cores)
+    python shapes_world.py build   # regenerate assets/ from scratch (~40 min on 1 thread)
     python shapes_world.py eval    # checker accuracy on held-out prompts + assets/samples.png
     python shapes_world.py bench   # rollout and LoRA-step timings
 
@@ -63,6 +63,16 @@ SHAPES = ("circle", "square", "triangle")
 NUMBER_WORDS = {"a": 1, "an": 1, "one": 1, "two": 2, "three": 3}
 COUNT_WORD = {1: "a", 2: "two", 3: "three"}
 SIDES = ("left", "right")
+TEXTURES = ("striped", "barred")
+"""Fine, low-contrast texture inside every object of a caption (the late attribute): named in the caption
+("a red striped circle", "two blue barred squares"), plain when unnamed. See :func:`_texture_pattern`."""
+TEXTURE = dict(kind="C", amp=0.3)
+"""The texture design, chosen by measurement (results/world-design/README.md). Kind C (the world's): striped =
+2-pixel horizontal lines every 4 pixel rows, barred = 2-pixel vertical lines every 4 columns, each with a random
+phase per object. The prototypes that lost: kind A = 1-pixel lines every 2nd row (striped) and a dot every 2nd
+pixel in x and y (the VAE averaged both away); 2x2 dots or a 2x2 checkerboard on the 4-pixel grid (the VAE
+averaged them away; lines survive). Kind B = kind A's lines and a random speckle (not prototyped). ``amp``: the
+darkened pixels' brightness factor is 1 - amp (hue kept)."""
 
 
 def _hue_deg(rgb: np.ndarray) -> np.ndarray:
@@ -78,17 +88,19 @@ HUE = {c: float(_hue_deg(np.array(v, float))) for c, v in COLORS.items()}  # pal
 
 
 def all_captions() -> list[str]:
-    """Every caption of the grammar (132), in a fixed order.
+    """Every caption of the grammar (252), in a fixed order.
 
-    Templates: "a {c} {s}" (12) · "a {c} {s} on the {left|right}" (24) · "two {c} {s}s" (12)
-    · "three {c} {s}s" (12) · "a {c1} {s1} and a {c2} {s2}" with c1 != c2, s1 != s2 (72).
+    Templates, each plain or with a texture word x in TEXTURES before the shape: "a {c} [x] {s}" (36) ·
+    "a {c} [x] {s} on the {left|right}" (72) · "two {c} [x] {s}s" (36) · "three {c} [x] {s}s" (36) ·
+    "a {c1} {s1} and a {c2} {s2}" with c1 != c2, s1 != s2 (72, plain: 8 words is the 10-token limit).
     """
     caps = []
     for c in COLORS:
         for s in SHAPES:
-            caps.append(f"a {c} {s}")
-            caps += [f"a {c} {s} on the {side}" for side in SIDES]
-            caps += [f"two {c} {s}s", f"three {c} {s}s"]
+            for x in ("",) + tuple(t + " " for t in TEXTURES):
+                caps.append(f"a {c} {x}{s}")
+                caps += [f"a {c} {x}{s} on the {side}" for side in SIDES]
+                caps += [f"two {c} {x}{s}s", f"three {c} {x}{s}s"]
     for c1 in COLORS:
         for s1 in SHAPES:
             for c2 in COLORS:
@@ -143,19 +155,22 @@ def sample_prompts(n: int, split: str = "train", seed: int = 0) -> list[str]:
 
 
 def parse_prompt(prompt: str) -> dict:
-    """Prompt -> spec ``{"objects": [(colour, shape), ...], "side": None|"left"|"right"}``.
+    """Prompt -> spec ``{"objects": [(colour, shape), ...], "side": None|"left"|"right"}``, plus
+    ``"texture": "striped"|"barred"`` when the caption names one (absent: plain).
 
-    Accepts the grammar of :func:`all_captions` (also unseen combinations); raises ValueError
-    otherwise.
+    Accepts the grammar of :func:`all_captions` (also unseen combinations, e.g. a texture word in a
+    pair); raises ValueError otherwise (two different textures in one caption included).
     """
     p = prompt.lower().strip().rstrip(".")
     side = None
     m = re.fullmatch(r"(.*) on the (left|right)", p)
     if m:
         p, side = m.group(1), m.group(2)
-    objects = []
+    objects, textures = [], set()
     for part in p.split(" and "):
         w = part.split()
+        if len(w) == 4 and w[2] in TEXTURES:
+            textures.add(w.pop(2))
         if len(w) != 3 or w[0] not in NUMBER_WORDS or w[1] not in COLORS:
             raise ValueError(f"prompt outside the shapes grammar: {prompt!r}")
         n, shape = NUMBER_WORDS[w[0]], w[2]
@@ -163,7 +178,12 @@ def parse_prompt(prompt: str) -> dict:
         if shape not in SHAPES:
             raise ValueError(f"unknown shape in {prompt!r}")
         objects += [(w[1], shape)] * n
-    return {"objects": objects, "side": side}
+    if len(textures) > 1:
+        raise ValueError(f"two textures in {prompt!r}")
+    spec = {"objects": objects, "side": side}
+    if textures:
+        spec["texture"] = textures.pop()
+    return spec
 
 
 def _layout(spec: dict, rng: np.random.Generator) -> list[tuple[float, float, float]]:
@@ -192,27 +212,58 @@ def _layout(spec: dict, rng: np.random.Generator) -> list[tuple[float, float, fl
     raise RuntimeError("layout failed")
 
 
+def _texture_pattern(texture: str, rng: np.random.Generator, kind: str | None = None) -> np.ndarray:
+    """(32, 32) 0/1 mask of the pixels a texture darkens, its phase drawn from rng (see TEXTURE)."""
+    kind = kind or TEXTURE["kind"]
+    yy, xx = np.mgrid[:RES, :RES]
+    if kind == "C":  # 2-pixel horizontal lines every 4 rows (striped) / vertical ones every 4 columns (barred)
+        py, px = int(rng.integers(4)), int(rng.integers(4))
+        return ((yy + py) % 4 < 2 if texture == "striped" else (xx + px) % 4 < 2).astype(np.float64)
+    py, px = int(rng.integers(2)), int(rng.integers(2))
+    if texture == "striped":
+        return ((yy + py) % 2 == 0).astype(np.float64)
+    if kind == "A":
+        return (((yy + py) % 2 == 0) & ((xx + px) % 2 == 0)).astype(np.float64)
+    return (rng.random((RES, RES)) < 0.3).astype(np.float64)
+
+
 def render_spec(spec: dict, seed: int) -> Image.Image:
     """Draw a spec deterministically from ``seed``: light tinted background; each shape
     drawn at 4x and box-downsampled (anti-aliased). Squares are axis-aligned with half-side
-    0.85 r; triangles point up, apex at the top of their bounding box."""
+    0.85 r; triangles point up, apex at the top of their bounding box. A textured spec then
+    darkens, inside each object (weighted by its pixel coverage), the pixels of the texture's
+    pattern by the factor 1 - TEXTURE["amp"] (all three channels: hue unchanged)."""
     rng = np.random.default_rng(seed)
     ss = 4
     base = rng.uniform(222, 248)
     bg = tuple(int(np.clip(base + rng.uniform(-6, 6), 0, 255)) for _ in range(3))
     im = Image.new("RGB", (RES * ss, RES * ss), bg)
     d = ImageDraw.Draw(im)
+    texture = spec.get("texture")
+    masks = []
     for (colour, shape), (cx, cy, r) in zip(spec["objects"], _layout(spec, rng)):
         fill = tuple(int(np.clip(v + rng.uniform(-12, 12), 0, 255)) for v in COLORS[colour])
         cx, cy, r = cx * ss, cy * ss, r * ss
-        if shape == "circle":
-            d.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
-        elif shape == "square":
-            h = 0.85 * r
-            d.rectangle((cx - h, cy - h, cx + h, cy + h), fill=fill)
-        else:
-            d.polygon([(cx, cy - r), (cx - r, cy + 0.8 * r), (cx + r, cy + 0.8 * r)], fill=fill)
-    return im.resize((RES, RES), Image.BOX)
+        m = Image.new("L", im.size, 0) if texture else None
+        for dd, f in ((d, fill),) + (((ImageDraw.Draw(m), 255),) if m is not None else ()):
+            if shape == "circle":
+                dd.ellipse((cx - r, cy - r, cx + r, cy + r), fill=f)
+            elif shape == "square":
+                h = 0.85 * r
+                dd.rectangle((cx - h, cy - h, cx + h, cy + h), fill=f)
+            else:
+                dd.polygon([(cx, cy - r), (cx - r, cy + 0.8 * r), (cx + r, cy + 0.8 * r)], fill=f)
+        if m is not None:
+            masks.append(np.asarray(m.resize((RES, RES), Image.BOX), np.float64) / 255.0)
+    out = im.resize((RES, RES), Image.BOX)
+    if not texture:
+        return out
+    a = np.asarray(out, np.float64)
+    dark = np.zeros((RES, RES))
+    for cov in masks:
+        dark += cov * _texture_pattern(texture, rng)
+    a = a * (1.0 - TEXTURE["amp"] * np.clip(dark, 0, 1))[..., None]
+    return Image.fromarray(np.clip(np.round(a), 0, 255).astype(np.uint8))
 
 
 def render(prompt: str, seed: int) -> Image.Image:
@@ -223,6 +274,41 @@ def render(prompt: str, seed: int) -> Image.Image:
 # ========================================================== checker ====
 CHROMA = np.array([max(v) - min(v) for v in COLORS.values()], float)  # palette chroma
 MIN_AREA = 6  # components smaller than this (pixels) are ignored
+TEX_PLAIN, TEX_FULL, TEX_ANISO = 0.06, 0.14, 2.5
+"""Texture thresholds of :func:`_texture_of`: fine energy ex + ey below which a fill is plain; the contrast across
+the lines a texture needs to count (0.8 of ground truth's (amp / 2) / (1 - amp / 2) = 0.176: the pretrained model
+draws most textures fainter, so the 0/1 texture reward has room to learn); line anisotropy."""
+
+
+def _texture_features(v: np.ndarray, m: np.ndarray) -> tuple[float, float, int]:
+    """Fine-scale contrast inside one object: (ex, ey, n). v: brightness max(RGB) / 255 (32, 32);
+    m: the object's pixels. Over the n pixels whose 4-neighbourhood lies in the object's 1-pixel
+    erosion (so anti-aliased edges never count), ey = mean |v - (v_up + v_down) / 2| / mean v and
+    ex the same along x: relative second differences, 0 on a flat fill, ~amp on 1-pixel lines."""
+    from scipy import ndimage
+
+    inner = ndimage.binary_erosion(m)
+    ok = np.zeros_like(inner)
+    ok[1:-1, 1:-1] = inner[1:-1, 1:-1] & inner[:-2, 1:-1] & inner[2:, 1:-1] & inner[1:-1, :-2] & inner[1:-1, 2:]
+    n = int(ok.sum())
+    if n == 0:
+        return 0.0, 0.0, 0
+    dy = np.abs(v[1:-1, 1:-1] - 0.5 * (v[:-2, 1:-1] + v[2:, 1:-1]))
+    dx = np.abs(v[1:-1, 1:-1] - 0.5 * (v[1:-1, :-2] + v[1:-1, 2:]))
+    sel = ok[1:-1, 1:-1]
+    mean_v = max(float(v[1:-1, 1:-1][sel].mean()), 1e-6)
+    return float(dx[sel].mean() / mean_v), float(dy[sel].mean() / mean_v), n
+
+
+def _texture_of(ex: float, ey: float, n: int) -> str:
+    """plain if the fine energy ex + ey < TEX_PLAIN (or no inner pixels); striped (horizontal lines) if
+    ey >= TEX_FULL and ey > TEX_ANISO ex; barred (vertical lines) if ex >= TEX_FULL and ex > TEX_ANISO ey; else
+    faint (a texture fainter than TEX_FULL, or lines both ways: matches no caption)."""
+    if n == 0 or ex + ey < TEX_PLAIN:
+        return "plain"
+    if ey >= TEX_FULL and ey > TEX_ANISO * ex:
+        return "striped"
+    return "barred" if ex >= TEX_FULL and ex > TEX_ANISO * ey else "faint"
 
 
 def _as_array(img: Image.Image) -> np.ndarray:
@@ -234,7 +320,7 @@ def _as_array(img: Image.Image) -> np.ndarray:
 
 
 def detect(img: Image.Image) -> list[dict]:
-    """Objects in an image: list of {colour, shape, cx, cy, area, fill}.
+    """Objects in an image: list of {colour, shape, cx, cy, area, fill, texture, ex, ey, n_inner}.
 
     1. each pixel takes the palette colour of nearest hue (HSV hue, circular distance);
     2. foreground = chroma (max-min of RGB) > 30 and > half the palette colour's chroma
@@ -248,6 +334,8 @@ def detect(img: Image.Image) -> list[dict]:
        (Ground truth: square diag >= 0.87, circle diag <= 0.8 and width ratio >= 0.62,
        triangle width ratio <= 0.36. The diagonal test survives blur and rounded corners,
        e.g. VAE reconstructions: square diag >= 0.85 in 99.5% of cases.)
+    5. texture from the fine contrast inside the component (:func:`_texture_features`,
+       :func:`_texture_of`): plain, striped, barred (or faint).
     """
     from scipy import ndimage
 
@@ -258,6 +346,7 @@ def detect(img: Image.Image) -> list[dict]:
     dist = np.stack([np.abs((hue - HUE[c] + 180) % 360 - 180) for c in names], -1)
     nearest = dist.argmin(-1)
     fg = (chroma > 30) & (chroma > 0.5 * CHROMA[nearest])
+    v = a.max(-1) / 255.0
     objs = []
     for ci, colour in enumerate(names):
         lab, n = ndimage.label(fg & (nearest == ci))
@@ -281,6 +370,7 @@ def detect(img: Image.Image) -> list[dict]:
                 shape = "triangle"
             else:
                 shape = "circle"
+            ex, ey, n_inner = _texture_features(v, m)
             objs.append(
                 dict(
                     colour=colour,
@@ -289,6 +379,10 @@ def detect(img: Image.Image) -> list[dict]:
                     cy=float(ys.mean() + 0.5),
                     area=area,
                     fill=float(fill),
+                    texture=_texture_of(ex, ey, n_inner),
+                    ex=ex,
+                    ey=ey,
+                    n_inner=n_inner,
                 )
             )
     return objs
@@ -315,6 +409,12 @@ def check(img: Image.Image, prompt: str) -> dict:
                  has its centroid on the named half of the image (only for "on the ..." prompts).
     ``partial`` = mean of the applicable attributes; ``strict`` = 1 iff the detected
     (colour, shape) multiset equals the prompt's exactly and the position holds.
+    Texture (the late attribute; in neither partial nor strict):
+      texture = 1 iff objects are detected and the texture read from their inner pixels pooled
+                (ex, ey weighted by n_inner; :func:`_texture_of`) is the prompt's (plain when it
+                names none; the caption's texture is every object's); else 0;
+      grain   = fine contrast inside the detected objects, max(ex, ey) of their inner pixels
+                pooled, / GRAIN_SCALE (0 with no inner pixels).
     """
     spec, objs = parse_prompt(prompt), detect(img)
     exp = spec["objects"]
@@ -338,7 +438,14 @@ def check(img: Image.Image, prompt: str) -> dict:
         s["position"] = float(pos_ok)
     s["partial"] = float(np.mean(list(s.values())))
     s["strict"] = float(sorted(det_cs) == sorted(exp) and pos_ok)
+    n_in = sum(o["n_inner"] for o in objs)
+    ex, ey = (sum(o["n_inner"] * o[k] for o in objs) / max(n_in, 1) for k in ("ex", "ey"))
+    s["texture"] = float(bool(objs) and _texture_of(ex, ey, n_in) == spec.get("texture", "plain"))
+    s["grain"] = max(ex, ey) / GRAIN_SCALE
     return s
+
+
+GRAIN_SCALE = 0.17  # max(ex, ey) of ground-truth textured objects (amp / 2 / (1 - amp / 2) at amp 0.3)
 
 
 # ========================================================== rewards ====
@@ -349,13 +456,13 @@ def _gray(img: Image.Image) -> np.ndarray:
 def reward_geneval(images: list, prompts: list[str]) -> np.ndarray:
     """Partial GenEval-like score: mean of the attribute scores of :func:`check`
     (count, colour, shape, object[, position]). Range [0, 1]; ground truth ~1."""
-    return np.array([check(i, p)["partial"] for i, p in zip(images, prompts)], np.float64)
+    return _checked(images, prompts, "partial")  # one detection per image, shared with the other checker rewards
 
 
 def reward_geneval_strict(images: list, prompts: list[str]) -> np.ndarray:
     """Strict GenEval-like score: 1 iff exactly the prompt's objects (colour and shape,
     counted) are present and the position holds, else 0. Values {0, 1}."""
-    return np.array([check(i, p)["strict"] for i, p in zip(images, prompts)], np.float64)
+    return _checked(images, prompts, "strict")
 
 
 SHARP_SCALE = 0.06
@@ -448,6 +555,20 @@ def reward_position(images: list, prompts: list[str]) -> np.ndarray:
 DETAIL_SCALE = 0.05
 
 
+def reward_texture(images: list, prompts: list[str]) -> np.ndarray:
+    """The caption's texture (the late attribute), 0/1: 1 iff objects are detected and the texture read from
+    their inner pixels is the one the prompt names, at >= 0.8 of ground truth's contrast (TEX_FULL), or plain
+    when it names none (:func:`check`). Fine, low-contrast detail: decided by the last denoising steps."""
+    return _checked(images, prompts, "texture", 0.0)
+
+
+def reward_grain(images: list, prompts: list[str] | None = None) -> np.ndarray:
+    """Fine-detail contrast inside the shapes (smooth): the ``grain`` of :func:`check`, i.e. the mean relative
+    second difference of brightness over the detected objects' inner pixels / GRAIN_SCALE. 0 on flat fills,
+    ~1 on ground-truth textured objects; prompt-independent (more fine contrast scores more)."""
+    return _checked(images, prompts if prompts is not None else ["a red circle"] * len(images), "grain", 0.0)
+
+
 def reward_detail(images: list, prompts: list[str] | None = None) -> np.ndarray:
     """Colour-edge crispness (fine detail): ``mean |lap(c)| / 0.05`` with c = (max - min) / 255 of RGB
     per pixel (the chroma) at 32x32, over the 30x30 interior. Flat or grey image 0. Like sharpness but
@@ -473,20 +594,26 @@ REWARDS = {
     "shape": reward_shape,
     "position": reward_position,
     "detail": reward_detail,
+    # the late attribute: the caption's texture (0/1) and fine contrast inside shapes (smooth)
+    "texture": reward_texture,
+    "grain": reward_grain,
 }
 """name -> callable (images: list[PIL.Image], prompts: list[str]) -> np.ndarray (N,) float64."""
 
-DEFAULT_REWARDS = ["geneval", "saturation", "sharpness", "jpeg"]
-"""Used with budgets 0.4, 0.3, 0.2, 0.1. When they become informative during denoising:
-geneval (layout, counts, colours: early-mid), saturation (coloured area: early),
-sharpness (edges: late), jpeg (global byte cost; conflicts with sharpness)."""
+DEFAULT_REWARDS = ["geneval", "saturation", "texture", "grain"]
+"""Used with budgets 0.4, 0.3, 0.2, 0.1, one reward per stage of the trajectory (profiles measured on the pretrained
+model: results/world-design/README.md): geneval (the composition the caption asks for: count, colour, shape,
+position; early-mid; the largest budget), saturation (colourful coloured area: decided early), texture (the caption's
+texture, 0/1: decided late) and grain (fine contrast inside shapes, smooth: late; the smallest budget, since on plain
+captions it pulls against texture)."""
 DEFAULT_BUDGETS = [0.4, 0.3, 0.2, 0.1]
 
 
 # =========================================================== judges ====
 def _judge_net():
     """Small CNN (~100k params): 32x32x3 -> 64 features -> heads
-    count (3-way: 1, 2, 3 objects), colour presence (4 logits), shape presence (3 logits)."""
+    count (3-way: 1, 2, 3 objects), colour presence (4 logits), shape presence (3 logits),
+    texture (3-way: plain, striped, barred)."""
     import torch.nn as nn
 
     return nn.ModuleDict(
@@ -505,18 +632,27 @@ def _judge_net():
                 nn.AdaptiveAvgPool2d(1),
                 nn.Flatten(),
             ),  # (B, 64)
-            head=nn.Linear(64, 3 + len(COLORS) + len(SHAPES)),
+            head=nn.Linear(64, 3 + len(COLORS) + len(SHAPES) + 1 + len(TEXTURES)),
         )
     )
 
 
+def _texture_index(spec: dict) -> int:
+    """0 plain, 1 + TEXTURES.index(texture) otherwise."""
+    return 0 if spec.get("texture") is None else 1 + TEXTURES.index(spec["texture"])
+
+
 def _judge_targets(prompt: str) -> np.ndarray:
-    """[count index (0..2), colour presence (4), shape presence (3)] for a prompt."""
+    """[count index (0..2), colour presence (4), shape presence (3), texture index (0..2)] for a prompt."""
     spec = parse_prompt(prompt)
     cols = {c for c, _ in spec["objects"]}
     shps = {s for _, s in spec["objects"]}
     return np.array(
-        [min(len(spec["objects"]), 3) - 1] + [c in cols for c in COLORS] + [s in shps for s in SHAPES], np.float32
+        [min(len(spec["objects"]), 3) - 1]
+        + [c in cols for c in COLORS]
+        + [s in shps for s in SHAPES]
+        + [_texture_index(spec)],
+        np.float32,
     )
 
 
@@ -558,19 +694,21 @@ def _judge_forward(images: list, net=None):
 
 
 def judge_cnn(images: list, prompts: list[str]) -> np.ndarray:
-    """Learned judge (never used as a training reward): mean of three probabilities from
-    the CNN: p(count = n), mean over colours of p(presence is as the prompt says), and the
-    same over shapes. Range [0, 1]; ground truth ~0.95+."""
+    """Learned judge (never used as a training reward): mean of four probabilities from
+    the CNN: p(count = n), mean over colours of p(presence is as the prompt says), the
+    same over shapes, and p(texture = the prompt's, plain when unnamed). Range [0, 1]; ground truth ~0.95+."""
     import torch
 
     _, logits = _judge_forward(images)
     out = []
     for lg, p in zip(logits, prompts):
         t = torch.from_numpy(_judge_targets(p)).double()
+        npres = len(COLORS) + len(SHAPES)
         p_count = torch.softmax(lg[:3], 0)[int(t[0])]
-        pres = torch.sigmoid(lg[3:])
-        p_pres = torch.where(t[1:] > 0, pres, 1 - pres)
-        out.append(float((p_count + p_pres[:4].mean() + p_pres[4:].mean()) / 3))
+        pres = torch.sigmoid(lg[3 : 3 + npres])
+        p_pres = torch.where(t[1 : 1 + npres] > 0, pres, 1 - pres)
+        p_tex = torch.softmax(lg[3 + npres :], 0)[int(t[1 + npres])]
+        out.append(float((p_count + p_pres[: len(COLORS)].mean() + p_pres[len(COLORS) :].mean() + p_tex) / 4))
     return np.array(out, np.float64)
 
 
@@ -582,14 +720,14 @@ JUDGES = {"cnn": judge_cnn}
 # The LLM-as-a-judge stand-in: shown two images for one prompt, which is better? A Bradley-Terry
 # model p(a > b | prompt) = sigmoid(s(a, prompt) - s(b, prompt)) with s a small CNN + the prompt's
 # attribute vector, trained on its own data: a ground-truth render against a corrupted one (wrong
-# content: one colour, shape, count or side changed; or degraded: blur, pixel noise, washed-out
-# colour, a smudge), and a mild against a strong degradation. It never calls the checker, the
-# rewards or the CNN judge, and it is never a training reward.
+# content: one colour, shape, count, side or texture changed; or degraded: blur, pixel noise, washed-out
+# colour, a smudge; blur and noise also wash out or fake the texture), and a mild against a strong
+# degradation. It never calls the checker, the rewards or the CNN judge, and it is never a training reward.
 PREF_BUILD = dict(steps=1500, batch=64, lr=2e-3, pool=4000)
 
 
 def _pref_net():
-    """CNN (~70k params) 32x32x3 -> 64 features f; the prompt vector v (22) -> 64 by a small MLP g;
+    """CNN (~70k params) 32x32x3 -> 64 features f; the prompt vector v (25) -> 64 by a small MLP g;
     score = <f, g(v)> (does the image show the prompt?) + q(f) (is it a clean image?)."""
     import torch.nn as nn
 
@@ -607,26 +745,32 @@ def _pref_net():
                 nn.AdaptiveAvgPool2d(1),
                 nn.Flatten(),
             ),
-            prompt=nn.Sequential(nn.Linear(22, 64), nn.GELU(), nn.Linear(64, 64)),
+            prompt=nn.Sequential(nn.Linear(PROMPT_DIM, 64), nn.GELU(), nn.Linear(64, 64)),
             quality=nn.Linear(64, 1),
         )
     )
 
 
+PROMPT_DIM = 25
+
+
 def _prompt_vector(prompt: str) -> np.ndarray:
-    """(22,) counts per colour (4), per shape (3), per (colour, shape) (12), side one-hot (none, left, right)."""
+    """(25,) counts per colour (4), per shape (3), per (colour, shape) (12), side one-hot (none, left, right),
+    texture one-hot (plain, striped, barred)."""
     spec = parse_prompt(prompt)
     objs = spec["objects"]
     v = [sum(c == k for c, _ in objs) for k in COLORS] + [sum(s == k for _, s in objs) for k in SHAPES]
     v += [sum(o == (c, k) for o in objs) for c in COLORS for k in SHAPES]
     v += [spec["side"] is None, spec["side"] == "left", spec["side"] == "right"]
+    v += [_texture_index(spec) == i for i in range(1 + len(TEXTURES))]
     return np.array(v, np.float32)
 
 
 def _mutate(spec: dict, rng: np.random.Generator) -> dict:
-    """The spec with one thing wrong: an object's colour or shape, the count (one more or one fewer), or the side."""
-    objs, side = list(spec["objects"]), spec["side"]
-    kinds = ["colour", "shape", "count"] + (["side"] if side else [])
+    """The spec with one thing wrong: an object's colour or shape, the count (one more or one fewer), the side,
+    or the texture (another of plain, striped, barred)."""
+    objs, side, texture = list(spec["objects"]), spec["side"], spec.get("texture")
+    kinds = ["colour", "shape", "count", "texture"] + (["side"] if side else [])
     kind = kinds[rng.integers(len(kinds))]
     i = int(rng.integers(len(objs)))
     if kind == "colour":
@@ -637,9 +781,14 @@ def _mutate(spec: dict, rng: np.random.Generator) -> dict:
         objs = (
             objs[:i] + objs[i + 1 :] if len(objs) > 1 and (len(objs) == 3 or rng.random() < 0.5) else objs + [objs[i]]
         )
+    elif kind == "texture":
+        texture = [t for t in (None,) + TEXTURES if t != texture][int(rng.integers(len(TEXTURES)))]
     else:
         side = "left" if side == "right" else "right"
-    return {"objects": objs, "side": side}
+    out = {"objects": objs, "side": side}
+    if texture is not None:
+        out["texture"] = texture
+    return out
 
 
 def _degrade(img: Image.Image, rng: np.random.Generator, strength: float, kind: int | None = None) -> Image.Image:
@@ -992,9 +1141,20 @@ def _warmup_cosine(opt, steps: int, warm: int):
     )
 
 
-def train_vae(vae, images: list, steps: int, batch: int = 64, seed: int = 0):
-    """Reconstruction training: loss = mean(w |x - x'|) + mean(w (x - x')^2) + 1e-6 KL,
-    w = 1 + 3 * foreground (shapes matter more than flat background); AdamW 2e-3, warm-up + cosine."""
+def _laplacian(x):
+    """4-neighbour Laplacian of (B, C, H, W) over the interior (B, C, H-2, W-2)."""
+    c = x[..., 1:-1, 1:-1]
+    return 4 * c - x[..., :-2, 1:-1] - x[..., 2:, 1:-1] - x[..., 1:-1, :-2] - x[..., 1:-1, 2:]
+
+
+VAE_HF_WEIGHT = 1.0
+
+
+def train_vae(vae, images: list, steps: int, batch: int = 64, seed: int = 0, hf_weight: float | None = None):
+    """Reconstruction training: loss = mean(w |x - x'|) + mean(w (x - x')^2) + hf mean(w |lap x - lap x'|)
+    + 1e-6 KL, w = 1 + 3 * foreground (shapes matter more than flat background), lap the 4-neighbour
+    Laplacian (fine detail: the texture inside the shapes), hf = VAE_HF_WEIGHT; AdamW 2e-3, warm-up + cosine."""
+    hf_weight = VAE_HF_WEIGHT if hf_weight is None else hf_weight
     import torch
     from tqdm import tqdm
 
@@ -1014,6 +1174,8 @@ def train_vae(vae, images: list, steps: int, batch: int = 64, seed: int = 0):
         post = vae.encode(x).latent_dist
         rec = vae.decode(post.sample(generator=g)).sample
         loss = (w * (rec - x).abs()).mean() + (w * (rec - x) ** 2).mean() + 1e-6 * post.kl().mean()
+        if hf_weight:
+            loss = loss + hf_weight * (w[..., 1:-1, 1:-1] * (_laplacian(rec) - _laplacian(x)).abs()).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -1051,7 +1213,7 @@ def _tensor_to_images(x) -> list:
 
 
 def train_judge(images: list, prompts: list[str], steps: int, seed: int = 0):
-    """Judge CNN: cross-entropy on count + BCE on colour/shape presence; AdamW 2e-3, warm-up + cosine."""
+    """Judge CNN: cross-entropy on count and texture + BCE on colour/shape presence; AdamW 2e-3, warm-up + cosine."""
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
@@ -1068,7 +1230,12 @@ def train_judge(images: list, prompts: list[str], steps: int, seed: int = 0):
         x, y = x_all[idx], y_all[idx]
         x = torch.where(torch.rand(len(x), 1, 1, 1, generator=g) < 0.5, x, x.flip(-1))  # h-flip
         lg = net["head"](net["features"](x))
-        loss = F.cross_entropy(lg[:, :3], y[:, 0].long()) + F.binary_cross_entropy_with_logits(lg[:, 3:], y[:, 1:])
+        npres = len(COLORS) + len(SHAPES)
+        loss = (
+            F.cross_entropy(lg[:, :3], y[:, 0].long())
+            + F.binary_cross_entropy_with_logits(lg[:, 3 : 3 + npres], y[:, 1 : 1 + npres])
+            + F.cross_entropy(lg[:, 3 + npres :], y[:, 1 + npres].long())
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -1139,8 +1306,10 @@ def train_transformer(
     return ema.state_dict()
 
 
-BUILD = dict(n_images=24_000, vae_steps=600, judge_steps=600, transformer_steps=2_000, threads=1)
-"""Build settings. One torch thread: bit-reproducible and robust when the 2 cores are shared."""
+BUILD = dict(n_images=24_000, vae_steps=600, judge_steps=600, transformer_steps=3_500, threads=1)
+"""Build settings. One torch thread: bit-reproducible and robust when the 2 cores are shared. 3,500 transformer steps
+(was 2,000 before the texture; ~2.5 steps/s on one thread): the texture is the last thing the model learns (a
+800-step prototype drew a plaid on every caption, results/world-design/tables.md)."""
 
 
 def build(out_dir: Path = ASSETS, **overrides) -> dict:
@@ -1218,9 +1387,13 @@ def world_metrics(vae, n: int = 500) -> dict:
         "checker_vae_strict": float(reward_geneval_strict(recs, prompts).mean()),
         "vae_psnr": float(np.mean([_psnr(_as_array(a), _as_array(b)) for a, b in zip(gt, recs)])),
     }
-    for name in ("geneval", "sharpness", "jpeg", "saturation"):
+    for name in ("geneval", "sharpness", "jpeg", "saturation", "texture", "grain"):
         m[f"gt_{name}_mean"] = float(REWARDS[name](gt, prompts).mean())
         m[f"vae_{name}_mean"] = float(REWARDS[name](recs, prompts).mean())
+    named = np.array(["texture" in parse_prompt(p) for p in prompts])
+    for what, ims in (("gt", gt), ("vae", recs)):  # the texture survives the VAE round trip: named / plain captions
+        r = REWARDS["texture"](ims, prompts)
+        m[f"{what}_texture_named"], m[f"{what}_texture_plain"] = float(r[named].mean()), float(r[~named].mean())
     m.update(
         judge_gt=float(judge_cnn(gt, prompts).mean()),
         judge_vae=float(judge_cnn(recs, prompts).mean()),
@@ -1267,8 +1440,12 @@ def evaluate(
     for t in TEMPLATES:
         sel = [c["strict"] for c, p in zip(checks, prompts) if _template(p) == t]
         m[f"gen_strict_{t}"] = float(np.mean(sel)) if sel else None
-    for name in ("sharpness", "jpeg", "saturation"):
+    for name in ("sharpness", "jpeg", "saturation", "texture", "grain"):
         m[f"gen_{name}_mean"] = float(REWARDS[name](imgs, prompts).mean())
+    tex = REWARDS["texture"](imgs, prompts)
+    for t in ("plain",) + TEXTURES:
+        sel = [parse_prompt(p).get("texture", "plain") == t for p in prompts]
+        m[f"gen_texture_{t}"] = float(tex[sel].mean()) if any(sel) else None
     m["gen_judge_cnn"] = float(judge_cnn(imgs, prompts).mean())
     m["gen_frechet"] = frechet_distance(imgs, prompts)
     # reproducibility: a fresh load with a fixed generator gives identical pixels

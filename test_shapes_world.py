@@ -23,7 +23,11 @@ def test_import_is_cheap():
 
 def test_grammar_and_splits():
     caps = sw.all_captions()
-    assert len(caps) == len(set(caps)) == 132
+    assert len(caps) == len(set(caps)) == 252
+    for t in sw.TEMPLATES:  # a held-out 20% of every template
+        n_t = sum(sw._template(c) == t for c in caps)
+        assert sum(sw._template(c) == t for c in sw.SPLITS["heldout"]) == round(0.2 * n_t), t
+    assert {sw.parse_prompt(c).get("texture") for c in sw.SPLITS["heldout"]} == {None, *sw.TEXTURES}
     train, held = set(sw.SPLITS["train"]), set(sw.SPLITS["heldout"])
     assert train.isdisjoint(held) and train | held == set(caps)
     assert {sw._template(c) for c in held} == set(sw.TEMPLATES)  # every template has held-out captions
@@ -48,8 +52,16 @@ def test_parse_prompt():
         ("green", "triangle"),
         ("yellow", "circle"),
     ]
-    with pytest.raises(ValueError):
-        sw.parse_prompt("a photo of a cat")
+    assert sw.parse_prompt("two red striped circles") == {
+        "objects": [("red", "circle")] * 2,
+        "side": None,
+        "texture": "striped",
+    }
+    assert sw.parse_prompt("a blue barred square on the left")["texture"] == "barred"
+    assert sw.parse_prompt("a red striped circle and a blue square")["texture"] == "striped"  # outside the grammar
+    for bad in ("a photo of a cat", "a red striped circle and a blue barred square", "a red wavy circle"):
+        with pytest.raises(ValueError):
+            sw.parse_prompt(bad)
 
 
 def test_render_deterministic():
@@ -128,6 +140,50 @@ def test_reward_known_values():
     assert sw.REWARDS["saturation"]([Image.fromarray(half)], p)[0] == pytest.approx(0.5)
     # sharpness and compressibility conflict: the edge is sharper and costs more bytes
     assert sw.REWARDS["jpeg"]([_step_edge()], p)[0] < 1.0
+
+
+def _textured(texture, amp=0.3, side=8):
+    """A flat red square of 2 * side pixels on grey, its texture drawn by hand: 2-pixel lines every 4 rows
+    (striped) or every 4 columns (barred), darkened by 1 - amp."""
+    a = np.full((32, 32, 3), 235.0)
+    a[16 - side : 16 + side, 16 - side : 16 + side] = (215, 45, 45)
+    yy, xx = np.mgrid[:32, :32]
+    inside = (abs(yy - 15.5) < side) & (abs(xx - 15.5) < side)
+    pattern = {"plain": yy < 0, "striped": yy % 4 < 2, "barred": xx % 4 < 2}[texture]
+    a[inside & pattern] *= 1 - amp
+    return Image.fromarray(np.round(a).astype(np.uint8))
+
+
+def test_texture_checker_and_rewards_by_hand():
+    ims = {t: _textured(t) for t in ("plain", "striped", "barred")}
+    for t, im in ims.items():
+        (o,) = sw.detect(im)
+        assert (o["colour"], o["shape"], o["texture"]) == ("red", "square", t)
+        assert o["n_inner"] == 12 * 12  # the 16x16 square less a 2-pixel rim
+    # striped: every inner pixel has one vertical neighbour like itself and one amp * V away, none along x;
+    # half the inner rows are dark, so mean v = V (1 - amp / 2)
+    o = sw.detect(ims["striped"])[0]
+    assert o["ex"] == 0.0 and o["ey"] == pytest.approx((0.3 / 2) / (1 - 0.3 / 2), rel=0.02)
+    for t, im in ims.items():
+        prompt = "a red square" if t == "plain" else f"a red {t} square"
+        assert sw.REWARDS["texture"]([im], [prompt])[0] == 1.0
+        assert sw.REWARDS["geneval_strict"]([im], [prompt])[0] == 1.0  # texture leaves colour and shape alone
+        for other in {"plain", "striped", "barred"} - {t}:
+            wrong = "a red square" if other == "plain" else f"a red {other} square"
+            assert sw.REWARDS["texture"]([im], [wrong])[0] == 0.0
+    assert sw.REWARDS["texture"]([Image.new("RGB", (32, 32), (235, 235, 235))], ["a red square"])[0] == 0.0
+    g = {t: sw.REWARDS["grain"]([im], ["a red square"])[0] for t, im in ims.items()}
+    assert g["plain"] == 0.0 and 0.7 < g["barred"] < 1.3 and 0.7 < g["striped"] < 1.3
+    assert sw.REWARDS["grain"]([_textured("striped", amp=0.1)], ["a red square"])[0] < 0.5 * g["striped"]
+    # a texture at half the contrast is faint: neither the named texture nor plain
+    faint = _textured("barred", amp=0.15)
+    assert sw.detect(faint)[0]["texture"] == "faint"
+    assert sw.REWARDS["texture"]([faint, faint], ["a red barred square", "a red square"]).tolist() == [0.0, 0.0]
+    # ground-truth renders: the texture the caption names, plain when unnamed; grain 0 on plain fills
+    for i, p in enumerate(["a green barred circle", "two yellow striped squares", "a blue triangle on the left"]):
+        im = sw.render(p, 40 + i)
+        assert sw.REWARDS["texture"]([im], [p])[0] == 1.0 and sw.check(im, p)["strict"] == 1.0
+    assert sw.REWARDS["grain"]([sw.render("a blue triangle", 1)], ["a blue triangle"])[0] == 0.0
 
 
 def test_split_checker_rewards_and_detail_by_hand():

@@ -715,6 +715,22 @@ def check_credit(quick, out=None):
         for c in dev:
             dev[c].append(np.abs(credit_W(stats, sig, c=c)[0] / 0.1 - 1).max())
     q95 = {c: float(np.quantile(v, 0.95)) for c, v in dev.items()}
+    # the same at the main command's horizon: recast.py's default iterations and --gain-ema (many more observations)
+    defaults = recast.Args()
+    n_it, gamma, reps_h = defaults.iterations, defaults.gain_ema, 10 if quick else 40
+    dev_h = []
+    for rep in range(reps_h):
+        stats, gen, nrng = None, torch.Generator().manual_seed(10_000 + rep), np.random.default_rng(10_000 + rep)
+        for it in range(n_it):
+            stats = accumulate(
+                stats, credit_iteration(MIX1, rewards, "rotate", 8, it * 8, 1, gen, noise_rng=nrng)[0], gamma
+            )
+        dev_h.append(np.abs(credit_W(stats, sig, c=2.0)[0] / 0.1 - 1).max())
+    q95_h = float(np.quantile(dev_h, 0.95))
+    lines.append(
+        f"\n8c pure-noise rewards at the main command's horizon ({n_it} iterations, gain_ema {gamma}): "
+        f"max_kj |W / W_unif - 1| median / 95th percentile over {reps_h} runs: {np.median(dev_h):.3f} / {q95_h:.3f}"
+    )
     lines.append(
         f"\n8c pure-noise rewards, 10 iterations: max_kj |W / W_unif - 1|, "
         f"median / 95th percentile over {noise_reps} runs: "
@@ -729,6 +745,7 @@ def check_credit(quick, out=None):
             errs[("pairs rotate", 50)] < errs[("pairs rotate", 1)],
         ),
         ("8c pure noise: 95th pct max|W/W_unif - 1|, c = 2", q95[2.0], "< 0.05", q95[2.0] < 0.05),
+        (f"8c pure noise, {n_it} iterations at gain_ema {gamma}: 95th pct, c = 2", q95_h, "< 0.05", q95_h < 0.05),
         (
             "8c pure noise: same without shrinkage (c = 0)",
             q95[0.0],
