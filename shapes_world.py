@@ -16,7 +16,7 @@ segmentation + connected components + shape test) · rewards · held-out judges
 text encoders, VAE, transformer) · build (VAE -> judge -> transformer) · eval/bench · CLI.
 
 Commands (all deterministic, fixed seeds, CPU):
-    python shapes_world.py build   # regenerate assets/ from scratch (~40 min on 1 thread)
+    python shapes_world.py build   # regenerate assets/ from scratch (~30 min on 1 thread)
     python shapes_world.py eval    # checker accuracy on held-out prompts + assets/samples.png
     python shapes_world.py bench   # rollout and LoRA-step timings
 
