@@ -515,8 +515,9 @@ class Args:
     """temperature of the profile in W's kernel lambda_k P~^tau (0: uniform W)"""
     eps: float = flag(1e-3, "recast credit", min=0, max=1)
     """profile smoothing P~ = (1 - eps) P + eps / T (> 0 keeps W unique)"""
-    gain_ema: float = flag(0.9, "recast credit", min=0, lt=1)
-    """discount of the level statistics across iterations (horizon ~ 1 / (1 - gain_ema) iterations)"""
+    gain_ema: float = flag(0.999, "recast credit", min=0, lt=1)
+    """discount of the level statistics across iterations (horizon ~ 1 / (1 - gain_ema) iterations); 0.999 as recast.py:
+    W needs ~60 groups per level to resolve the embedded world's profiles (results/world-design/horizon.json)"""
     evidence: float = flag(2.0, "recast credit", min=0)
     """shrink each reward's profile towards uniform by rho = max(0, 1 - c p / Q), Q the chi^2 of its curve against
     uniform gains (0: no shrinkage)"""
