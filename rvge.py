@@ -389,8 +389,8 @@ def train(args: Args, extra_rewards=None, judges=None):
 
     run = setup_run(args, extra_rewards, judges)
     start, state = start_or_resume(run, args)
-    budgets, targets = run.budgets, run.names if args.combine == "directions" else ["weighted"]
-    bandwidths = parse_bandwidths(args.bandwidth, len(targets))
+    budgets, regressed = run.budgets, run.names if args.combine == "directions" else ["weighted"]  # one direction each
+    bandwidths = parse_bandwidths(args.bandwidth, len(regressed))
 
     def on_step():  # after every optimizer step: the EMA of the trained LoRA (DiffusionNFT's evaluation weights)
         state["opt_steps"] += 1
@@ -423,7 +423,7 @@ def train(args: Args, extra_rewards=None, judges=None):
             credit_settings(args), state.get("level_stats"), r, std, b, budgets, sigmas, run.reduce
         )
         directions, s2, rvge_metrics = value_directions(
-            b, A, run.sigmas, run.branch, bandwidths, targets, args, run.reduce
+            b, A, run.sigmas, run.branch, bandwidths, regressed, args, run.reduce
         )
         mix = mixture_weights(W, budgets) if args.combine == "directions" else np.ones((1, len(sigmas) - 1))
         t3 = time.perf_counter()
