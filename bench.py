@@ -149,10 +149,8 @@ MULTI_METHODS = {  # label -> (script, flags): each script's own default tree, 6
     "rvge_recast": ("rvge", ("--credit", "recast")),
 }
 MULTI_BUDGETS = ("0.4,0.3,0.2,0.1", "0.1,0.2,0.3,0.4")
-SMOOTH_REWARD = "saturation"
-DISCRETE_REWARD = (
-    "geneval_strict" if "geneval_strict" in shapes_world.REWARDS else "geneval"
-)  # the checker's 0/1 verdict
+SMOOTH_REWARD = "grain"  # the textured world's late smooth reward (issue 25.2)
+DISCRETE_REWARD = "texture"  # the textured world's late 0/1 reward: the caption's texture (issue 25.2)
 JOINT_REWARDS = (
     "geneval",
     "geneval_strict",

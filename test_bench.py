@@ -58,8 +58,8 @@ def test_runs_are_paired_by_seed_and_every_cell_parses(name, tmp_path):
 
 def test_experiment_contents():
     single = bench.EXPERIMENTS["rvge-single"]
-    assert {c.group for c in single.cells} == {"saturation", bench.DISCRETE_REWARD} and single.seeds >= 5
-    assert bench.DISCRETE_REWARD in shapes_world.REWARDS
+    assert {c.group for c in single.cells} == {bench.SMOOTH_REWARD, bench.DISCRETE_REWARD} and single.seeds >= 5
+    assert {bench.SMOOTH_REWARD, bench.DISCRETE_REWARD} <= set(shapes_world.REWARDS)
     joint = bench.EXPERIMENTS["rvge-joint"]
     assert all(bench.flag_value(c.flags, "--rewards").split(",") == list(bench.JOINT_REWARDS) for c in joint.cells)
     assert len(bench.JOINT_REWARDS) == 5 and set(bench.JOINT_REWARDS) <= set(shapes_world.REWARDS)
