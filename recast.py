@@ -1918,12 +1918,13 @@ def run_folder(args):
         out = Path(args.resume)
     elif args.out:
         out = Path(args.out)
-        if is_run(out) and not args.overwrite:
+        holds_a_run = is_run(out)
+        if holds_a_run and not args.overwrite:
             raise SystemExit(
                 f"--out {out} already holds a run. Continue it with --resume {out}, choose another --out, "
                 "or replace it with --overwrite"
             )
-        if not is_run(out) and not is_unused(out):
+        if not holds_a_run and not is_unused(out):
             raise SystemExit(
                 f"--out {out} holds files that are not a run of this project (a run writes only to a new or empty "
                 "folder, and --overwrite replaces only runs). Choose a new folder with --out"
