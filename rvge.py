@@ -678,7 +678,7 @@ def validate(args: Args, extra_rewards=None):
             "--credit recast estimates gains from branched pairs: it needs --n-roots >= 2 and a --branch-steps entry"
         )
     check_files(args, names)
-    args.out = str(run_folder(args))
+    args.out = run_folder(args)
     return names, budgets, branch
 
 
@@ -1180,12 +1180,15 @@ def check_finite(values):
 def setup_run(args: Args, extra_rewards=None, judges=None):
     """Validate, then load everything one run needs; returns a namespace shared by the loop's steps."""
     import torch
-    from accelerate import Accelerator
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import broadcast_object_list
 
     names, budgets, branch = validate(args, extra_rewards)
     quiet_start_up()
-    lock = lock_run(args.out) if int(os.environ.get("RANK", 0)) == 0 else None
+    lock = lock_run(args.out) if is_first_process() else None
     device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if PartialState(cpu=device_name == "cpu").num_processes > 1:  # the first process chose the run folder
+        args.out = broadcast_object_list([args.out], from_process=0)[0]
     trackers = {} if args.report_to == "none" else {"log_with": args.report_to, "project_dir": args.out}
     acc = Accelerator(cpu=device_name == "cpu", **trackers)
     dtype = getattr(torch, args.dtype or ("bfloat16" if acc.device.type == "cuda" else "float32"))
@@ -1823,7 +1826,11 @@ def run_folder(args):
     --resume: that folder. --out: a new or empty folder, or a run, which is refused unless --overwrite (a folder of
     other files is refused even then: a run writes only where nothing else lives). Default runs/<name>: a fresh
     -1, -2, ... suffix when the name is taken, so running a command twice gives two runs. Creates the folder;
-    changes nothing inside it."""
+    changes nothing inside it. Under a multi-process launch only the first process decides (the others would see
+    its files as another run's); setup_run hands its choice to the rest. Returns the folder as a string, or, in
+    the other processes, args.out as given."""
+    if not is_first_process():
+        return args.out
     if args.resume:
         out = Path(args.resume)
     elif args.out:
@@ -1861,7 +1868,12 @@ def run_folder(args):
         probe.unlink()
     except OSError as err:
         raise SystemExit(f"cannot write to the run folder {out} ({err.strerror}): choose another with --out") from None
-    return out
+    return str(out)
+
+
+def is_first_process():
+    """True in a single process and in rank 0 of an `accelerate launch` (which sets RANK before Python starts)."""
+    return int(os.environ.get("RANK", 0)) == 0
 
 
 def lock_run(out):

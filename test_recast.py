@@ -1321,6 +1321,29 @@ def test_out_at_a_folder_of_other_files_is_refused_even_with_overwrite(tiny, tmp
     recast.validate(recast.parse_args(tiny_argv(tiny, empty)), extra_rewards=TINY_REWARDS)
 
 
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_only_the_first_process_judges_the_run_folder(tiny, tmp_path, module, monkeypatch):
+    """Under accelerate launch, rank 0 creates the folder, probes it and may write config.json before rank 1 looks:
+    rank 1 must not judge that folder (it would call it another run's) but wait for rank 0's choice (CI saw
+    this race: test_two_processes_hold_the_same_W failed once with 'holds files that are not a run')."""
+    script = __import__(module)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".write_test.123").write_text("ok")  # rank 0's write probe, seen mid-check
+    with pytest.raises(SystemExit, match="holds files that are not a run"):
+        script.validate(script.parse_args(tiny_argv(tiny, out)), extra_rewards=TINY_REWARDS)
+    monkeypatch.setenv("RANK", "1")
+    args = script.parse_args(tiny_argv(tiny, out))
+    script.validate(args, extra_rewards=TINY_REWARDS)
+    assert args.out == str(out) and sorted(p.name for p in out.iterdir()) == [".write_test.123"]
+    argv = tiny_argv(tiny, out)
+    del argv[argv.index("--out") : argv.index("--out") + 2]
+    args = script.parse_args(argv)  # default runs/<name>: left to rank 0's broadcast
+    monkeypatch.chdir(tmp_path)
+    script.validate(args, extra_rewards=TINY_REWARDS)
+    assert not args.out and not (tmp_path / "runs").exists()
+
+
 def test_out_inside_a_run_is_refused(finished_run, tmp_path):
     out = copy_of(finished_run, tmp_path)
     before = snapshot(out)
