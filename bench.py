@@ -5,7 +5,8 @@
     python bench.py rvge-joint       # all five world rewards: RVGE vs NFT at equal compute and at 1/5 of it
     python bench.py rvge-joint-why   # why RVGE trails jointly: broad groups for every reward, or half the lr
     python bench.py rvge-joint-eta   # and whether a smaller step (--eta 0.1, 0.05) stops its drift
-    python bench.py recast-protocol  # 2 settings x 5 budget vectors x {nft, uniform, recast} (issue 11)
+    python bench.py recast-protocol  # setting A x 5 budget vectors x {nft, uniform, recast, recast_prior}
+    python bench.py recast-protocol-B  # the same for setting B
     python bench.py recast-100       # the embedded default for 100 iterations: DiffusionNFT vs uniform W vs ReCAST
     python bench.py nft-steps        # DiffusionNFT with 1 vs 8 optimizer steps per iteration
     options: [--quick] [--jobs N] [--seeds N] [--out DIR] [--tables-only] [--iterations N] [--prompts-per-iter N]
@@ -48,17 +49,19 @@ own tree), 1 s per evaluation and 12 s per start, and packs the runs in their or
 workers (printed at start; `test_bench.py` checks each full size stays under 60 min). The R = C = 4
 tree of rvge-single / rvge-joint (16 leaves per prompt group, SDE sub-steps) measured 1.25-1.3 s per
 prompt group-iteration with two runs side by side (their results' time/* sums, 8 runs of 40
-iterations), so those two use 1.3 s and were cut to 60 and 100 iterations to stay within the hour:
+iterations), so those use 1.3 s. The textured world (issue 24) left these rates unchanged (rvge-single's results:
+wall seconds per run). Sizes (`estimate_minutes`; `test_bench.py` checks each stays under the hour):
 
-    experiment       cells  seeds  iterations x prompts     eval every  runs  estimate (2 cores, --jobs 2)
-    multi               12      3       30 x 4                 30         36   ~31 min
-    rvge-single          4      5       60 x 4                  5         20   ~56 min
-    rvge-joint           3      5      100 x 4 (RVGE 1/5: 20)  10         15   ~51 min
-    rvge-joint-why       4      3      100 x 4                 10         12   ~54 min (6 taken from rvge-joint: ~27)
-    rvge-joint-eta       4      3      100 x 4                 10         12   ~54 min (6 reused from -why: ~27)
-    recast-protocol     31      3       24 x 3                  8         93   ~60 min (+ its final evaluation)
-    recast-100           3      3      100 x 8                 10          9   ~59 min
-    nft-steps            2      3      100 x 8                 10          6   ~35 min
+    experiment        cells  seeds  iterations x prompts     eval every  runs  estimate (2 cores, --jobs 2)
+    multi                12      3       30 x 4                 30         36   ~31 min
+    rvge-single           4      5       60 x 4                  5         20   ~56 min
+    rvge-joint            6      4       60 x 4 (RVGE 1/5: 12)  10         24   ~59 min
+    rvge-joint-why        4      3       60 x 4                 10         12   ~33 min (6 taken from rvge-joint)
+    rvge-joint-eta        4      3       60 x 4                 10         12   ~33 min (6 reused from -why)
+    recast-protocol      20      3       24 x 3                  8         60   ~39 min (+ final evaluation)
+    recast-protocol-B    20      3       24 x 3                  8         60   ~39 min (+ final evaluation)
+    recast-100            3      3      100 x 8                 10          9   ~59 min
+    nft-steps             2      3      100 x 8                 10          6   ~35 min
 
 On a GPU machine the same command runs many processes at once: one H200 ran the embedded model at
 9 iterations/s in aggregate with 16 processes, ~31x the 2-core rate, so `--jobs 16` finishes each
@@ -125,6 +128,7 @@ class Experiment:
     save_every: int = 0  # checkpoint cadence (0: only at the end)
     final_noises: int = 0  # final evaluation of each run on held-out captions x this many noises (0: none)
     reuse: str = ""  # an experiment whose results of identical runs (same id, same settings) are taken, not rerun
+    pairs: tuple[tuple[str, str], ...] = ()  # (label, other) comparisons reported besides each method - baseline
     quick: dict = field(default_factory=lambda: {"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2})
 
 
@@ -151,22 +155,17 @@ MULTI_METHODS = {  # label -> (script, flags): each script's own default tree, 6
 MULTI_BUDGETS = ("0.4,0.3,0.2,0.1", "0.1,0.2,0.3,0.4")
 SMOOTH_REWARD = "grain"  # the textured world's late smooth reward (issue 25.2)
 DISCRETE_REWARD = "texture"  # the textured world's late 0/1 reward: the caption's texture (issue 25.2)
-JOINT_REWARDS = (
-    "geneval",
-    "geneval_strict",
-    "sharpness",
-    "jpeg",
-    "saturation",
-)  # the five world rewards of the RVGE paper's joint run
 SETTINGS = {  # setting -> its four training rewards, in budget order
-    "A": tuple(shapes_world.DEFAULT_REWARDS),
-    # Chosen on the first (flat) world from the measured D_k(t) (`measure_profiles`, RESULTS.md "ReCAST's protocol"):
-    # of the checker's attribute scores and the colour-edge detail reward, the four whose profiles moved W furthest
-    # from uniform there (mean |K T W / Lam - 1| 0.079), leaving out position (informative on 24 of its 132 captions).
-    # On the textured world its W departs by max 0.047 only (results/world-design/profiles.md): B is to be chosen
-    # again from the new profiles with the protocol's re-run (issue 25).
-    "B": ("count", "colour", "shape", "detail"),
+    "A": tuple(shapes_world.DEFAULT_REWARDS),  # geneval (mid), saturation (early), texture (late), grain (mid-late)
+    # Chosen on the textured world from the pretrained model's measured D_k(t) (results/world-design/profiles192,
+    # 192 groups per inner level): of the 4-subsets of the candidates sharing at most one reward with A, one whose
+    # W at uniform budgets departs far from uniform (max |K T W / Lam - 1| 0.65) with evidence on three of its four
+    # rewards, and whose profiles differ from A's: two image statistics decided early (sharpness 0.65, jpeg 0.70 of
+    # D(0) by t = 0.79) against the caption's shape (0.21) and its texture (0.17), decided late.
+    "B": ("sharpness", "jpeg", "shape", "texture"),
 }
+JOINT_REWARDS = SETTINGS["A"]  # RVGE's joint runs: setting A (the main command's rewards) at uniform budgets
+JOINT_BUDGETS = ",".join(["0.25"] * len(JOINT_REWARDS))
 
 
 def budget_vectors(k=4, high=0.55):
@@ -179,24 +178,25 @@ def budget_vectors(k=4, high=0.55):
     return out
 
 
-# ReCAST with its measured W kept: the prior's weight decays as gain_ema^iteration (0.9: 0.08 after 24 iterations,
-# and the online statistics of 3 groups per iteration cannot keep W off uniform), so these cells hold it at 0.99.
-PRIOR_KEPT = {"B-uniform"}  # setting B at uniform budgets: W from the measured profiles alone (one cell keeps the hour)
+PROFILES_DIR = "recast-protocol"  # both settings' ReCAST-from-prior cells start from the one profile measurement there
 
 
-def _protocol_cells():
+def _protocol_cells(setting):
+    """Per setting and budget vector: DiffusionNFT's faithful step, uniform W (NFT with per-reward normalisation),
+    ReCAST learning W online from its own rollouts (no prior), and ReCAST started from the pretrained model's
+    measured profiles (--gain-init; at the default --gain-ema 0.999 the prior keeps 0.98 of its weight over 24
+    iterations)."""
     methods = {
         "nft": ("--credit", "nft"),
         "uniform": ("--credit", "uniform"),
-        "recast": ("--credit", "recast", "--gain-init", "{exp_dir}/profiles.json"),
-        "recast_kept": ("--credit", "recast", "--gain-init", "{exp_dir}/profiles.json", "--gain-ema", "0.99"),
+        "recast": ("--credit", "recast"),
+        "recast_prior": ("--credit", "recast", "--gain-init", f"{{exp_dir}}/../{PROFILES_DIR}/profiles.json"),
     }
+    rewards = SETTINGS[setting]
     return tuple(
         Cell("recast", ("--rewards", ",".join(rewards), "--budgets", budgets, *flags), label, f"{setting}-{bname}")
-        for setting, rewards in SETTINGS.items()
         for bname, budgets in budget_vectors(len(rewards)).items()
         for label, flags in methods.items()
-        if label != "recast_kept" or f"{setting}-{bname}" in PRIOR_KEPT
     )
 
 
@@ -242,7 +242,7 @@ EXPERIMENTS = {
             tuple(
                 Cell(
                     script,
-                    ("--rewards", ",".join(JOINT_REWARDS), "--budgets", ",".join(["0.2"] * len(JOINT_REWARDS)), *flags),
+                    ("--rewards", ",".join(JOINT_REWARDS), "--budgets", JOINT_BUDGETS, *flags),
                     label,
                     "joint",
                     compute,
@@ -251,22 +251,26 @@ EXPERIMENTS = {
                     ("recast", ("--credit", "nft"), "nft", 1.0),
                     ("rvge", (), "rvge", 1.0),
                     ("rvge", (), "rvge_fifth", 0.2),
+                    ("rvge", ("--combine", "reward"), "rvge_one_direction", 1.0),  # one regression, weighted reward
+                    ("rvge", ("--credit", "recast"), "rvge_recast", 1.0),  # the combination (issue 25.4)
+                    ("recast", ("--credit", "recast"), "recast", 1.0),  # its other parent, on the same tree
                 ]
             ),
-            iterations=100,
+            iterations=60,
             prompts_per_iter=4,
             eval_every=10,
-            seeds=5,
+            seeds=4,
             report="report_rvge_joint",
             common=TREE,
             seconds_per_prompt_iter=1.3,
+            pairs=(("rvge_one_direction", "rvge"), ("rvge_recast", "rvge"), ("rvge_recast", "recast")),
         ),
         Experiment(  # why RVGE trails in rvge-joint: is it the step (lr) or the bandwidth (broad for every reward)?
             "rvge-joint-why",
             tuple(
                 Cell(
                     script,
-                    ("--rewards", ",".join(JOINT_REWARDS), "--budgets", ",".join(["0.2"] * len(JOINT_REWARDS)), *flags),
+                    ("--rewards", ",".join(JOINT_REWARDS), "--budgets", JOINT_BUDGETS, *flags),
                     label,
                     "joint",
                 )
@@ -277,7 +281,7 @@ EXPERIMENTS = {
                     ("rvge", ("--lr", "5e-05"), "rvge_half_lr"),
                 ]
             ),
-            iterations=100,
+            iterations=60,
             prompts_per_iter=4,
             eval_every=10,
             seeds=3,
@@ -291,7 +295,7 @@ EXPERIMENTS = {
             tuple(
                 Cell(
                     script,
-                    ("--rewards", ",".join(JOINT_REWARDS), "--budgets", ",".join(["0.2"] * len(JOINT_REWARDS)), *flags),
+                    ("--rewards", ",".join(JOINT_REWARDS), "--budgets", JOINT_BUDGETS, *flags),
                     label,
                     "joint",
                 )
@@ -302,7 +306,7 @@ EXPERIMENTS = {
                     ("rvge", ("--eta", "0.05"), "rvge_eta_0.05"),
                 ]
             ),
-            iterations=100,
+            iterations=60,
             prompts_per_iter=4,
             eval_every=10,
             seeds=3,
@@ -311,15 +315,28 @@ EXPERIMENTS = {
             seconds_per_prompt_iter=1.3,
             reuse="rvge-joint-why",  # which holds rvge-joint's nft and rvge runs of seeds 0-2
         ),
-        Experiment(
+        Experiment(  # setting A (split by setting: each fits the hour)
             "recast-protocol",
-            _protocol_cells(),
+            _protocol_cells("A"),
             iterations=24,
             prompts_per_iter=3,
             eval_every=8,
             seeds=3,
             report="report_protocol",
             quick_keep=("A-uniform",),
+            seconds_per_prompt_iter=0.85,
+            final_noises=4,  # recast.py's own tree
+            quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1},
+        ),
+        Experiment(  # setting B (split by setting: each fits the hour)
+            "recast-protocol-B",
+            _protocol_cells("B"),
+            iterations=24,
+            prompts_per_iter=3,
+            eval_every=8,
+            seeds=3,
+            report="report_protocol",
+            quick_keep=("B-uniform",),
             seconds_per_prompt_iter=0.85,
             final_noises=4,  # recast.py's own tree
             quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1},
@@ -1001,24 +1018,29 @@ def report_rvge_joint(res: Results, out: Path):
             "|---" * (1 + len(metrics)) + "|",
         ]
         summary = []
-        for label in by_label:
-            if label == base:
-                continue
+        against_base = [(label, base) for label in by_label if label != base]
+        pairs = [(a, b) for a, b in res.exp.pairs if a in by_label and b in by_label]
+        for i, (label, other) in enumerate(against_base + pairs):
+            if i == len(against_base):
+                lines += ["", "Paired differences between methods (the variants against their parents) [95%]:", ""]
+                lines += ["| method − other | " + " | ".join(m[5:] for m in metrics) + " |"]
+                lines += ["|---" * (1 + len(metrics)) + "|"]
             diffs = {
                 m: mean_ci(
                     paired(
                         res.values(group, label, lambda r, m=m: final(r, m)),
-                        res.values(group, base, lambda r, m=m: final(r, m)),
+                        res.values(group, other, lambda r, m=m: final(r, m)),
                     )
                 )
                 for m in metrics
             }
-            lines.append(f"| {label} | " + " | ".join(fmt_ci(*diffs[m]) for m in metrics) + " |")
+            name = label if other == base else f"{label} − {other}"
+            lines.append(f"| {name} | " + " | ".join(fmt_ci(*diffs[m]) for m in metrics) + " |")
             better = sum(better_sign(m) * d[0] > 0 for m, d in diffs.items() if np.isfinite(d[0]))
             sig = [verdict(m, d[1], d[2]) for m, d in diffs.items()]
             with_ci = sum(np.isfinite(d[1]) for d in diffs.values())
             summary.append(
-                f"- {label} vs {base}: better on average on {better} of {len(metrics)} held-out metrics; "
+                f"- {label} vs {other}: better on average on {better} of {len(metrics)} held-out metrics; "
                 + (
                     f"significantly better on {sig.count(1)}, significantly worse on {sig.count(-1)} "
                     f"(matches or beats on {len(metrics) - sig.count(-1)} of {len(metrics)})."
@@ -1526,7 +1548,7 @@ def report_protocol(res: Results, out: Path):
                 f"- {'ReCAST' if mine == 'recast' else mine} improves {what} over {other} in {n} of {planned} cells "
                 f"(significant in {sig})" + (f"; {planned - cells} cell(s) without results" if cells < planned else "")
             )
-    prof_path = res.exp_dir / "profiles.json"
+    prof_path = res.exp_dir.parent / PROFILES_DIR / "profiles.json"
     if prof_path.is_file():
         prof = json.loads(prof_path.read_text())
         profile_figure(prof, out / "profiles.png")
@@ -1846,8 +1868,10 @@ def main(argv=None):
             flush=True,
         )
         exp_dir.mkdir(parents=True, exist_ok=True)
-        if args.experiment == "recast-protocol":  # the gains ReCAST starts from (--gain-init), measured before any run
-            measure_profiles(exp_dir, iterations=2 if args.quick else 48, prompts=1 if args.quick else 8)
+        if exp.report == "report_protocol":  # the gains ReCAST starts from (--gain-init), measured before any run
+            measure_profiles(
+                exp_dir.parent / PROFILES_DIR, iterations=2 if args.quick else 48, prompts=1 if args.quick else 8
+            )
         failed = execute(planned, args.jobs)
     text, res = build_report(exp, exp_dir, planned)
     if args.results_md is not None:

@@ -61,40 +61,40 @@ def test_experiment_contents():
     assert {c.group for c in single.cells} == {bench.SMOOTH_REWARD, bench.DISCRETE_REWARD} and single.seeds >= 5
     assert {bench.SMOOTH_REWARD, bench.DISCRETE_REWARD} <= set(shapes_world.REWARDS)
     joint = bench.EXPERIMENTS["rvge-joint"]
-    assert all(bench.flag_value(c.flags, "--rewards").split(",") == list(bench.JOINT_REWARDS) for c in joint.cells)
-    assert len(bench.JOINT_REWARDS) == 5 and set(bench.JOINT_REWARDS) <= set(shapes_world.REWARDS)
+    assert all(bench.flag_value(c.flags, "--rewards").split(",") == list(bench.SETTINGS["A"]) for c in joint.cells)
+    assert all(bench.flag_value(c.flags, "--budgets") == "0.25,0.25,0.25,0.25" for c in joint.cells)
     its = {c.label: bench.cell_iterations(joint, c) for c in joint.cells}
-    assert its["rvge_fifth"] * 5 == its["nft"] == its["rvge"]
+    assert its["rvge_fifth"] * 5 == its["nft"] == its["rvge"] == its["rvge_one_direction"] == its["rvge_recast"]
+    flags = {c.label: (c.script, c.flags[4:]) for c in joint.cells}
+    assert flags["rvge_one_direction"] == ("rvge", ("--combine", "reward"))
+    assert flags["rvge_recast"] == ("rvge", ("--credit", "recast")) and flags["recast"] == (
+        "recast",
+        ("--credit", "recast"),
+    )
     why = bench.EXPERIMENTS["rvge-joint-why"]
     assert why.reuse == "rvge-joint" and {c.label for c in why.cells} == {"nft", "rvge", "rvge_broad", "rvge_half_lr"}
+    assert why.iterations == joint.iterations  # so its nft and rvge runs are rvge-joint's
     assert bench.flag_value(next(c for c in why.cells if c.label == "rvge_half_lr").flags, "--lr") == str(
         rvge.Args().lr / 2
     )
     eta = bench.EXPERIMENTS["rvge-joint-eta"]
     etas = [float(bench.flag_value(c.flags, "--eta")) for c in eta.cells if bench.flag_value(c.flags, "--eta")]
     assert eta.reuse == why.name and sorted(etas) == [rvge.Args().eta / 4, rvge.Args().eta / 2]
-    protocol = bench.EXPERIMENTS["recast-protocol"]
-    assert len({c.group for c in protocol.cells}) == 10 and {c.label for c in protocol.cells} == {
-        "nft",
-        "uniform",
-        "recast",
-        "recast_kept",
-    }
-    assert all(
-        (bench.flag_value(c.flags, "--gain-init") is not None) == c.label.startswith("recast") for c in protocol.cells
-    )
-    kept = [c for c in protocol.cells if c.label == "recast_kept"]
-    assert {c.group for c in kept} == bench.PRIOR_KEPT and all(
-        bench.flag_value(c.flags, "--gain-ema") == "0.99" for c in kept
-    )
     assert set(bench.SETTINGS["A"]) != set(bench.SETTINGS["B"]) and all(
         set(v) <= set(bench.PROFILE_CANDIDATES) for v in bench.SETTINGS.values()
     )
-    for c in protocol.cells:
-        budgets = [float(b) for b in bench.flag_value(c.flags, "--budgets").split(",")]
-        assert (
-            len(budgets) == len(bench.flag_value(c.flags, "--rewards").split(",")) == 4 and abs(sum(budgets) - 1) < 1e-9
+    for name, setting in (("recast-protocol", "A"), ("recast-protocol-B", "B")):
+        protocol = bench.EXPERIMENTS[name]
+        assert {c.group for c in protocol.cells} == {f"{setting}-{b}" for b in bench.budget_vectors()}
+        assert {c.label for c in protocol.cells} == {"nft", "uniform", "recast", "recast_prior"}
+        assert all(  # only recast_prior starts from the measured profiles; recast learns W from its own rollouts
+            (bench.flag_value(c.flags, "--gain-init") is not None) == (c.label == "recast_prior")
+            for c in protocol.cells
         )
+        for c in protocol.cells:
+            assert bench.flag_value(c.flags, "--rewards").split(",") == list(bench.SETTINGS[setting])
+            budgets = [float(b) for b in bench.flag_value(c.flags, "--budgets").split(",")]
+            assert len(budgets) == 4 and abs(sum(budgets) - 1) < 1e-9
     steps = bench.EXPERIMENTS["nft-steps"]
     assert [bench.flag_value(c.flags, "--updates-per-iter") for c in steps.cells] == [
         "1",
@@ -273,7 +273,14 @@ def test_rvge_joint_quick_in_parallel_processes_resumes_and_marks_partial(tmp_pa
     out = tmp_path / "rvge-joint"
     res = bench.main(["rvge-joint", "--quick", "--jobs", "2", "--out", str(tmp_path)])
     by_label = res.runs["joint"]
-    assert {label: len(by_label[label][0]) for label in by_label} == {"nft": 2, "rvge": 2, "rvge_fifth": 1}
+    assert {label: len(by_label[label][0]) for label in by_label} == {
+        "nft": 2,
+        "rvge": 2,
+        "rvge_fifth": 1,
+        "rvge_one_direction": 2,
+        "rvge_recast": 2,
+        "recast": 2,
+    }
     names = [k[len("eval/") :] for k in by_label["nft"][0][-1] if k.startswith("eval/") and "/" not in k[5:]]
     assert set(bench.JOINT_REWARDS) <= set(names)
     assert all(
@@ -281,6 +288,8 @@ def test_rvge_joint_quick_in_parallel_processes_resumes_and_marks_partial(tmp_pa
     )  # one process per run, logged
     table = (out / "table.md").read_text()
     assert "rvge_fifth vs nft" in table and "judge/cnn" in table and "| pretrained |" in table
+    for a, b in bench.EXPERIMENTS["rvge-joint"].pairs:  # the variants against their parents, paired
+        assert f"| {a} − {b} | " in table and f"- {a} vs {b}: " in table
     assert "Along the run" in table and "rvge: weighted" in table and "rvge_fifth: weighted" not in table
     assert "distance to base" in table and np.isfinite(bench.distance_to_base(by_label["rvge"][0]))
     assert "- rvge: direction rms per reward" in table and "- nft: direction rms" not in table
@@ -302,30 +311,31 @@ def test_rvge_joint_quick_in_parallel_processes_resumes_and_marks_partial(tmp_pa
 def test_recast_protocol_quick_reports_paired_differences_and_judge_counts(tmp_path):
     res = bench.main(["recast-protocol", "--quick", "--out", str(tmp_path)])
     exp_dir = tmp_path / "recast-protocol"
-    assert set(res.runs) == {"A-uniform"} and set(res.runs["A-uniform"]) == {"nft", "uniform", "recast"}
+    assert set(res.runs) == {"A-uniform"} and set(res.runs["A-uniform"]) == {"nft", "uniform", "recast", "recast_prior"}
     prof = json.loads((exp_dir / "profiles.json").read_text())
     assert prof["names"] == list(bench.PROFILE_CANDIDATES) and np.asarray(prof["s1"]).shape == (
         len(prof["names"]),
         prof["steps"] + 1,
     )
-    # ReCAST starts from the measured statistics, discounted once: level_n = gain_ema * prior + this iteration's (=
-    # uniform's, same rollouts)
-    first = {label: res.runs["A-uniform"][label][0][0]["recast/level_n"] for label in ("recast", "uniform")}
+    # recast_prior starts from the measured statistics, discounted once: level_n = gain_ema * prior + this
+    # iteration's (= uniform's, same rollouts); recast (online) from its own rollouts alone
+    first = {label: res.runs["A-uniform"][label][0][0]["recast/level_n"] for label in res.runs["A-uniform"]}
     gamma = recast.Args().gain_ema
-    assert np.allclose(first["recast"], gamma * np.asarray(prof["n"]) + np.asarray(first["uniform"]))
+    assert np.allclose(first["recast_prior"], gamma * np.asarray(prof["n"]) + np.asarray(first["uniform"]))
+    assert np.allclose(first["recast"], first["uniform"])
     table = (exp_dir / "table.md").read_text()
     assert (
         "| difference | n | " + " | ".join(bench.SETTINGS["A"]) + " | weighted | scale_free | judge/cnn "
         "| judge/frechet | pref win rate |" in table
     )
-    assert "| recast − nft | 1 |" in table and "| recast − uniform | 1 |" in table
+    for mine in ("recast", "recast_prior"):
+        assert f"| {mine} − nft | 1 |" in table and f"| {mine} − uniform | 1 |" in table
     assert "| pretrained | |" in table and "## Noise floor of one evaluation" in table
     for other in ("nft", "uniform"):
         assert (
             f"ReCAST improves judge cnn over {other} in 0 of 1 cells" in table
             or f"ReCAST improves judge cnn over {other} in 1 of 1 cells" in table
         ) and f"ReCAST improves judge pref (win rate > 0.5) over {other} in " in table
-        assert "recast_kept" not in table
     final = json.loads((exp_dir / "runs" / "A_uniform_recast-seed0.final.json").read_text())
     assert final["n"] == len(shapes_world.splits()["heldout"]) and set(final["scores"]) == {"1", "2"}
     assert all(len(final["scores"]["1"][k]) == final["n"] for k in ("geneval", "judge/cnn", "judge/pref"))
