@@ -315,31 +315,21 @@ EXPERIMENTS = {
             seconds_per_prompt_iter=1.3,
             reuse="rvge-joint-why",  # which holds rvge-joint's nft and rvge runs of seeds 0-2
         ),
-        Experiment(  # setting A (split by setting: each fits the hour)
-            "recast-protocol",
-            _protocol_cells("A"),
-            iterations=24,
-            prompts_per_iter=3,
-            eval_every=8,
-            seeds=3,
-            report="report_protocol",
-            quick_keep=("A-uniform",),
-            seconds_per_prompt_iter=0.85,
-            final_noises=4,  # recast.py's own tree
-            quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1},
-        ),
-        Experiment(  # setting B (split by setting: each fits the hour)
-            "recast-protocol-B",
-            _protocol_cells("B"),
-            iterations=24,
-            prompts_per_iter=3,
-            eval_every=8,
-            seeds=3,
-            report="report_protocol",
-            quick_keep=("B-uniform",),
-            seconds_per_prompt_iter=0.85,
-            final_noises=4,  # recast.py's own tree
-            quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1},
+        *(  # one experiment per setting, so that each fits the hour
+            Experiment(
+                name,
+                _protocol_cells(setting),
+                iterations=24,
+                prompts_per_iter=3,
+                eval_every=8,
+                seeds=3,
+                report="report_protocol",
+                quick_keep=(f"{setting}-uniform",),
+                seconds_per_prompt_iter=0.85,
+                final_noises=4,  # recast.py's own tree
+                quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1},
+            )
+            for setting, name in (("A", "recast-protocol"), ("B", "recast-protocol-B"))
         ),
         Experiment(
             "recast-100",
