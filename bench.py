@@ -648,18 +648,25 @@ def seeds_needed(m, lo, hi, n, most=10_000):
     smallest N >= 2 with t(0.975, N - 1) sd / sqrt(N) < |m|. None when it is over `most` (or m = 0)."""
     from scipy import stats
 
-    sd = (hi - lo) / 2 * np.sqrt(n) / stats.t.ppf(0.975, n - 1)
+    sd = (hi - lo) / 2 * np.sqrt(n) / t_975(n - 1)
     return next((N for N in range(2, most + 1) if stats.t.ppf(0.975, N - 1) * sd / np.sqrt(N) < abs(m)), None)
 
 
+def t_975(dof):
+    from scipy import stats
+
+    return stats.t.ppf(0.975, dof)
+
+
 def fmt_ci(m, lo, hi, n, digits=4):
-    """mean [95% t interval]; an interval that holds 0 (unresolved) also gives the seeds that would resolve a
-    difference of this size at this sd (`seeds_needed`): "n95 14" or "n95 > 10000"."""
+    """mean [95% t interval] and the sd of the paired differences; an interval that holds 0 (unresolved) also gives
+    the seeds that would resolve a difference of this size at this sd (`seeds_needed`): "n95 14" or "n95 > 10000"."""
     if not np.isfinite(m):
         return "n/a"
     if not np.isfinite(lo):
         return f"{m:+.{digits}f} (n={n})"
-    text = f"{m:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
+    sd = (hi - lo) / 2 * np.sqrt(n) / t_975(n - 1)  # of the paired differences, recovered from the interval
+    text = f"{m:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}] sd {sd:.{digits}f}"
     if lo <= 0 <= hi:
         need = seeds_needed(m, lo, hi, n)
         text += f" n95 {need}" if need else " n95 > 10000"
@@ -864,7 +871,8 @@ def multi_figures(budgets, by_label, out):
 
 
 def fmt_ratio(num: dict, den: dict):
-    """Paired ratio num[s] / den[s]: geometric mean with a 95% t interval on the log ratio."""
+    """Paired ratio num[s] / den[s]: geometric mean with a 95% t interval on the log ratio; an interval that holds 1
+    also gives the seeds that would resolve a ratio of this size (`seeds_needed` on the log ratios)."""
     logs = [
         np.log(num[s] / den[s])
         for s in sorted(set(num) & set(den))
@@ -873,7 +881,11 @@ def fmt_ratio(num: dict, den: dict):
     m, lo, hi, n = mean_ci(logs)
     if n == 0:
         return "n/a"
-    return f"{np.exp(m):.2f}x" + (f" [{np.exp(lo):.2f}, {np.exp(hi):.2f}]" if n > 1 else "") + f" (n={n})"
+    text = f"{np.exp(m):.2f}x" + (f" [{np.exp(lo):.2f}, {np.exp(hi):.2f}]" if n > 1 else "") + f" (n={n})"
+    if n > 1 and lo <= 0 <= hi:
+        need = seeds_needed(m, lo, hi, n)
+        text += f" n95 {need}" if need else " n95 > 10000"
+    return text
 
 
 THRESHOLD_SHARES = (1 / 3, 2 / 3, 1.0)  # matched levels: pretrained + share x (NFT's final - pretrained)
@@ -1525,19 +1537,21 @@ def report_protocol(res: Results, out: Path):
         "|---|---|---|",
     ]
     lines += [f"| {m} | {np.std(v, ddof=1) / np.sqrt(2):.4f} | {len(v)} |" for m, v in floors.items() if len(v) > 1]
-    lines += ["", "## Summary", ""]
-    for (mine, other, m), (n, sig, cells) in sorted(counts.items()):
-        if m.startswith("judge/") or m in ("scale_free", "weighted", "pref"):
-            what = (
-                f"judge {m[len('judge/') :]}"
-                if m.startswith("judge/")
-                else ("judge pref (win rate > 0.5)" if m == "pref" else m)
-            )
-            planned = sum(mine in by and other in by for by in res.runs.values())
-            lines.append(
-                f"- {'ReCAST' if mine == 'recast' else mine} improves {what} over {other} in {n} of {planned} cells "
-                f"(significant in {sig})" + (f"; {planned - cells} cell(s) without results" if cells < planned else "")
-            )
+    tally = {  # (mine, other, metric) -> [improves, significant, cells with results, cells planned]
+        key: [n, sig, cells, sum(key[0] in by and key[1] in by for by in res.runs.values())]
+        for key, (n, sig, cells) in counts.items()
+    }
+    (res.exp_dir / "summary.json").write_text(json.dumps({" | ".join(k): v for k, v in sorted(tally.items())}) + "\n")
+    lines += ["", "## Summary", ""] + summary_lines(tally)
+    settings = [e for e in EXPERIMENTS.values() if e.report == "report_protocol"]
+    files = [res.exp_dir.parent / e.name / "summary.json" for e in settings]
+    if all(f.is_file() for f in files):  # every setting has run: the counts over all of their cells
+        both = {}
+        for f in files:
+            for key, v in json.loads(f.read_text()).items():
+                both[tuple(key.split(" | "))] = [a + b for a, b in zip(both.get(tuple(key.split(" | ")), [0] * 4), v)]
+        lines += ["", f"## Summary over both settings ({', '.join(e.name for e in settings)})", ""]
+        lines += summary_lines(both)
     prof_path = res.exp_dir.parent / PROFILES_DIR / "profiles.json"
     if prof_path.is_file():
         prof = json.loads(prof_path.read_text())
@@ -1555,6 +1569,24 @@ def report_protocol(res: Results, out: Path):
         "ReCAST's final W per cell (first seed): ![](W_final.png)",
         "",
     ]
+
+
+def summary_lines(tally: dict) -> list[str]:
+    """Markdown bullets: per (method, other, judge or summary metric) "improves ... in n of N cells (significant in
+    m)", from tally[(mine, other, metric)] = [improves, significant, cells with results, cells planned]."""
+    lines = []
+    for (mine, other, m), (n, sig, cells, planned) in sorted(tally.items()):
+        if m.startswith("judge/") or m in ("scale_free", "weighted", "pref"):
+            what = (
+                f"judge {m[len('judge/') :]}"
+                if m.startswith("judge/")
+                else ("judge pref (win rate > 0.5)" if m == "pref" else m)
+            )
+            lines.append(
+                f"- {'ReCAST' if mine == 'recast' else mine} improves {what} over {other} in {n} of {planned} cells "
+                f"(significant in {sig})" + (f"; {planned - cells} cell(s) without results" if cells < planned else "")
+            )
+    return lines
 
 
 def w_ratio(W) -> np.ndarray:
@@ -1742,8 +1774,46 @@ def build_report(exp: Experiment, exp_dir: Path, planned: list[Run]) -> tuple[st
         if records
         else "\n".join(res.banner() + ["No finished runs yet.", ""])
     )
+    text += "\n".join(power_lines(exp, text))
     (exp_dir / "table.md").write_text(text)
     return text, res
+
+
+GPU_RATE = 31  # one H200, 16 processes of the embedded model, against the 2-core rate (module docstring)
+
+
+def power_lines(exp: Experiment, text: str) -> list[str]:
+    """Markdown: how large a run would resolve the table's unresolved paired differences. Reads the `n95 N` that
+    fmt_ci printed beside each interval holding 0; sizes this experiment at the smallest, median and largest N
+    (estimate_minutes on 2 cores with --jobs 2, and at GPU_RATE times that rate with --jobs 16 on one GPU)."""
+    needs = [int(n) for n in re.findall(r"n95 (\d+)", text)]
+    over = len(re.findall(r"n95 > ", text))
+    if not needs and not over:
+        return []
+    lines = [
+        "",
+        "## Power",
+        "",
+        f"{len(needs) + over} paired difference(s) above are unresolved (their interval holds 0; `sd` is the sd of "
+        "the paired differences, `n95` the seeds that would resolve a difference of the measured size at that sd"
+        + (f"; {over} would need more than 10,000" if over else "")
+        + "). This experiment at those sizes (all cells; `--seeds N`):",
+        "",
+        "| seeds | which | 2 cores, --jobs 2 | one GPU machine, --jobs 16 |",
+        "|---|---|---|---|",
+    ]
+    sizes = {}  # seeds -> which (the smallest, median and largest n95; one row when they coincide)
+    for which, n in (
+        ("largest", max(needs, default=0)),
+        ("median", int(np.median(needs or [0]))),
+        ("smallest", min(needs, default=0)),
+    ):
+        sizes[n] = which
+    for n, which in sorted(sizes.items()):
+        if n:
+            minutes = estimate_minutes(replace(exp, seeds=n), 2)
+            lines.append(f"| {n} | {which} | ~{minutes / 60:.1f} h | ~{minutes / GPU_RATE:.0f} min |")
+    return lines + [""]
 
 
 def results_block(text: str, records: list[dict], exp_dir: Path, md: Path, command: str) -> str:

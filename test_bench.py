@@ -126,7 +126,15 @@ def test_seeds_needed_resolves_the_observed_difference_at_its_sd():
     2.571 > 2.449); a resolved interval prints no n95, an unresolved one does."""
     m, lo, hi, n = bench.mean_ci([0.0, 1.0, 2.0])
     assert lo < 0 < hi and bench.seeds_needed(m, lo, hi, n) == 7
-    assert bench.fmt_ci(m, lo, hi, n).endswith(" n95 7")
+    assert bench.fmt_ci(m, lo, hi, n).endswith(" sd 1.0000 n95 7")
+    exp = bench.EXPERIMENTS["rvge-single"]  # the power section sizes the experiment at the printed n95 values
+    power = "\n".join(bench.power_lines(exp, "| a | +0.1 [-1, +1] sd 1 n95 7 | b n95 3 | c n95 > 10000 |"))
+    assert "3 paired difference(s) above are unresolved" in power and "1 would need more than 10,000" in power
+    from dataclasses import replace
+
+    hours = bench.estimate_minutes(replace(exp, seeds=7), 2) / 60
+    assert f"| 7 | largest | ~{hours:.1f} h |" in power and "| 3 | smallest |" in power
+    assert bench.power_lines(exp, "all resolved") == []
     assert "n95" not in bench.fmt_ci(*bench.mean_ci([1.0, 1.1, 0.9]))
     assert bench.seeds_needed(0.0, -1.0, 1.0, 3) is None
     assert bench.verdict("eval/judge/frechet", -5.0, -1.0) == 1 and bench.verdict("eval/weighted", -5.0, -1.0) == -1
@@ -135,6 +143,8 @@ def test_seeds_needed_resolves_the_observed_difference_at_its_sd():
     assert bench.fmt_ratio({0: 4.0, 1: 9.0}, {0: 2.0, 1: 3.0}).startswith(
         f"{np.sqrt(6):.2f}x ["
     )  # geometric mean of 2 and 3
+    e = np.e  # log ratios 0, 1, 2: mean 1, sd 1 over 3 seeds, as above: unresolved, n95 7
+    assert bench.fmt_ratio({0: 1.0, 1: e, 2: e * e}, {0: 1.0, 1: 1.0, 2: 1.0}).endswith("(n=3) n95 7")
     rows = [
         {"iteration": 0, "eval_before/weighted": 0.4, "time/rollout": 1.0, "time/update": 1.0},
         {"iteration": 1, "time/rollout": 1.0, "time/update": 2.0, "eval/weighted": 0.6},
@@ -340,6 +350,17 @@ def test_recast_protocol_quick_reports_paired_differences_and_judge_counts(tmp_p
     assert final["n"] == len(shapes_world.splits()["heldout"]) and set(final["scores"]) == {"1", "2"}
     assert all(len(final["scores"]["1"][k]) == final["n"] for k in ("geneval", "judge/cnn", "judge/pref"))
     assert (exp_dir / "profiles.png").exists() and (exp_dir / "W_final.png").exists()
+    # once setting B has run too, each report adds the counts over both settings' cells (here B's file is A's copy)
+    assert "Summary over both settings" not in table
+    tally = json.loads((exp_dir / "summary.json").read_text())
+    (tmp_path / "recast-protocol-B").mkdir()
+    (tmp_path / "recast-protocol-B" / "summary.json").write_text(json.dumps(tally))
+    bench.main(["recast-protocol", "--quick", "--tables-only", "--out", str(tmp_path)])
+    both = (exp_dir / "table.md").read_text().split("Summary over both settings")[1]
+    n, sig, cells, planned = tally["recast | nft | judge/cnn"]
+    assert (
+        planned == 1 and f"ReCAST improves judge cnn over nft in {2 * n} of 2 cells (significant in {2 * sig})" in both
+    )
 
 
 def test_nft_steps_quick(tmp_path):
