@@ -1538,7 +1538,7 @@ def report_protocol(res: Results, out: Path):
     ]
     lines += [f"| {m} | {np.std(v, ddof=1) / np.sqrt(2):.4f} | {len(v)} |" for m, v in floors.items() if len(v) > 1]
     tally = {  # (mine, other, metric) -> [improves, significant, cells with results, cells planned]
-        key: [n, sig, cells, sum(key[0] in by and key[1] in by for by in res.runs.values())]
+        key: [int(n), int(sig), int(cells), sum(key[0] in by and key[1] in by for by in res.runs.values())]
         for key, (n, sig, cells) in counts.items()
     }
     (res.exp_dir / "summary.json").write_text(json.dumps({" | ".join(k): v for k, v in sorted(tally.items())}) + "\n")
@@ -1812,7 +1812,9 @@ def power_lines(exp: Experiment, text: str) -> list[str]:
     for n, which in sorted(sizes.items()):
         if n:
             minutes = estimate_minutes(replace(exp, seeds=n), 2)
-            lines.append(f"| {n} | {which} | ~{minutes / 60:.1f} h | ~{minutes / GPU_RATE:.0f} min |")
+            gpu = minutes / GPU_RATE
+            gpu_text = f"~{gpu / 60:.1f} h" if gpu >= 120 else f"~{gpu:.0f} min"
+            lines.append(f"| {n} | {which} | ~{minutes / 60:.1f} h | {gpu_text} |")
     return lines + [""]
 
 

@@ -276,13 +276,17 @@ def profiles(gains):
     return np.where(total > 0, gains / np.where(total > 0, total, 1.0), 1.0 / gains.shape[1])
 
 
-def evidence_weight(D, se, c=2.0):
+def evidence_weight(D, se, c=2.0, n=None):
     """rho_k in [0, 1]: how far reward k's measured curve departs from the rewards' common shape, in
     its own standard errors (derivations.ipynb §6b). W only moves credit *between* rewards, so the
     null is "every reward has the same profile": D_k(s_j) = D_k(0) c_j with c_j = sum_k D_kj / sum_k D_k(0).
     With z_kj = (D_kj - D_k(0) c_j) / sqrt(se_kj^2 + c_j^2 se_k(0)^2) over the p measured inner levels
     and Q_k = sum_j z_kj^2: rho_k = max(0, 1 - c p / Q_k), a positive-part James-Stein factor with a
     stricter constant (c = 2 keeps rho = 0 unless Q > 2p; a chi^2_8 exceeds 16 with probability 4%).
+    n (T+1,): the levels' observation counts. The se are estimated from those observations, so with few of
+    them z_kj has Student-t tails, not normal ones, and pure-noise rewards passed the chi^2 test far more often
+    than 4% (results/evidence-null). Each z_kj is then replaced by the normal score of its t tail probability
+    with nu = min(n_j, n_0) - 1 degrees of freedom (derivations.ipynb §6c), which leaves it unchanged as n grows.
     D, se (K, T+1) from `level_curves`. Returns (K,)."""
     T = D.shape[1] - 1
     inner = np.arange(1, T)
@@ -292,8 +296,24 @@ def evidence_weight(D, se, c=2.0):
     j = inner[measured]
     shape = D[:, j].sum(0) / D[:, T].sum()  # (p,) the common curve, D(0) = 1
     sd = np.sqrt(se[:, j] ** 2 + (shape * se[:, T:]) ** 2)
-    Q = (((D[:, j] - D[:, T:] * shape) / np.where(sd > 0, sd, np.inf)) ** 2).sum(1)
+    z = (D[:, j] - D[:, T:] * shape) / np.where(sd > 0, sd, np.inf)
+    if n is not None:
+        z = normal_score_of_t(z, np.minimum(np.asarray(n, dtype=np.float64)[j], float(n[T])) - 1.0)
+    Q = (z**2).sum(1)
     return np.where(Q > 0, np.maximum(0.0, 1.0 - c * len(j) / np.where(Q > 0, Q, 1.0)), 0.0)
+
+
+def normal_score_of_t(z, nu):
+    """sign(z) Phi^-1(1 - F_t(|z|; nu)): the standard normal value with the same tail probability as z under
+    Student's t with nu degrees of freedom (nu may be fractional: discounted counts). nu < 1e-6 is taken as 1e-6
+    (one observation: no spread measured, z carries no evidence). In log space, so that far tails keep their size;
+    where even the log tail underflows (huge z at huge nu, where t is normal) z itself. Never larger than |z|."""
+    from scipy import special, stats
+
+    z = np.asarray(z, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        score = -special.ndtri_exp(stats.t.logsf(np.abs(z), np.maximum(nu, 1e-6)))
+    return np.sign(z) * np.where(np.isfinite(score), np.minimum(score, np.abs(z)), np.abs(z))
 
 
 def credit_profiles(D, se, sigmas, n, c=2.0):
@@ -316,7 +336,7 @@ def credit_profiles(D, se, sigmas, n, c=2.0):
     se_steps = np.sqrt(se[:, 1:] ** 2 + se[:, :-1] ** 2)  # (K, T) level differences; unmeasured levels excluded
     floor = np.array([np.nanmean(row) if np.isfinite(row).any() else 0.0 for row in se_steps])
     P = profiles(gains + floor[:, None])
-    rho = evidence_weight(D, se, c) if c > 0 else np.ones(D.shape[0])
+    rho = evidence_weight(D, se, c, n) if c > 0 else np.ones(D.shape[0])
     return D_grid, gains, rho[:, None] * P + (1 - rho[:, None]) * P.mean(0), rho
 
 

@@ -205,6 +205,30 @@ def test_evidence_keeps_W_uniform_for_identical_profiles_and_follows_clear_diffe
     assert recast.evidence_weight(differ, se * 100, c=2.0).max() == 0.0  # the same curves, buried in noise
 
 
+def test_evidence_reads_estimated_errors_with_their_t_tails():
+    """derivations.ipynb §6c: z from errors estimated on n observations is scored by its t tail (nu = n - 1).
+    Two rewards departing from their common shape by z = +2 / -2 at all 9 inner levels: raw, Q = 9 * 4 = 36 = 4p,
+    rho = 1 - 2p / Q = 0.5; at n = 3 (nu = 2, where F_t(z) = 1/2 + z / (2 sqrt(2 + z^2))) the normal score of z = 2
+    is Phi^-1(1 - (1/2 - 1/sqrt 6)) = 1.330, Q = 9 * 1.77 < 2p, so rho = 0; at large n the raw rule is back."""
+    from scipy.stats import norm
+
+    T, s = 10, 0.01
+    shape = np.arange(T + 1) / T
+    se = np.full((2, T + 1), s)
+    se[:, 0] = 0.0
+    a = 2.0 * np.sqrt(s**2 + (shape * s) ** 2)  # z = a / sd = 2 at every level
+    D = np.stack([shape + a, shape - a])
+    D[:, 0], D[:, T] = 0.0, 1.0
+    n = lambda k: np.full(T + 1, k)  # noqa: E731 (k observations at every level)
+    assert np.allclose(recast.evidence_weight(D, se, 2.0), 0.5)
+    z_t2 = norm.isf(0.5 - 1 / np.sqrt(6))  # the normal score of z = 2 under t with 2 degrees of freedom
+    assert np.isclose(recast.normal_score_of_t(np.array([2.0, -2.0]), 2.0), [z_t2, -z_t2]).all() and z_t2 < 1.34
+    assert np.allclose(recast.evidence_weight(D, se, 2.0, n(3.0)), 0.0)
+    assert np.allclose(recast.evidence_weight(D, se, 2.0, n(1e8)), 0.5, atol=1e-6)
+    Dk, sek, nk = (np.ones((2, T + 1)) * shape, se, n(3.0))  # no departure at all: rho = 0 with either rule
+    assert recast.evidence_weight(Dk, sek, 2.0, nk).max() == 0.0 == recast.evidence_weight(Dk, sek, 2.0).max()
+
+
 def test_gains_are_monotone_projected_and_telescope():
     sig = recast.shifted_sigmas(10, 3.0)
     t_levels = [1.0, 0.8, 0.6, 0.3, 0.0]

@@ -727,6 +727,24 @@ def check_credit(quick, out=None):
             )
         dev_h.append(np.abs(credit_W(stats, sig, c=2.0)[0] / 0.1 - 1).max())
     q95_h = float(np.quantile(dev_h, 0.95))
+    # four pure-noise rewards at recast-protocol's size (3 groups x 24 iterations: few observations per level, where
+    # estimated errors have t tails; derivations.ipynb §6c): the final W and how many iterations it was off uniform
+    reps_p, dev_p, off_p = 10 if quick else 40, [], []
+    for rep in range(reps_p):
+        stats, gen, nrng = None, torch.Generator().manual_seed(20_000 + rep), np.random.default_rng(20_000 + rep)
+        per_it = []
+        for it in range(24):
+            new = credit_iteration(MIX1, [None] * 4, "rotate", 3, it * 3, 1, gen, noise_rng=nrng)[0]
+            stats = accumulate(stats, new, gamma)
+            per_it.append(np.abs(credit_W(stats, sig, c=2.0, budgets=[1.0] * 4)[0] / 0.1 - 1).max())
+        dev_p.append(per_it[-1])
+        off_p.append(np.mean(np.asarray(per_it) > 1e-3))
+    q95_p = float(np.quantile(dev_p, 0.95))
+    lines.append(
+        f"\n8c four pure-noise rewards at recast-protocol's size (3 groups x 24 iterations, gain_ema {gamma}): final "
+        f"max_kj |W / W_unif - 1| median / 95th percentile over {reps_p} runs: {np.median(dev_p):.3f} / {q95_p:.3f}; "
+        f"iterations off uniform {np.mean(off_p):.0%}"
+    )
     lines.append(
         f"\n8c pure-noise rewards at the main command's horizon ({n_it} iterations, gain_ema {gamma}): "
         f"max_kj |W / W_unif - 1| median / 95th percentile over {reps_h} runs: {np.median(dev_h):.3f} / {q95_h:.3f}"
@@ -746,6 +764,7 @@ def check_credit(quick, out=None):
         ),
         ("8c pure noise: 95th pct max|W/W_unif - 1|, c = 2", q95[2.0], "< 0.05", q95[2.0] < 0.05),
         (f"8c pure noise, {n_it} iterations at gain_ema {gamma}: 95th pct, c = 2", q95_h, "< 0.05", q95_h < 0.05),
+        ("8c four pure-noise rewards, 3 groups x 24 iterations: 95th pct", q95_p, "< 0.05", q95_p < 0.05),
         (
             "8c pure noise: same without shrinkage (c = 0)",
             q95[0.0],
