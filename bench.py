@@ -644,18 +644,30 @@ def paired(a: dict, b: dict):
 
 def seeds_needed(m, lo, hi, n, most=10_000):
     """Power of a paired comparison: the fewest seeds N whose 95% t interval would exclude 0 if the paired differences
-    kept their measured mean m and sd (sd from the interval: (hi - lo) / 2 = t(0.975, n - 1) sd / sqrt(n)), i.e. the
-    smallest N >= 2 with t(0.975, N - 1) sd / sqrt(N) < |m|. None when it is over `most` (or m = 0)."""
-    from scipy import stats
+    kept their measured mean m and sd (`interval_sd`), i.e. the smallest N >= 2 with t(0.975, N - 1) sd / sqrt(N) <
+    |m|. None when it is over `most` (or m = 0)."""
+    sd = interval_sd(lo, hi, n)
+    return next((N for N in range(2, most + 1) if t_975(N - 1) * sd / np.sqrt(N) < abs(m)), None)
 
-    sd = (hi - lo) / 2 * np.sqrt(n) / t_975(n - 1)
-    return next((N for N in range(2, most + 1) if stats.t.ppf(0.975, N - 1) * sd / np.sqrt(N) < abs(m)), None)
+
+def interval_sd(lo, hi, n):
+    """The sd of the n paired differences behind a 95% t interval [lo, hi]: (hi - lo) / 2 = t(0.975, n - 1) sd /
+    sqrt(n)."""
+    return (hi - lo) / 2 * np.sqrt(n) / t_975(n - 1)
 
 
 def t_975(dof):
     from scipy import stats
 
     return stats.t.ppf(0.975, dof)
+
+
+def n95_text(m, lo, hi, n):
+    """' n95 N' for an interval that holds 0 (`seeds_needed`; ' n95 > 10000' past the search), else ''."""
+    if not lo <= 0 <= hi:
+        return ""
+    need = seeds_needed(m, lo, hi, n)
+    return f" n95 {need}" if need else " n95 > 10000"
 
 
 def fmt_ci(m, lo, hi, n, digits=4):
@@ -665,12 +677,8 @@ def fmt_ci(m, lo, hi, n, digits=4):
         return "n/a"
     if not np.isfinite(lo):
         return f"{m:+.{digits}f} (n={n})"
-    sd = (hi - lo) / 2 * np.sqrt(n) / t_975(n - 1)  # of the paired differences, recovered from the interval
-    text = f"{m:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}] sd {sd:.{digits}f}"
-    if lo <= 0 <= hi:
-        need = seeds_needed(m, lo, hi, n)
-        text += f" n95 {need}" if need else " n95 > 10000"
-    return text
+    text = f"{m:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}] sd {interval_sd(lo, hi, n):.{digits}f}"
+    return text + n95_text(m, lo, hi, n)
 
 
 def mean_std(values, digits=4):
@@ -882,10 +890,7 @@ def fmt_ratio(num: dict, den: dict):
     if n == 0:
         return "n/a"
     text = f"{np.exp(m):.2f}x" + (f" [{np.exp(lo):.2f}, {np.exp(hi):.2f}]" if n > 1 else "") + f" (n={n})"
-    if n > 1 and lo <= 0 <= hi:
-        need = seeds_needed(m, lo, hi, n)
-        text += f" n95 {need}" if need else " n95 > 10000"
-    return text
+    return text + (n95_text(m, lo, hi, n) if n > 1 else "")
 
 
 THRESHOLD_SHARES = (1 / 3, 2 / 3, 1.0)  # matched levels: pretrained + share x (NFT's final - pretrained)
@@ -1548,8 +1553,9 @@ def report_protocol(res: Results, out: Path):
     if all(f.is_file() for f in files):  # every setting has run: the counts over all of their cells
         both = {}
         for f in files:
-            for key, v in json.loads(f.read_text()).items():
-                both[tuple(key.split(" | "))] = [a + b for a, b in zip(both.get(tuple(key.split(" | ")), [0] * 4), v)]
+            for text, v in json.loads(f.read_text()).items():
+                key = tuple(text.split(" | "))
+                both[key] = [a + b for a, b in zip(both.get(key, [0] * 4), v)]
         lines += ["", f"## Summary over both settings ({', '.join(e.name for e in settings)})", ""]
         lines += summary_lines(both)
     prof_path = res.exp_dir.parent / PROFILES_DIR / "profiles.json"
