@@ -58,7 +58,7 @@ wall seconds per run). Sizes (`estimate_minutes`; `test_bench.py` checks each st
     rvge-joint            6      4       60 x 4 (RVGE 1/5: 12)  10         24   ~59 min
     rvge-joint-why        4      3       60 x 4                 10         12   ~33 min (6 taken from rvge-joint)
     rvge-joint-eta        4      3       60 x 4                 10         12   ~33 min (6 reused from -why)
-    recast-protocol      20      3       24 x 3                  8         60   ~39 min (+ final evaluation)
+    recast-protocol      20      3       24 x 3                  8         60   ~39 min (+ final evaluation, + ~9 min once: profiles)
     recast-protocol-B    20      3       24 x 3                  8         60   ~39 min (+ final evaluation)
     recast-100            3      3      100 x 8                 10          9   ~59 min
     nft-steps             2      3      100 x 8                 10          6   ~35 min
@@ -179,6 +179,7 @@ def budget_vectors(k=4, high=0.55):
 
 
 PROFILES_DIR = "recast-protocol"  # both settings' ReCAST-from-prior cells start from the one profile measurement there
+PROFILE_ITERATIONS = 192  # x 8 prompt groups over 8 rotated inner levels: 192 per level (at 48, W is uniform)
 
 
 def _protocol_cells(setting):
@@ -1937,9 +1938,8 @@ def main(argv=None):
         )
         exp_dir.mkdir(parents=True, exist_ok=True)
         if exp.report == "report_protocol":  # the gains ReCAST starts from (--gain-init), measured before any run
-            measure_profiles(
-                exp_dir.parent / PROFILES_DIR, iterations=2 if args.quick else 48, prompts=1 if args.quick else 8
-            )
+            sizes = dict(iterations=2, prompts=1) if args.quick else dict(iterations=PROFILE_ITERATIONS, prompts=8)
+            measure_profiles(exp_dir.parent / PROFILES_DIR, **sizes)
         failed = execute(planned, args.jobs)
     text, res = build_report(exp, exp_dir, planned)
     if args.results_md is not None:

@@ -276,7 +276,7 @@ def profiles(gains):
     return np.where(total > 0, gains / np.where(total > 0, total, 1.0), 1.0 / gains.shape[1])
 
 
-def evidence_weight(D, se, c=2.0, n=None):
+def evidence_weight(D, se, c=2.0, n=None, family=True):
     """rho_k in [0, 1]: how far reward k's measured curve departs from the rewards' common shape, in
     its own standard errors (derivations.ipynb §6b). W only moves credit *between* rewards, so the
     null is "every reward has the same profile": D_k(s_j) = D_k(0) c_j with c_j = sum_k D_kj / sum_k D_k(0).
@@ -287,6 +287,10 @@ def evidence_weight(D, se, c=2.0, n=None):
     them z_kj has Student-t tails, not normal ones, and pure-noise rewards passed the chi^2 test far more often
     than 4% (results/evidence-null). Each z_kj is then replaced by the normal score of its t tail probability
     with nu = min(n_j, n_0) - 1 degrees of freedom (derivations.ipynb §6c), which leaves it unchanged as n grows.
+    family: the K rewards are K tests, and W moves as soon as one of them passes, so with K = 4 pure-noise rewards
+    W left uniform ~4x as often as one test's rate. The threshold c p is then raised to the chi^2_p quantile at
+    1 - alpha / K, alpha = P(chi^2_p > c p) (Bonferroni: the chance that any reward passes under the null stays
+    <= alpha; derivations.ipynb §6d). K = 1 keeps c p. family=False: each reward tested alone (before 2026-12-01).
     D, se (K, T+1) from `level_curves`. Returns (K,)."""
     T = D.shape[1] - 1
     inner = np.arange(1, T)
@@ -300,7 +304,12 @@ def evidence_weight(D, se, c=2.0, n=None):
     if n is not None:
         z = normal_score_of_t(z, np.minimum(np.asarray(n, dtype=np.float64)[j], float(n[T])) - 1.0)
     Q = (z**2).sum(1)
-    return np.where(Q > 0, np.maximum(0.0, 1.0 - c * len(j) / np.where(Q > 0, Q, 1.0)), 0.0)
+    threshold = c * len(j)
+    if family and D.shape[0] > 1:
+        from scipy.stats import chi2
+
+        threshold = chi2.isf(chi2.sf(threshold, len(j)) / D.shape[0], len(j))
+    return np.where(Q > 0, np.maximum(0.0, 1.0 - threshold / np.where(Q > 0, Q, 1.0)), 0.0)
 
 
 def normal_score_of_t(z, nu):

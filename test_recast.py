@@ -220,13 +220,38 @@ def test_evidence_reads_estimated_errors_with_their_t_tails():
     D = np.stack([shape + a, shape - a])
     D[:, 0], D[:, T] = 0.0, 1.0
     n = lambda k: np.full(T + 1, k)  # noqa: E731 (k observations at every level)
-    assert np.allclose(recast.evidence_weight(D, se, 2.0), 0.5)
+    one = dict(family=False)  # each reward tested alone (the family threshold: the next test)
+    assert np.allclose(recast.evidence_weight(D, se, 2.0, **one), 0.5)
     z_t2 = norm.isf(0.5 - 1 / np.sqrt(6))  # the normal score of z = 2 under t with 2 degrees of freedom
     assert np.isclose(recast.normal_score_of_t(np.array([2.0, -2.0]), 2.0), [z_t2, -z_t2]).all() and z_t2 < 1.34
-    assert np.allclose(recast.evidence_weight(D, se, 2.0, n(3.0)), 0.0)
-    assert np.allclose(recast.evidence_weight(D, se, 2.0, n(1e8)), 0.5, atol=1e-6)
+    assert np.allclose(recast.evidence_weight(D, se, 2.0, n(3.0), **one), 0.0)
+    assert np.allclose(recast.evidence_weight(D, se, 2.0, n(1e8), **one), 0.5, atol=1e-6)
     Dk, sek, nk = (np.ones((2, T + 1)) * shape, se, n(3.0))  # no departure at all: rho = 0 with either rule
     assert recast.evidence_weight(Dk, sek, 2.0, nk).max() == 0.0 == recast.evidence_weight(Dk, sek, 2.0).max()
+
+
+def test_evidence_threshold_holds_the_family_rate_over_the_rewards():
+    """derivations.ipynb §6d: with K rewards, W moves when any of K tests passes, so the threshold c p becomes the
+    chi^2_p quantile at 1 - alpha / K, alpha = P(chi^2_p > c p). The same departure (z = +-2 at p = 9 levels, Q = 36)
+    as above: alone rho = 1 - 18/36 = 0.5; in a family of K = 2, alpha = P(chi^2_9 > 18) = 0.0352 and the threshold
+    is the chi^2_9 quantile at 1 - 0.0176 (19.9, computed here from scipy's chi^2, not from the code); K = 1 keeps
+    c p; with K = 4 rewards (two of them flat) the threshold is higher still."""
+    from scipy.stats import chi2
+
+    T, s = 10, 0.01
+    shape = np.arange(T + 1) / T
+    a = 2.0 * np.sqrt(s**2 + (shape * s) ** 2)
+    se = np.full((2, T + 1), s)
+    se[:, 0] = 0.0
+    D = np.stack([shape + a, shape - a])
+    D[:, 0], D[:, T] = 0.0, 1.0
+    q2 = chi2.ppf(1 - chi2.sf(18.0, 9) / 2, 9)
+    assert 19.5 < q2 < 20.5 and np.allclose(recast.evidence_weight(D, se, 2.0), 1 - q2 / 36)
+    single = recast.evidence_weight(D[:1], se[:1], 2.0)  # K = 1: c p, unchanged (its own shape: z = 0 here)
+    assert np.array_equal(single, recast.evidence_weight(D[:1], se[:1], 2.0, family=False))
+    D4, se4 = np.concatenate([D, np.stack([shape, shape])]), np.concatenate([se, se])  # two more rewards, on shape
+    rho4 = recast.evidence_weight(D4, se4, 2.0)
+    assert rho4[0] < recast.evidence_weight(D4, se4, 2.0, family=False)[0] and rho4[0] < 1 - q2 / 36
 
 
 def test_gains_are_monotone_projected_and_telescope():

@@ -628,6 +628,25 @@ def credit_W(stats, sig, estimator="pairs", c=2.0, budgets=(1.0, 1.0)):
     return recast.solve_W(list(budgets), P), D, se, rho
 
 
+def noise_stats(n_rewards, prompts, iterations, gain_ema, seed):
+    """Check 8c's null: n_rewards pure-noise rewards (standard normal draws, independent of the image) through the
+    shipped credit code, `prompts` rotated trees per iteration, level statistics accumulated at gain_ema. Yields
+    the statistics after every iteration; seed fixes both the rollouts' and the rewards' noise."""
+    import torch
+
+    stats, gen, nrng = None, torch.Generator().manual_seed(seed), np.random.default_rng(seed)
+    for it in range(iterations):
+        new = credit_iteration(MIX1, [None] * n_rewards, "rotate", prompts, it * prompts, 1, gen, noise_rng=nrng)
+        stats = accumulate(stats, new[0], gain_ema)
+        yield stats
+
+
+def noise_departure(stats, sig, c=2.0):
+    """max_kj |W / W_unif - 1| of the W built from pure-noise statistics (equal budgets, W_unif = 1 / T)."""
+    n_rewards = stats[1].shape[0]
+    return float(np.abs(credit_W(stats, sig, c=c, budgets=[1.0] * n_rewards)[0] * (len(sig) - 1) - 1).max())
+
+
 def check_credit(quick, out=None):
     """ReCAST's measured credit against exact ground truth (issue: gains at every step, with error bars):
     (a) the pairs levels at the default sampler (T = 10, rotated branch steps, a = sqrt 2) against the
@@ -707,36 +726,20 @@ def check_credit(quick, out=None):
     noise_reps = 40 if quick else 200
     dev = {0.0: [], 2.0: []}
     for rep in range(noise_reps):
-        stats, gen, nrng = None, torch.Generator().manual_seed(rep), np.random.default_rng(rep)
-        for it in range(10):
-            stats = accumulate(
-                stats, credit_iteration(MIX1, rewards, "rotate", 8, it * 8, 1, gen, noise_rng=nrng)[0], 0.9
-            )
+        *_, stats = noise_stats(2, 8, 10, 0.9, rep)
         for c in dev:
-            dev[c].append(np.abs(credit_W(stats, sig, c=c)[0] / 0.1 - 1).max())
+            dev[c].append(noise_departure(stats, sig, c))
     q95 = {c: float(np.quantile(v, 0.95)) for c, v in dev.items()}
     # the same at the main command's horizon: recast.py's default iterations and --gain-ema (many more observations)
     defaults = recast.Args()
     n_it, gamma, reps_h = defaults.iterations, defaults.gain_ema, 10 if quick else 40
-    dev_h = []
-    for rep in range(reps_h):
-        stats, gen, nrng = None, torch.Generator().manual_seed(10_000 + rep), np.random.default_rng(10_000 + rep)
-        for it in range(n_it):
-            stats = accumulate(
-                stats, credit_iteration(MIX1, rewards, "rotate", 8, it * 8, 1, gen, noise_rng=nrng)[0], gamma
-            )
-        dev_h.append(np.abs(credit_W(stats, sig, c=2.0)[0] / 0.1 - 1).max())
+    dev_h = [noise_departure(list(noise_stats(2, 8, n_it, gamma, 10_000 + rep))[-1], sig) for rep in range(reps_h)]
     q95_h = float(np.quantile(dev_h, 0.95))
     # four pure-noise rewards at recast-protocol's size (3 groups x 24 iterations: few observations per level, where
     # estimated errors have t tails; derivations.ipynb §6c): the final W and how many iterations it was off uniform
     reps_p, dev_p, off_p = 10 if quick else 40, [], []
     for rep in range(reps_p):
-        stats, gen, nrng = None, torch.Generator().manual_seed(20_000 + rep), np.random.default_rng(20_000 + rep)
-        per_it = []
-        for it in range(24):
-            new = credit_iteration(MIX1, [None] * 4, "rotate", 3, it * 3, 1, gen, noise_rng=nrng)[0]
-            stats = accumulate(stats, new, gamma)
-            per_it.append(np.abs(credit_W(stats, sig, c=2.0, budgets=[1.0] * 4)[0] / 0.1 - 1).max())
+        per_it = [noise_departure(stats, sig) for stats in noise_stats(4, 3, 24, gamma, 20_000 + rep)]
         dev_p.append(per_it[-1])
         off_p.append(np.mean(np.asarray(per_it) > 1e-3))
     q95_p = float(np.quantile(dev_p, 0.95))

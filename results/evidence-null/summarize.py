@@ -39,9 +39,13 @@ lines = [
     "95th percentile over all iterations |",
     "|---|---|---|---|---|",
     embedded_row("main command (8 groups x 100 its), raw z (before)", load("embedded_main_before.json")),
-    embedded_row("main command (8 groups x 100 its), t-scored z", load("embedded_main.json")),
+    embedded_row("main command (8 groups x 100 its), t-scored z, each reward alone", load("embedded_main_t.json")),
+    embedded_row("main command (8 groups x 100 its), t-scored z, family threshold", load("embedded_main.json")),
     embedded_row("recast-protocol (3 groups x 24 its), raw z (before)", load("embedded_protocol_before.json")),
-    embedded_row("recast-protocol (3 groups x 24 its), t-scored z", load("embedded_protocol.json")),
+    embedded_row(
+        "recast-protocol (3 groups x 24 its), t-scored z, each reward alone", load("embedded_protocol_t.json")
+    ),
+    embedded_row("recast-protocol (3 groups x 24 its), t-scored z, family threshold", load("embedded_protocol.json")),
     "",
     "## Gaussian toy: the same rules through the shipped credit code (`toy_null.py`)",
     "",

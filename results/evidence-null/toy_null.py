@@ -1,6 +1,6 @@
 """How far ReCAST's W leaves uniform when every reward is pure noise, in the Gaussian toy, through the shipped
 credit code (toy_gaussian.credit_iteration: recast.tree_rollout, optimality, level_observations, level_curves,
-credit_profiles, solve_W), at a chosen size, for today's evidence rule and a candidate fix:
+credit_profiles, solve_W), at a chosen size, for each evidence rule the project has had:
 
     python results/evidence-null/toy_null.py K PROMPTS ITERATIONS GAIN_EMA REPS [--out FILE.json]
     python results/evidence-null/toy_null.py 2 PROMPTS ITERATIONS GAIN_EMA REPS --signal [--out FILE.json]
@@ -10,10 +10,13 @@ budgets), whose exact W is known: per rule the final error mean_kj |W - W*| / (l
 against the uniform W's error (1 - error / uniform's error: the share of the way from uniform to exact).
 
 Rules compared (evidence_weight's Q_k = sum_j z_kj^2 over the p measured inner levels, rho_k = max(0, 1 - c p / Q_k)):
-- `normal, c=2`: today's rule (z taken as standard normal);
+- `normal, c=2`: the first rule (z taken as standard normal);
 - `t, c=2` / `t, c=3`: each z_kj first mapped to the normal score of its t tail with nu = min(n_j, n_0) - 1 degrees of
-  freedom (its standard error is estimated from n_j observations), then the same rule with c = 2 or 3: the shipped
-  rule since 2026-12-01 (derivations.ipynb §6c) at its default c = 2, and a stricter c.
+  freedom (its standard error is estimated from n_j observations), then the same rule with c = 2 or 3
+  (derivations.ipynb §6c), each reward tested alone;
+- `t-fw, c=2`: the shipped rule: t-scored, and the threshold c p raised to the chi^2_p quantile at 1 - alpha / K,
+  alpha = P(chi^2_p > c p), so that the chance that any of the K rewards passes under the null is <= alpha
+  (Bonferroni, derivations.ipynb §6d).
 Per rule: the final departure max_kj |W / W_unif - 1| over REPS runs (median, 95th percentile, max), the 95th
 percentile over every iteration of every run, and the mean number of iterations off uniform.
 """
@@ -41,21 +44,27 @@ sig = recast.shifted_sigmas(10)
 shipped = recast.evidence_weight
 
 
-def raw_z(D, se, c, n=None):  # the rule before 2026-12-01: z taken as standard normal (the counts unused)
-    return shipped(D, se, c)
+def raw_z(D, se, c, n=None):  # the first rule: z taken as standard normal (the counts unused), each reward alone
+    return shipped(D, se, c, family=False)
+
+
+def per_reward(D, se, c, n=None):  # the second: t-scored z, each reward tested alone
+    return shipped(D, se, c, n, family=False)
+
+
+RULES = {"normal": raw_z, "t": per_reward, "t-fw": shipped}  # t-fw: the shipped rule
 
 
 def departure(stats, rule):
     kind, c = rule
-    recast.evidence_weight = raw_z if kind == "normal" else shipped
+    recast.evidence_weight = RULES[kind]
     try:
-        W = tg.credit_W(stats, sig, c=c, budgets=[1.0] * a.K)[0]
+        return tg.noise_departure(stats, sig, c)
     finally:
         recast.evidence_weight = shipped
-    return float(np.abs(W / (W.sum(1, keepdims=True) / W.shape[1]) - 1).max())
 
 
-rules = [("normal", 2.0), ("t", 2.0), ("t", 3.0)]
+rules = [("normal", 2.0), ("t", 2.0), ("t", 3.0), ("t-fw", 2.0)]
 if a.signal:
     assert a.K == 2, "--signal uses the toy's two rewards (coarse, fine)"
     rng = np.random.default_rng(7)
@@ -72,7 +81,7 @@ if a.signal:
                 stats, tg.credit_iteration(tg.MIX1, rewards, "rotate", a.prompts, it * a.prompts, 2, gen)[0], a.gain_ema
             )
         for kind, c in rules:
-            recast.evidence_weight = raw_z if kind == "normal" else shipped
+            recast.evidence_weight = RULES[kind]
             try:
                 W = tg.credit_W(stats, sig, c=c)[0]
             finally:
@@ -90,11 +99,8 @@ if a.signal:
     sys.exit()
 devs = {r: [] for r in rules}
 for rep in range(a.reps):
-    stats, gen, nrng = None, torch.Generator().manual_seed(rep), np.random.default_rng(rep)
     per = {r: [] for r in rules}
-    for it in range(a.iterations):
-        new = tg.credit_iteration(tg.MIX1, [None] * a.K, "rotate", a.prompts, it * a.prompts, 1, gen, noise_rng=nrng)
-        stats = tg.accumulate(stats, new[0], a.gain_ema)
+    for stats in tg.noise_stats(a.K, a.prompts, a.iterations, a.gain_ema, rep):
         for r in rules:
             per[r].append(departure(stats, r))
     for r in rules:
