@@ -50,7 +50,9 @@ workers (printed at start; `test_bench.py` checks each full size stays under 60 
 tree of rvge-single / rvge-joint (16 leaves per prompt group, SDE sub-steps) measured 1.25-1.3 s per
 prompt group-iteration with two runs side by side (their results' time/* sums, 8 runs of 40
 iterations), so those use 1.3 s. The textured world (issue 24) left these rates unchanged (rvge-single's results:
-wall seconds per run). Sizes (`estimate_minutes`; `test_bench.py` checks each stays under the hour):
+wall seconds per run). The two recast-protocol settings first measure the pretrained model's profiles once
+(`measure_profiles`, 192 iterations x 8 groups: ~9 min on one core), shared by both.
+Sizes (`estimate_minutes`; `test_bench.py` checks each stays under the hour):
 
     experiment        cells  seeds  iterations x prompts     eval every  runs  estimate (2 cores, --jobs 2)
     multi                12      3       30 x 4                 30         36   ~31 min
@@ -58,7 +60,7 @@ wall seconds per run). Sizes (`estimate_minutes`; `test_bench.py` checks each st
     rvge-joint            6      4       60 x 4 (RVGE 1/5: 12)  10         24   ~59 min
     rvge-joint-why        4      3       60 x 4                 10         12   ~33 min (6 taken from rvge-joint)
     rvge-joint-eta        4      3       60 x 4                 10         12   ~33 min (6 reused from -why)
-    recast-protocol      20      3       24 x 3                  8         60   ~39 min (+ final evaluation, + ~9 min once: profiles)
+    recast-protocol      20      3       24 x 3                  8         60   ~39 min (+ final evaluation, profiles)
     recast-protocol-B    20      3       24 x 3                  8         60   ~39 min (+ final evaluation)
     recast-100            3      3      100 x 8                 10          9   ~59 min
     nft-steps             2      3      100 x 8                 10          6   ~35 min
@@ -1026,13 +1028,8 @@ def report_rvge_joint(res: Results, out: Path):
             "|---" * (1 + len(metrics)) + "|",
         ]
         summary = []
-        against_base = [(label, base) for label in by_label if label != base]
-        pairs = [(a, b) for a, b in res.exp.pairs if a in by_label and b in by_label]
-        for i, (label, other) in enumerate(against_base + pairs):
-            if i == len(against_base):
-                lines += ["", "Paired differences between methods (the variants against their parents) [95%]:", ""]
-                lines += ["| method − other | " + " | ".join(m[5:] for m in metrics) + " |"]
-                lines += ["|---" * (1 + len(metrics)) + "|"]
+
+        def compare(label, other):  # one table row (paired differences) and one summary line
             diffs = {
                 m: mean_ci(
                     paired(
@@ -1056,6 +1053,17 @@ def report_rvge_joint(res: Results, out: Path):
                     else "no intervals (fewer than 2 paired seeds)."
                 )
             )
+
+        for label in by_label:
+            if label != base:
+                compare(label, base)
+        pairs = [(a, b) for a, b in res.exp.pairs if a in by_label and b in by_label]
+        if pairs:
+            lines += ["", "Paired differences between methods (the variants against their parents) [95%]:", ""]
+            lines += ["| method − other | " + " | ".join(m[5:] for m in metrics) + " |"]
+            lines += ["|---" * (1 + len(metrics)) + "|"]
+        for label, other in pairs:
+            compare(label, other)
         lines += [""] + summary + [""] + along_the_run(res, group, by_label, base)
         lines += [
             "Distance to base: `loss/base_reg`, mean |v_theta - v_base|^2 of the trained velocity against the frozen",
