@@ -290,7 +290,8 @@ def evidence_weight(D, se, c=2.0, n=None, family=True):
     family: the K rewards are K tests, and W moves as soon as one of them passes, so with K = 4 pure-noise rewards
     W left uniform ~4x as often as one test's rate. The threshold c p is then raised to the chi^2_p quantile at
     1 - alpha / K, alpha = P(chi^2_p > c p) (Bonferroni: the chance that any reward passes under the null stays
-    <= alpha; derivations.ipynb §6d). K = 1 keeps c p. family=False: each reward tested alone (until the second session of 2026-12-01).
+    <= alpha; derivations.ipynb §6d). K = 1 keeps c p. family=False: each reward tested alone (the default until
+    the second session of 2026-12-01).
     D, se (K, T+1) from `level_curves`. Returns (K,)."""
     T = D.shape[1] - 1
     inner = np.arange(1, T)
