@@ -293,24 +293,40 @@ def evidence_weight(D, se, c=2.0, n=None, family=True):
     <= alpha; derivations.ipynb §6d). K = 1 keeps c p. family=False: each reward tested alone (the default until
     the second session of 2026-12-01).
     D, se (K, T+1) from `level_curves`. Returns (K,)."""
+    j, z = evidence_departures(D, se, n)
+    if not len(j):
+        return np.zeros(D.shape[0])
+    Q = (z**2).sum(1)
+    threshold = evidence_threshold(c, len(j), D.shape[0], family)
+    return np.where(Q > 0, np.maximum(0.0, 1.0 - threshold / np.where(Q > 0, Q, 1.0)), 0.0)
+
+
+def evidence_departures(D, se, n=None):
+    """The z_kj of `evidence_weight`: reward k's departure from the rewards' common shape at each measured inner level
+    j, in its standard error; the normal scores of their t tails when the counts n are given (§6c). Returns
+    (j (p,), z (K, p)), p = 0 when no inner level is measured or the D(0) sum to 0."""
     T = D.shape[1] - 1
     inner = np.arange(1, T)
     measured = np.isfinite(D[:, inner]).all(0) & np.isfinite(D[:, T]).all()
     if not measured.any() or not np.sum(D[:, T]) > 0:
-        return np.zeros(D.shape[0])
+        return inner[:0], np.zeros((D.shape[0], 0))
     j = inner[measured]
     shape = D[:, j].sum(0) / D[:, T].sum()  # (p,) the common curve, D(0) = 1
     sd = np.sqrt(se[:, j] ** 2 + (shape * se[:, T:]) ** 2)
     z = (D[:, j] - D[:, T:] * shape) / np.where(sd > 0, sd, np.inf)
     if n is not None:
         z = normal_score_of_t(z, np.minimum(np.asarray(n, dtype=np.float64)[j], float(n[T])) - 1.0)
-    Q = (z**2).sum(1)
-    threshold = c * len(j)
-    if family and D.shape[0] > 1:
-        from scipy.stats import chi2
+    return j, z
 
-        threshold = chi2.isf(chi2.sf(threshold, len(j)) / D.shape[0], len(j))
-    return np.where(Q > 0, np.maximum(0.0, 1.0 - threshold / np.where(Q > 0, Q, 1.0)), 0.0)
+
+def evidence_threshold(c, p, K, family=True):
+    """The Q_k above which `evidence_weight` gives reward k credit: c p alone; with family (K > 1) the chi^2_p quantile
+    at 1 - P(chi^2_p > c p) / K, so that any of K null rewards passes with at most one test's rate (§6d)."""
+    if not family or K <= 1:
+        return c * p
+    from scipy.stats import chi2
+
+    return chi2.isf(chi2.sf(c * p, p) / K, p)
 
 
 def normal_score_of_t(z, nu):

@@ -733,7 +733,10 @@ def check_credit(quick, out=None):
     # the same at the main command's horizon: recast.py's default iterations and --gain-ema (many more observations)
     defaults = recast.Args()
     n_it, gamma, reps_h = defaults.iterations, defaults.gain_ema, 10 if quick else 40
-    dev_h = [noise_departure(list(noise_stats(2, 8, n_it, gamma, 10_000 + rep))[-1], sig) for rep in range(reps_h)]
+    dev_h = []
+    for rep in range(reps_h):
+        *_, stats = noise_stats(2, 8, n_it, gamma, 10_000 + rep)
+        dev_h.append(noise_departure(stats, sig))
     q95_h = float(np.quantile(dev_h, 0.95))
     # four pure-noise rewards at recast-protocol's size (3 groups x 24 iterations: few observations per level, where
     # estimated errors have t tails; derivations.ipynb §6c): the final W and how many iterations it was off uniform

@@ -6,7 +6,7 @@
 
 Reads the run's last metrics line (the measured levels D, their se and counts) and prints, per reward and measured
 inner level, the standardised departure z from the rewards' common shape, its t-scored value, Q_k and the family
-threshold, as `recast.evidence_weight` computes them.
+threshold (`recast.evidence_departures`, `evidence_threshold`: what `recast.evidence_weight` uses).
 """
 
 import json
@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from scipy.stats import chi2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import recast  # noqa: E402
@@ -24,11 +23,9 @@ last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitli
 D, se = (np.array(last[k], dtype=float) for k in ("recast/D_measured", "recast/D_se"))
 n = np.array(last["recast/level_n"], dtype=float)
 D[D == -1], se[se == -1] = np.nan, np.nan  # unmeasured levels are written as -1
+j, z = recast.evidence_departures(D, se)
+zt = recast.evidence_departures(D, se, n)[1]
 T = D.shape[1] - 1
-j = np.arange(1, T)[np.isfinite(D[:, 1:T]).all(0)]
-shape = D[:, j].sum(0) / D[:, T].sum()
-z = (D[:, j] - D[:, T:] * shape) / np.sqrt(se[:, j] ** 2 + (shape * se[:, T:]) ** 2)
-zt = recast.normal_score_of_t(z, np.minimum(n[j], n[T]) - 1)
 np.set_printoptions(precision=2, suppress=True, linewidth=160)
 print(f"run {run}: measured inner levels {j.tolist()}, groups per level {np.round(n[j], 1).tolist()}, n_0 {n[T]:.1f}")
 print("se per reward and level (x 1000):")
@@ -40,7 +37,7 @@ print(zt)
 p = len(j)
 print(
     f"Q_k {np.round((zt**2).sum(1), 2).tolist()}; family threshold (K = {D.shape[0]}, p = {p}): "
-    f"{chi2.isf(chi2.sf(2 * p, p) / D.shape[0], p):.2f}; "
+    f"{recast.evidence_threshold(2.0, p, D.shape[0]):.2f}; "
     f"rho {np.round(recast.evidence_weight(D, se, 2.0, n), 3).tolist()}"
 )
 print(

@@ -91,7 +91,7 @@ def summary(dist):
     }
 
 
-def survives(images, specs_, amp):
+def survives(images, amp):
     """Checker's texture verdict on VAE reconstructions, thresholds scaled by amp / 0.3 (the shipped ones are for
     amplitude 0.3): the share of textured images read back as their texture."""
     rec = sw.vae_decode(vae, sw.vae_encode(vae, images))
@@ -112,7 +112,7 @@ for key in ("colour", "shape"):
 for amp in [float(x) for x in a.amps.split(",")]:
     dist, imgs = distance([(s, changed(s, "plain")) for s in specs], amp)
     dist_o, _ = distance([(s, changed(s, "orientation")) for s in specs], amp)
-    gt, back = survives(imgs, specs, amp)
+    gt, back = survives(imgs, amp)
     out["texture_by_amp"][f"{amp:g}"] = {
         "texture_vs_plain": summary(dist),
         "striped_vs_barred": summary(dist_o),
