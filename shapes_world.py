@@ -66,13 +66,16 @@ SIDES = ("left", "right")
 TEXTURES = ("striped", "barred")
 """Fine, low-contrast texture inside every object of a caption (the late attribute): named in the caption
 ("a red striped circle", "two blue barred squares"), plain when unnamed. See :func:`_texture_pattern`."""
-TEXTURE = dict(kind="C", amp=0.3)
+TEXTURE = dict(kind="C", amp=0.1)
 """The texture design, chosen by measurement (results/world-design/README.md). Kind C (the world's): striped =
 2-pixel horizontal lines every 4 pixel rows, barred = 2-pixel vertical lines every 4 columns, each with a random
 phase per object. The prototypes that lost: kind A = 1-pixel lines every 2nd row (striped) and a dot every 2nd
 pixel in x and y (the VAE averaged both away); 2x2 dots or a 2x2 checkerboard on the 4-pixel grid (the VAE
 averaged them away; lines survive). Kind B = kind A's lines and a random speckle (not prototyped). ``amp``: the
-darkened pixels' brightness factor is 1 - amp (hue kept)."""
+darkened pixels' brightness factor is 1 - amp (hue kept); the checker's texture thresholds follow it
+(:func:`texture_contrast`). 0.3 was the first amplitude the VAE carried, and it left texture decided too early
+(0.6 of its D(0) by t = 0.465); 0.1 was chosen by an ideal observer on the VAE's latents and then measured
+(results/world-design/README.md)."""
 
 
 def _hue_deg(rgb: np.ndarray) -> np.ndarray:
@@ -274,10 +277,20 @@ def render(prompt: str, seed: int) -> Image.Image:
 # ========================================================== checker ====
 CHROMA = np.array([max(v) - min(v) for v in COLORS.values()], float)  # palette chroma
 MIN_AREA = 6  # components smaller than this (pixels) are ignored
-TEX_PLAIN, TEX_FULL, TEX_ANISO = 0.06, 0.14, 2.5
-"""Texture thresholds of :func:`_texture_of`: fine energy ex + ey below which a fill is plain; the contrast across
-the lines a texture needs to count (0.8 of ground truth's (amp / 2) / (1 - amp / 2) = 0.176: the pretrained model
-draws most textures fainter, so the 0/1 texture reward has room to learn); line anisotropy."""
+TEX_PLAIN, TEX_FULL, TEX_ANISO = 0.45, 0.8, 2.5
+"""Texture thresholds of :func:`_texture_of`, the first two as fractions of ground truth's contrast
+:func:`texture_contrast`: fine energy ex + ey below which a fill is plain (0.45: above the shipped VAE's floor on
+plain fills, whose 99th percentile is 0.37 of it at amplitude 0.1); the contrast across the lines a texture needs to
+count (0.8: the pretrained model draws most textures fainter, so the 0/1 texture reward has room to learn); line
+anisotropy."""
+
+
+def texture_contrast(amp: float | None = None) -> float:
+    """ex (or ey) of a ground-truth texture at amplitude ``amp`` (default TEXTURE["amp"]): across 2-pixel lines
+    every inner pixel is amp V / 2 from the mean of its two neighbours, and the mean brightness is V (1 - amp / 2),
+    so the relative second difference is (amp / 2) / (1 - amp / 2). The unit of TEX_PLAIN, TEX_FULL and grain."""
+    amp = TEXTURE["amp"] if amp is None else amp
+    return (amp / 2) / (1 - amp / 2)
 
 
 def _texture_features(v: np.ndarray, m: np.ndarray) -> tuple[float, float, int]:
@@ -301,14 +314,15 @@ def _texture_features(v: np.ndarray, m: np.ndarray) -> tuple[float, float, int]:
 
 
 def _texture_of(ex: float, ey: float, n: int) -> str:
-    """plain if the fine energy ex + ey < TEX_PLAIN (or no inner pixels); striped (horizontal lines) if
-    ey >= TEX_FULL and ey > TEX_ANISO ex; barred (vertical lines) if ex >= TEX_FULL and ex > TEX_ANISO ey; else
-    faint (a texture fainter than TEX_FULL, or lines both ways: matches no caption)."""
-    if n == 0 or ex + ey < TEX_PLAIN:
+    """With c = texture_contrast(): plain if the fine energy ex + ey < TEX_PLAIN c (or no inner pixels); striped
+    (horizontal lines) if ey >= TEX_FULL c and ey > TEX_ANISO ex; barred (vertical lines) if ex >= TEX_FULL c and
+    ex > TEX_ANISO ey; else faint (a texture fainter than TEX_FULL c, or lines both ways: matches no caption)."""
+    c = texture_contrast()
+    if n == 0 or ex + ey < TEX_PLAIN * c:
         return "plain"
-    if ey >= TEX_FULL and ey > TEX_ANISO * ex:
+    if ey >= TEX_FULL * c and ey > TEX_ANISO * ex:
         return "striped"
-    return "barred" if ex >= TEX_FULL and ex > TEX_ANISO * ey else "faint"
+    return "barred" if ex >= TEX_FULL * c and ex > TEX_ANISO * ey else "faint"
 
 
 def _as_array(img: Image.Image) -> np.ndarray:
@@ -414,7 +428,7 @@ def check(img: Image.Image, prompt: str) -> dict:
                 (ex, ey weighted by n_inner; :func:`_texture_of`) is the prompt's (plain when it
                 names none; the caption's texture is every object's); else 0;
       grain   = fine contrast inside the detected objects, max(ex, ey) of their inner pixels
-                pooled, / GRAIN_SCALE (0 with no inner pixels).
+                pooled, / texture_contrast() (0 with no inner pixels, ~1 on ground truth).
     """
     spec, objs = parse_prompt(prompt), detect(img)
     exp = spec["objects"]
@@ -441,11 +455,8 @@ def check(img: Image.Image, prompt: str) -> dict:
     n_in = sum(o["n_inner"] for o in objs)
     ex, ey = (sum(o["n_inner"] * o[k] for o in objs) / max(n_in, 1) for k in ("ex", "ey"))
     s["texture"] = float(bool(objs) and _texture_of(ex, ey, n_in) == spec.get("texture", "plain"))
-    s["grain"] = max(ex, ey) / GRAIN_SCALE
+    s["grain"] = max(ex, ey) / texture_contrast()
     return s
-
-
-GRAIN_SCALE = 0.17  # max(ex, ey) of ground-truth textured objects (amp / 2 / (1 - amp / 2) at amp 0.3)
 
 
 # ========================================================== rewards ====
@@ -557,14 +568,14 @@ DETAIL_SCALE = 0.05
 
 def reward_texture(images: list, prompts: list[str]) -> np.ndarray:
     """The caption's texture (the late attribute), 0/1: 1 iff objects are detected and the texture read from
-    their inner pixels is the one the prompt names, at >= 0.8 of ground truth's contrast (TEX_FULL), or plain
+    their inner pixels is the one the prompt names, at >= TEX_FULL = 0.8 of ground truth's contrast, or plain
     when it names none (:func:`check`). Fine, low-contrast detail: decided by the last denoising steps."""
     return _checked(images, prompts, "texture", 0.0)
 
 
 def reward_grain(images: list, prompts: list[str] | None = None) -> np.ndarray:
     """Fine-detail contrast inside the shapes (smooth): the ``grain`` of :func:`check`, i.e. the mean relative
-    second difference of brightness over the detected objects' inner pixels / GRAIN_SCALE. 0 on flat fills,
+    second difference of brightness over the detected objects' inner pixels / texture_contrast(). 0 on flat fills,
     ~1 on ground-truth textured objects; prompt-independent (more fine contrast scores more)."""
     return _checked(images, prompts if prompts is not None else ["a red circle"] * len(images), "grain", 0.0)
 

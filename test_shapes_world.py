@@ -142,9 +142,10 @@ def test_reward_known_values():
     assert sw.REWARDS["jpeg"]([_step_edge()], p)[0] < 1.0
 
 
-def _textured(texture, amp=0.3, side=8):
+def _textured(texture, amp=None, side=8):
     """A flat red square of 2 * side pixels on grey, its texture drawn by hand: 2-pixel lines every 4 rows
-    (striped) or every 4 columns (barred), darkened by 1 - amp."""
+    (striped) or every 4 columns (barred), darkened by 1 - amp (the world's amplitude by default)."""
+    amp = sw.TEXTURE["amp"] if amp is None else amp
     a = np.full((32, 32, 3), 235.0)
     a[16 - side : 16 + side, 16 - side : 16 + side] = (215, 45, 45)
     yy, xx = np.mgrid[:32, :32]
@@ -163,7 +164,10 @@ def test_texture_checker_and_rewards_by_hand():
     # striped: every inner pixel has one vertical neighbour like itself and one amp * V away, none along x;
     # half the inner rows are dark, so mean v = V (1 - amp / 2)
     o = sw.detect(ims["striped"])[0]
-    assert o["ex"] == 0.0 and o["ey"] == pytest.approx((0.3 / 2) / (1 - 0.3 / 2), rel=0.02)
+    amp = sw.TEXTURE["amp"]
+    light, dark = 215.0, np.round(215 * (1 - amp))  # the red fill's brightest channel, and after uint8 rounding
+    assert o["ex"] == 0.0 and o["ey"] == pytest.approx((light - dark) / (light + dark), rel=1e-6)
+    assert sw.texture_contrast() == pytest.approx((amp / 2) / (1 - amp / 2))
     for t, im in ims.items():
         prompt = "a red square" if t == "plain" else f"a red {t} square"
         assert sw.REWARDS["texture"]([im], [prompt])[0] == 1.0
@@ -174,9 +178,9 @@ def test_texture_checker_and_rewards_by_hand():
     assert sw.REWARDS["texture"]([Image.new("RGB", (32, 32), (235, 235, 235))], ["a red square"])[0] == 0.0
     g = {t: sw.REWARDS["grain"]([im], ["a red square"])[0] for t, im in ims.items()}
     assert g["plain"] == 0.0 and 0.7 < g["barred"] < 1.3 and 0.7 < g["striped"] < 1.3
-    assert sw.REWARDS["grain"]([_textured("striped", amp=0.1)], ["a red square"])[0] < 0.5 * g["striped"]
-    # a texture at half the contrast is faint: neither the named texture nor plain
-    faint = _textured("barred", amp=0.15)
+    assert sw.REWARDS["grain"]([_textured("striped", amp=amp / 3)], ["a red square"])[0] < 0.5 * g["striped"]
+    # a texture at 0.6 of the amplitude is faint: neither the named texture nor plain
+    faint = _textured("barred", amp=0.6 * amp)
     assert sw.detect(faint)[0]["texture"] == "faint"
     assert sw.REWARDS["texture"]([faint, faint], ["a red barred square", "a red square"]).tolist() == [0.0, 0.0]
     # ground-truth renders: the texture the caption names, plain when unnamed; grain 0 on plain fills

@@ -92,16 +92,16 @@ def summary(dist):
 
 
 def survives(images, amp):
-    """Checker's texture verdict on VAE reconstructions, thresholds scaled by amp / 0.3 (the shipped ones are for
-    amplitude 0.3): the share of textured images read back as their texture."""
+    """Checker's texture verdict on VAE reconstructions, its thresholds at amplitude amp (they scale with
+    sw.texture_contrast): the share of textured images read back as their texture."""
     rec = sw.vae_decode(vae, sw.vae_encode(vae, images))
-    keep = (sw.TEX_PLAIN, sw.TEX_FULL)
-    sw.TEX_PLAIN, sw.TEX_FULL = keep[0] * amp / 0.3, keep[1] * amp / 0.3
+    old = sw.TEXTURE["amp"]
+    sw.TEXTURE["amp"] = amp
     try:
         gt = np.mean([sw.check(im, p)["texture"] for im, p in zip(images, prompts)])
         back = np.mean([sw.check(im, p)["texture"] for im, p in zip(rec, prompts)])
     finally:
-        sw.TEX_PLAIN, sw.TEX_FULL = keep
+        sw.TEXTURE["amp"] = old
     return float(gt), float(back)
 
 
