@@ -430,16 +430,29 @@ def plan_runs(exp: Experiment, exp_dir: Path) -> list[Run]:
 def reuse_results(runs, exp: Experiment, exp_dir: Path) -> int:
     """Copy into exp_dir the results of `exp.reuse` that are the same runs (same id, same settings: e.g. the
     nft and rvge cells of rvge-joint-why are rvge-joint's); returns how many were taken."""
-    taken = 0
+    taken, world = 0, shapes_world.world_id()
     for run in runs:
         if not exp.reuse or load_result(run) is not None:
             continue
         source = exp_dir.parent / exp.reuse / "runs" / run.result.name
-        if load_result(replace(run, result=source)) is not None:
+        if (record := load_result(replace(run, result=source))) is not None and record.get("world") == world:
             run.result.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, run.result)
             taken += 1
     return taken
+
+
+def check_world(runs, exp_dir: Path):
+    """Refuse to add runs to results measured on another embedded world (before a rebuild of assets/): the tables
+    would pair runs of two different pretrained models. The fix is to keep the old results elsewhere."""
+    world = shapes_world.world_id()
+    others = {r.get("world", "not recorded") for r in map(load_result, runs) if r is not None} - {world}
+    if others:
+        raise SystemExit(
+            f"{exp_dir / 'runs'} holds results measured on another embedded world ({', '.join(sorted(others))}; "
+            f"assets/ now hold world {world}): move that folder away (or pass --out DIR) to run the experiment on "
+            f"this world; `--tables-only` still rebuilds the old tables"
+        )
 
 
 def check_flags(runs):
@@ -483,6 +496,7 @@ def write_result(run: Run, wall_s: float):
         "command": f"python {run.cell.script}.py {' '.join(run.settings)} --out {run.work} --overwrite",
         "wall_s": wall_s,
         "git_sha": sha,  # the code the run trained with (its config.json)
+        "world": shapes_world.world_id(),  # the embedded model it trained (a rebuild changes it)
         "finished": time.strftime("%Y-%m-%d", time.gmtime()),
         "rows": rows,
     }
@@ -1146,12 +1160,14 @@ PROFILE_CANDIDATES = (
 def measure_profiles(exp_dir: Path, names=PROFILE_CANDIDATES, iterations=48, prompts=8, seed=0):
     """D_k(t) of every candidate reward under the pretrained model: recast.py's own rollouts (rotated
     branch layout, so each of the 8 inner levels is measured by prompts * iterations / 8 groups) and its
-    level statistics, with no update. Cached in exp_dir/profiles.json: names, sigmas, the statistics
-    (n, s1, s2: the file `recast.py --gain-init` starts from), D, se and the evidence rho of each reward."""
+    level statistics, with no update. Cached in exp_dir/profiles.json (reused for the same rewards, sizes and
+    embedded world): names, sigmas, the statistics (n, s1, s2: the file `recast.py --gain-init` starts from), D, se
+    and the evidence rho of each reward."""
     path = exp_dir / "profiles.json"
     if path.is_file():
         cached = json.loads(path.read_text())
-        if cached["names"] == list(names) and cached["iterations"] == iterations and cached["prompts"] == prompts:
+        same = (cached["names"], cached["iterations"], cached["prompts"]) == (list(names), iterations, prompts)
+        if same and cached.get("world") == shapes_world.world_id():
             return cached
     import torch
 
@@ -1194,6 +1210,7 @@ def measure_profiles(exp_dir: Path, names=PROFILE_CANDIDATES, iterations=48, pro
         "prompts": prompts,
         "steps": args.steps,
         "estimator": "pairs",
+        "world": shapes_world.world_id(),
         "sigmas": sigmas.tolist(),
         "n": stats[0].tolist(),
         "s1": stats[1].tolist(),
@@ -1842,6 +1859,8 @@ def results_block(text: str, records: list[dict], exp_dir: Path, md: Path, comma
     days = sorted({r["finished"] for r in records if r.get("finished")})
     when = f"{days[0]}{f' to {days[-1]}' if len(days) > 1 else ''}" if days else "date not recorded"
     made = f"commit {', '.join(shas)}" if shas else "commit not recorded"
+    worlds = sorted({r.get("world") or "not recorded" for r in records})
+    made += f", embedded world {', '.join(worlds)}"
     lines = [f"`{command}` ({len(records)} runs made at {made}, {when}):", ""]
     rel = Path(os.path.relpath(exp_dir, md.parent)).as_posix()
     body = text.splitlines()
@@ -1928,6 +1947,8 @@ def main(argv=None):
     )
     exp_dir = Path(args.out) / exp.name
     planned = plan_runs(exp, exp_dir)
+    if not args.tables_only:
+        check_world(planned, exp_dir)
     failed, reused = {}, reuse_results(planned, exp, exp_dir)
     if reused:
         print(f"{exp.name}: {reused} identical run(s) taken from {exp_dir.parent / exp.reuse / 'runs'}", flush=True)

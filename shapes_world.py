@@ -34,6 +34,7 @@ inside the functions that need them.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import math
@@ -1088,6 +1089,15 @@ def build_components(seed: int = 0) -> dict:
         tokenizer_3=t5_tok,
         scheduler=scheduler,
     )
+
+
+def world_id(path: str | Path = PIPELINE_DIR) -> str:
+    """Which embedded world a result was measured on: the first 12 hex digits of the SHA-256 of every file of the
+    pipeline folder (names and bytes). A rebuild gives a new id; bench.py refuses to mix results of two worlds."""
+    path, h = Path(path), hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(f.relative_to(path).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def load_pipeline(path: str | Path = PIPELINE_DIR, device: str = "cpu"):

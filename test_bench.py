@@ -183,13 +183,16 @@ def test_identical_runs_are_taken_from_the_reused_experiment(tmp_path):
     )
     for r in shared:
         r.result.parent.mkdir(parents=True, exist_ok=True)
+    world = shapes_world.world_id()
     for run in source.values():  # every source result, one with other settings (as if made by other code's flags)
-        run.result.parent.mkdir(parents=True, exist_ok=True)
+        run.result.parent.mkdir(parents=True, exist_ok=True)  # and one made on another embedded world
         settings = list(run.settings) + (["--eta", "0.1"] if run.run_id == "joint_nft-seed1" else [])
-        run.result.write_text(json.dumps({"settings": settings, "rows": [{"iteration": 0, "seed": run.seed}]}))
-    assert bench.reuse_results(planned, why, tmp_path / why.name) == len(shared) - 1
+        made_on = "0123456789ab" if run.run_id == "joint_rvge-seed1" else world
+        record = {"settings": settings, "rows": [{"iteration": 0, "seed": run.seed}], "world": made_on}
+        run.result.write_text(json.dumps(record))
+    assert bench.reuse_results(planned, why, tmp_path / why.name) == len(shared) - 2
     taken = {r.run_id for r in planned if bench.load_result(r) is not None}
-    assert taken == {r.run_id for r in shared} - {"joint_nft-seed1"}
+    assert taken == {r.run_id for r in shared} - {"joint_nft-seed1", "joint_rvge-seed1"}
     assert bench.reuse_results(planned, why, tmp_path / why.name) == 0  # nothing twice
 
 
@@ -221,14 +224,44 @@ def test_results_are_committable_and_final_evaluations_need_no_run_folder(tmp_pa
         )
     got = bench.final_evals([run], tmp_path, exp.final_noises)  # would load the model and fail if it evaluated
     assert got == {"pretrained": {"1": {"name": "pretrained"}}, run.run_id: {"1": {"name": run.run_id}}}
-    records = [{"git_sha": "0123456789abcdef", "finished": "2026-12-01"}, {"git_sha": None, "finished": "2026-12-03"}]
+    records = [
+        {"git_sha": "0123456789abcdef", "finished": "2026-12-01", "world": "abcdef012345"},
+        {"git_sha": None, "finished": "2026-12-03"},
+    ]
     block = bench.results_block(
         "# x\n\n## a\n![](f.png) ![g](g.png)", records, tmp_path / "r" / "x", tmp_path / "R.md", "cmd"
     )
     assert (
-        block == "`cmd` (2 runs made at commit 0123456, 2026-12-01 to 2026-12-03):\n\n"
+        block == "`cmd` (2 runs made at commit 0123456, embedded world abcdef012345, not recorded, "
+        "2026-12-01 to 2026-12-03):\n\n"
         "#### a\n![f.png](r/x/f.png) ![g](r/x/g.png)"
     )
+
+
+def test_bench_refuses_to_mix_results_of_two_worlds(tmp_path, capsys):
+    """A result made on another embedded world (an earlier assets/ build) stops a new run of its experiment with
+    the fix named; the same result made on today's world does not stop it, and --tables-only reads either."""
+    exp = bench.quick_version(bench.EXPERIMENTS["nft-steps"])
+    runs = bench.plan_runs(exp, tmp_path / exp.name)
+    runs[0].result.parent.mkdir(parents=True)
+    record = {"settings": list(runs[0].settings), "rows": [{"iteration": 0}], "world": "0123456789ab"}
+    runs[0].result.write_text(json.dumps(record))
+    with pytest.raises(SystemExit, match="another embedded world \\(0123456789ab; assets/ now hold world"):
+        bench.check_world(runs, tmp_path / exp.name)
+    runs[0].result.write_text(json.dumps({**record, "world": shapes_world.world_id()}))
+    bench.check_world(runs, tmp_path / exp.name)
+    runs[0].result.write_text(json.dumps({k: v for k, v in record.items() if k != "world"}))  # before world ids
+    with pytest.raises(SystemExit, match="not recorded"):
+        bench.check_world(runs, tmp_path / exp.name)
+
+
+def test_world_id_names_the_pipeline_bytes(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "w.bin").write_bytes(b"weights")
+    first = shapes_world.world_id(tmp_path)
+    assert len(first) == 12 and shapes_world.world_id(tmp_path) == first
+    (tmp_path / "a" / "w.bin").write_bytes(b"weightz")
+    assert shapes_world.world_id(tmp_path) != first
 
 
 def test_bench_refuses_bad_flags(tmp_path, capsys):
