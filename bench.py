@@ -32,7 +32,9 @@ command again skips runs whose result exists (a result made with other settings 
 holds complete pairs. Each report also goes into RESULTS.md (--results-md), between the markers
 `<!-- BEGIN <experiment> -->` and `<!-- END <experiment> -->` (replaced; appended when absent).
 The default `results/` writes RESULTS.md; another --out, or --quick (whose default is runs/bench-quick/), writes
-it only when --results-md names the file.
+it only when --results-md names the file. Every result names the embedded world it was measured on
+(`shapes_world.world_id`); a run is not added to results of another world (move them first: the earlier world's
+are kept under results/world-amp0.3/, their tables rebuilt with `--out results/world-amp0.3 --tables-only`).
 --jobs N runs N runs at once, each in its own process (`python recast.py ...`, one thread each:
 OMP/MKL threads = 1); --jobs 1 runs them one after the other in this process, also on one thread.
 
@@ -477,7 +479,18 @@ def load_result(run: Run):
         record = json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
     except (OSError, ValueError, EOFError):
         return None
-    return record if record.get("settings") == list(run.settings) and record.get("rows") else None
+    if not record.get("rows"):
+        return None
+    made_in = re.search(r"--out (\S+)/work/", record.get("command", ""))  # where the results folder was then
+    made_in = made_in[1] if made_in else str(run.work.parent.parent)
+    same = portable(record.get("settings") or [], made_in) == portable(run.settings, run.work.parent.parent)
+    return record if same else None
+
+
+def portable(settings, exp_dir) -> list[str]:
+    """Settings with the experiment's folder written {exp_dir} (as in the cells' flags): a result keeps its identity
+    when its results folder moves (e.g. an earlier world's results to results/world-amp0.3/)."""
+    return [str(x).replace(str(exp_dir), "{exp_dir}") for x in settings]
 
 
 def write_result(run: Run, wall_s: float):
@@ -1930,8 +1943,9 @@ def main(argv=None):
     parser.add_argument(
         "--results-md",
         default=None,
-        help="the file whose <!-- BEGIN/END <experiment> --> section the report replaces "
-        "(default: RESULTS.md when OUT is the default results/; else none)",
+        help="the file whose <!-- BEGIN/END <experiment> --> section the report replaces (the marker: OUT/<experiment> "
+        "under results/, e.g. world-amp0.3/recast-protocol) (default: RESULTS.md when OUT is the default results/; "
+        "else none)",
     )
     args = parser.parse_args(argv)
     committed = args.out is None and not args.quick  # the committed results: their report goes into RESULTS.md
@@ -1978,8 +1992,11 @@ def main(argv=None):
             for k in ("seeds", "iterations", "prompts_per_iter")
             if (v := getattr(args, k))
         ]
+        if Path(args.out) != Path("results"):  # e.g. results/world-amp0.3: an earlier world's results, kept apart
+            sizes.append(f"--out {Path(args.out).as_posix()}")
         command = " ".join(["python bench.py", exp.name, *(["--quick"] if args.quick else []), *sizes, "--tables-only"])
-        write_results_md(args.results_md, exp.name, results_block(text, res.records, exp_dir, args.results_md, command))
+        marker = Path(os.path.relpath(exp_dir, "results")).as_posix()  # the experiment's name under results/
+        write_results_md(args.results_md, marker, results_block(text, res.records, exp_dir, args.results_md, command))
     print(text)
     if failed:
         raise SystemExit(

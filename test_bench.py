@@ -173,6 +173,26 @@ def test_a_result_from_other_settings_is_redone(tmp_path):
     assert bench.load_result(run) is None
 
 
+def test_a_result_keeps_its_identity_when_its_results_folder_moves(tmp_path):
+    """A run whose flags name its experiment's folder ({exp_dir}: recast_prior's --gain-init) is still found after the
+    folder moves; the same flags pointing elsewhere are another run."""
+    exp = bench.quick_version(bench.EXPERIMENTS["recast-protocol"])
+    old = next(r for r in bench.plan_runs(exp, tmp_path / "results" / exp.name) if "--gain-init" in r.settings)
+    assert any(str(tmp_path / "results" / exp.name) in x for x in old.settings)
+    record = {
+        "settings": list(old.settings),
+        "rows": [{"iteration": 0}],
+        "command": f"python recast.py --out {old.work}",
+    }
+    moved = next(r for r in bench.plan_runs(exp, tmp_path / "kept" / exp.name) if r.run_id == old.run_id)
+    moved.result.parent.mkdir(parents=True)
+    moved.result.write_text(json.dumps(record))
+    assert bench.load_result(moved) == record
+    elsewhere = [x.replace(str(tmp_path / "results"), str(tmp_path / "other")) for x in old.settings]
+    moved.result.write_text(json.dumps({**record, "settings": elsewhere}))
+    assert bench.load_result(moved) is None
+
+
 def test_identical_runs_are_taken_from_the_reused_experiment(tmp_path):
     why = bench.EXPERIMENTS["rvge-joint-why"]
     source = {r.run_id: r for r in bench.plan_runs(bench.EXPERIMENTS[why.reuse], tmp_path / why.reuse)}
