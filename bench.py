@@ -1992,10 +1992,11 @@ def main(argv=None):
             for k in ("seeds", "iterations", "prompts_per_iter")
             if (v := getattr(args, k))
         ]
-        if Path(args.out) != Path("results"):  # e.g. results/world-amp0.3: an earlier world's results, kept apart
-            sizes.append(f"--out {Path(args.out).as_posix()}")
+        marker, root = exp.name, Path("results").resolve()
+        if root in Path(args.out).resolve().parents:  # e.g. results/world-amp0.3: an earlier world's results
+            sizes.append(f"--out {Path(os.path.relpath(args.out)).as_posix()}")
+            marker = Path(os.path.relpath(exp_dir.resolve(), root)).as_posix()  # world-amp0.3/<experiment>
         command = " ".join(["python bench.py", exp.name, *(["--quick"] if args.quick else []), *sizes, "--tables-only"])
-        marker = Path(os.path.relpath(exp_dir, "results")).as_posix()  # the experiment's name under results/
         write_results_md(args.results_md, marker, results_block(text, res.records, exp_dir, args.results_md, command))
     print(text)
     if failed:
