@@ -150,7 +150,8 @@ def _textured(texture, amp=None, side=8):
     a[16 - side : 16 + side, 16 - side : 16 + side] = (215, 45, 45)
     yy, xx = np.mgrid[:32, :32]
     inside = (abs(yy - 15.5) < side) & (abs(xx - 15.5) < side)
-    pattern = {"plain": yy < 0, "striped": yy % 4 < 2, "barred": xx % 4 < 2}[texture]
+    pattern = {"plain": yy < 0, "striped": yy % 4 < 2, "barred": xx % 4 < 2, "plaid": (yy % 4 < 2) | (xx % 4 < 2)}
+    pattern = pattern[texture]
     a[inside & pattern] *= 1 - amp
     return Image.fromarray(np.round(a).astype(np.uint8))
 
@@ -179,8 +180,11 @@ def test_texture_checker_and_rewards_by_hand():
     g = {t: sw.REWARDS["grain"]([im], ["a red square"])[0] for t, im in ims.items()}
     assert g["plain"] == 0.0 and 0.7 < g["barred"] < 1.3 and 0.7 < g["striped"] < 1.3
     assert sw.REWARDS["grain"]([_textured("striped", amp=amp / 3)], ["a red square"])[0] < 0.5 * g["striped"]
-    # a texture at 0.6 of the amplitude is faint: neither the named texture nor plain
-    faint = _textured("barred", amp=0.6 * amp)
+    # lines at 0.7 of the amplitude still count (TEX_FULL = 0.6 of the contrast); at 0.4 they read as plain
+    assert sw.detect(_textured("barred", amp=0.7 * amp))[0]["texture"] == "barred"
+    assert sw.detect(_textured("barred", amp=0.4 * amp))[0]["texture"] == "plain"
+    # lines both ways (a plaid) are faint: neither the named texture nor plain
+    faint = _textured("plaid")
     assert sw.detect(faint)[0]["texture"] == "faint"
     assert sw.REWARDS["texture"]([faint, faint], ["a red barred square", "a red square"]).tolist() == [0.0, 0.0]
     # ground-truth renders: the texture the caption names, plain when unnamed; grain 0 on plain fills
