@@ -27,6 +27,15 @@ def share(prof, name, t):
 
 
 def column(folder):
+    if not (folder / "eval_metrics.json").is_file():  # a build that failed before its evaluation: its own metrics
+        b = json.loads((folder / "build_metrics.json").read_text())
+        return {
+            "VAE PSNR (dB)": f"{b['vae_psnr']:.2f}",
+            "texture on VAE reconstructions: named / plain": (
+                f"{b['vae_texture_named']:.3f} / {b['vae_texture_plain']:.3f}"
+            ),
+            "pretrained texture (0/1) mean": f"{b['gen_texture_mean']:.3f} (first thresholds)",
+        }
     b, e, p, prof = (
         json.loads((folder / f).read_text())
         for f in ("build_metrics.json", "eval_metrics.json", "pref_judge.json", "profiles.json")
@@ -55,13 +64,13 @@ def column(folder):
 
 folders = sorted((f for f in HERE.glob("amp*") if f.is_dir()), key=lambda f: -float(f.name[3:]))
 cols = {f.name[3:]: column(f) for f in folders}
-keys = list(next(iter(cols.values())))
+keys = list(max(cols.values(), key=len))
 lines = [
     "# Texture amplitude candidates, each built in full (from `python results/world-design/candidates.py`)",
     "",
     "| measured | " + " | ".join(f"amp {a}" for a in cols) + " |",
     "|---" * (1 + len(cols)) + "|",
 ]
-lines += [f"| {k} | " + " | ".join(c[k] for c in cols.values()) + " |" for k in keys]
+lines += [f"| {k} | " + " | ".join(c.get(k, "") for c in cols.values()) + " |" for k in keys]
 (HERE / "candidates.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
