@@ -5,8 +5,9 @@
 Each folder candidates/amp<A>/ holds one full build's files: build_metrics.json, eval_metrics.json and
 pref_judge.json (`python shapes_world.py build`, `pref-judge`, `eval` with TEXTURE["amp"] = A) and profiles.json
 (`python results/world-design/profiles_pretrained.py 96` on that build: 96 groups per inner level). amp0.3 is the
-world of commit 29c9cab (the first textured one), the others were built at commit 296931d, where the checker's
-texture thresholds became fractions of the amplitude's contrast.
+world of commit 29c9cab (the first textured one, profiles at 96 groups); amp0.1_vae0.1 and amp0.075_vae0.075 were
+built at commit 296931d with the VAE trained on their own amplitude (only build_metrics.json: they failed before
+their evaluation); amp0.1_vae0.3 is the shipped world (commit 6451545, profiles at 192 groups).
 """
 
 import json
@@ -35,6 +36,9 @@ def column(folder):
                 f"{b['vae_texture_named']:.3f} / {b['vae_texture_plain']:.3f}"
             ),
             "pretrained texture (0/1) mean": f"{b['gen_texture_mean']:.3f} (first thresholds)",
+            "  per caption: plain / striped / barred": " / ".join(
+                f"{b[f'gen_texture_{t}']:.3f}" for t in ("plain", "striped", "barred")
+            ),
         }
     b, e, p, prof = (
         json.loads((folder / f).read_text())
@@ -62,11 +66,15 @@ def column(folder):
     return rows
 
 
-folders = sorted((f for f in HERE.glob("amp*") if f.is_dir()), key=lambda f: -float(f.name[3:]))
-cols = {f.name[3:]: column(f) for f in folders}
+folders = sorted((f for f in HERE.glob("amp*") if f.is_dir()), key=lambda f: -float(f.name[3:].split("_")[0]))
+cols = {f.name[3:].replace("_", ", ").replace("vae", "VAE trained at "): column(f) for f in folders}
 keys = list(max(cols.values(), key=len))
 lines = [
-    "# Texture amplitude candidates, each built in full (from `python results/world-design/candidates.py`)",
+    "# Texture amplitude candidates, each built in full",
+    "",
+    "From `python results/world-design/candidates.py`. 'First thresholds': TEX_PLAIN 0.45, TEX_FULL 0.8,",
+    "TEX_ANISO 2.5 (the builds that failed before their evaluation); amp 0.3 used its own thresholds of the time",
+    "(0.06 and 0.14 absolute, TEX_ANISO 2.5); the shipped amp 0.1 uses 0.6, 0.6, 1.6 (thresholds.txt).",
     "",
     "| measured | " + " | ".join(f"amp {a}" for a in cols) + " |",
     "|---" * (1 + len(cols)) + "|",
