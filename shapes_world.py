@@ -34,6 +34,7 @@ inside the functions that need them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import io
 import json
@@ -288,6 +289,16 @@ ground truth and the VAE's reconstructions right (1.000 / 1.000 named / plain on
 pretrained 0/1 texture reward room to learn (0.23 named / 0.53 plain)."""
 
 
+@contextlib.contextmanager
+def texture_amplitude(amp: float):
+    """Render (and read) textures at amplitude ``amp`` inside the block; TEXTURE["amp"] is restored after."""
+    old, TEXTURE["amp"] = TEXTURE["amp"], amp
+    try:
+        yield
+    finally:
+        TEXTURE["amp"] = old
+
+
 def texture_contrast(amp: float | None = None) -> float:
     """ex (or ey) of a ground-truth texture at amplitude ``amp`` (default TEXTURE["amp"]): across 2-pixel lines
     every inner pixel is amp V / 2 from the mean of its two neighbours, and the mean brightness is V (1 - amp / 2),
@@ -316,16 +327,28 @@ def _texture_features(v: np.ndarray, m: np.ndarray) -> tuple[float, float, int]:
     return float(dx[sel].mean() / mean_v), float(dy[sel].mean() / mean_v), n
 
 
-def _texture_of(ex: float, ey: float, n: int) -> str:
+def _texture_of(ex: float, ey: float, n: int, plain=None, full=None, aniso=None) -> str:
     """With c = texture_contrast(): plain if the fine energy ex + ey < TEX_PLAIN c (or no inner pixels); striped
     (horizontal lines) if ey >= TEX_FULL c and ey > TEX_ANISO ex; barred (vertical lines) if ex >= TEX_FULL c and
-    ex > TEX_ANISO ey; else faint (a texture fainter than TEX_FULL c, or lines both ways: matches no caption)."""
+    ex > TEX_ANISO ey; else faint (a texture fainter than TEX_FULL c, or lines both ways: matches no caption).
+    plain, full, aniso: other thresholds than the shipped ones (results/world-design/thresholds.py tries them)."""
+    plain = TEX_PLAIN if plain is None else plain
+    full = TEX_FULL if full is None else full
+    aniso = TEX_ANISO if aniso is None else aniso
     c = texture_contrast()
-    if n == 0 or ex + ey < TEX_PLAIN * c:
+    if n == 0 or ex + ey < plain * c:
         return "plain"
-    if ey >= TEX_FULL * c and ey > TEX_ANISO * ex:
+    if ey >= full * c and ey > aniso * ex:
         return "striped"
-    return "barred" if ex >= TEX_FULL * c and ex > TEX_ANISO * ey else "faint"
+    return "barred" if ex >= full * c and ex > aniso * ey else "faint"
+
+
+def pooled_texture(objs: list[dict]) -> tuple[float, float, int]:
+    """(ex, ey, n) over every detected object's inner pixels (ex, ey weighted by n_inner): what the texture verdict
+    and grain of :func:`check` read."""
+    n = sum(o["n_inner"] for o in objs)
+    ex, ey = (sum(o["n_inner"] * o[k] for o in objs) / max(n, 1) for k in ("ex", "ey"))
+    return ex, ey, n
 
 
 def _as_array(img: Image.Image) -> np.ndarray:
@@ -455,8 +478,7 @@ def check(img: Image.Image, prompt: str) -> dict:
         s["position"] = float(pos_ok)
     s["partial"] = float(np.mean(list(s.values())))
     s["strict"] = float(sorted(det_cs) == sorted(exp) and pos_ok)
-    n_in = sum(o["n_inner"] for o in objs)
-    ex, ey = (sum(o["n_inner"] * o[k] for o in objs) / max(n_in, 1) for k in ("ex", "ey"))
+    ex, ey, n_in = pooled_texture(objs)
     s["texture"] = float(bool(objs) and _texture_of(ex, ey, n_in) == spec.get("texture", "plain"))
     s["grain"] = max(ex, ey) / texture_contrast()
     return s
@@ -1359,11 +1381,8 @@ def build(out_dir: Path = ASSETS, **overrides) -> dict:
     print("[2/6] VAE")
     comps = build_components(seed=0)
     vae = comps["vae"]
-    world_amp, TEXTURE["amp"] = TEXTURE["amp"], max(TEXTURE["amp"], VAE_TEXTURE_AMP)
-    try:  # the same images, their textures at VAE_TEXTURE_AMP: the VAE learns to keep lines that faint and fainter
-        vae_images = [render(p, 1_000_000 + i) for i, p in enumerate(prompts[:16_000])]
-    finally:
-        TEXTURE["amp"] = world_amp
+    with texture_amplitude(max(TEXTURE["amp"], VAE_TEXTURE_AMP)):  # the same images, their textures at 0.3: the
+        vae_images = [render(p, 1_000_000 + i) for i, p in enumerate(prompts[:16_000])]  # VAE keeps fainter lines too
     train_vae(vae, vae_images, cfg["vae_steps"], batch=32)
     z = vae_encode(vae, images)
     shift, scale = float(z.mean()), float(1.0 / z.std())

@@ -51,14 +51,9 @@ def latents(images):
 
 
 def distance(spec_pairs, amp=None):
-    old = sw.TEXTURE["amp"]
-    if amp is not None:
-        sw.TEXTURE["amp"] = amp
-    try:
+    with sw.texture_amplitude(sw.TEXTURE["amp"] if amp is None else amp):
         ia = [sw.render_spec(s, seed) for (s, _), seed in zip(spec_pairs, seeds)]
         ib = [sw.render_spec(s, seed) for (_, s), seed in zip(spec_pairs, seeds)]
-    finally:
-        sw.TEXTURE["amp"] = old
     return np.linalg.norm(latents(ia) - latents(ib), axis=1), ia
 
 
@@ -95,13 +90,9 @@ def survives(images, amp):
     """Checker's texture verdict on VAE reconstructions, its thresholds at amplitude amp (they scale with
     sw.texture_contrast): the share of textured images read back as their texture."""
     rec = sw.vae_decode(vae, sw.vae_encode(vae, images))
-    old = sw.TEXTURE["amp"]
-    sw.TEXTURE["amp"] = amp
-    try:
+    with sw.texture_amplitude(amp):
         gt = np.mean([sw.check(im, p)["texture"] for im, p in zip(images, prompts)])
         back = np.mean([sw.check(im, p)["texture"] for im, p in zip(rec, prompts)])
-    finally:
-        sw.TEXTURE["amp"] = old
     return float(gt), float(back)
 
 

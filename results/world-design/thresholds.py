@@ -27,21 +27,8 @@ c = sw.texture_contrast()
 
 
 def feats(ims):
-    out = []
-    for im in ims:
-        objs = sw.detect(im)
-        n = sum(o["n_inner"] for o in objs)
-        ex, ey = (sum(o["n_inner"] * o[k] for o in objs) / max(n, 1) for k in ("ex", "ey"))
-        out.append((ex, ey, n, bool(objs)))
-    return out
-
-
-def verdict(ex, ey, n, plain, full, aniso):
-    if n == 0 or ex + ey < plain * c:
-        return "plain"
-    if ey >= full * c and ey > aniso * ex:
-        return "striped"
-    return "barred" if ex >= full * c and ex > aniso * ey else "faint"
+    """(ex, ey, n, any object detected) per image, as sw.check pools them."""
+    return [(*sw.pooled_texture(objs), bool(objs)) for objs in map(sw.detect, ims)]
 
 
 F = {k: feats(v) for k, v in (("gt", gt), ("vae", rec), ("gen", gen))}
@@ -57,7 +44,7 @@ print("TEX_PLAIN TEX_FULL TEX_ANISO | VAE named / plain | generated named / plai
 for p, f, a in itertools.product((0.45, 0.6, 0.75), (0.4, 0.5, 0.6, 0.8), (1.3, 1.6, 2.0, 2.5)):
     r = {}
     for k, fs in F.items():
-        ok = np.array([o and verdict(ex, ey, n, p, f, a) == t for (ex, ey, n, o), t in zip(fs, tex)])
+        ok = np.array([o and sw._texture_of(ex, ey, n, p, f, a) == t for (ex, ey, n, o), t in zip(fs, tex)])
         r[k] = (ok[~plain].mean(), ok[plain].mean(), ok.mean())
     if r["vae"][0] >= 0.97 and r["vae"][1] >= 0.97:
         print(
