@@ -8,6 +8,9 @@ as recast.py builds it (level_curves -> credit_profiles (evidence c = 2) -> solv
 each n' it reports the evidence rho of every reward, max |K T W / Lam - 1| and the late reward's W over the last
 three steps against its uniform share. A run's discounted level count after I iterations at gain_ema g and one
 group per level per iteration (8 prompt groups, rotated layout) is (1 - g^I) / (1 - g), listed for the defaults.
+
+"layouts": the same at the main command's compute (its 95 groups per level x 8 levels), spread over fewer branch
+levels instead (a branch layout that skips the levels where no reward gains), and at twice that compute.
 """
 
 import argparse
@@ -66,6 +69,28 @@ for n in (5, 10, 20, 30, 40, 50, 60, 80, 100, 150, 1000, 100000):
         row["late_last3_vs_uniform"] = float(W[late, -3:].sum() / (budgets[late] * 3 / T))
     out["by_n"].append(row)
     print(row)
+main_total = 95.2 * 8  # the main command's group observations over its 8 rotated levels (results/world-design)
+out["layouts"] = []
+for levels in (range(1, 9), range(2, 9), range(3, 9), range(4, 9), range(5, 9)):
+    for total in (main_total, 2 * main_total):
+        scale = np.zeros(T + 1)
+        scale[list(levels)] = total / len(levels) / n0[list(levels)]
+        scale[0] = scale[T] = total / n0[T]  # every group measures D(0) and the roots
+        D, se = recast.level_curves(n0 * scale, s1 * scale, s2 * scale)
+        _, _, P, rho = recast.credit_profiles(D, se, sig, n0 * scale)
+        W = recast.solve_W(budgets, P)
+        ratio = W / (W.sum(1, keepdims=True) / T)
+        row = {
+            "branch_levels": list(levels),
+            "groups_per_level": round(total / len(levels), 1),
+            "rho": rho.round(3).tolist(),
+            "max_departure": float(np.abs(ratio - 1).max()),
+        }
+        if late is not None:
+            row["late_last3_vs_uniform"] = float(W[late, -3:].sum() / (budgets[late] * 3 / T))
+            row["late_per_step_last3"] = ratio[late, -3:].round(3).tolist()
+        out["layouts"].append(row)
+        print(row)
 out["n_eff"] = {
     f"gain_ema {g} x {it} iterations": (1 - g**it) / (1 - g)
     for g in (0.9, 0.95, 0.97, 0.98, 0.99, 0.999)
