@@ -1000,11 +1000,14 @@ def report_rvge_single(res: Results, out: Path):
     ]
 
 
-LOWER_IS_BETTER = ("eval/judge/frechet",)
+LOWER_IS_BETTER = ("judge/frechet",)  # with or without the "eval/" of metrics.jsonl
 
 
 def better_sign(metric):
-    return -1.0 if metric in LOWER_IS_BETTER else 1.0
+    """-1 for a metric where lower is better (the Fréchet distance, named "eval/judge/frechet" in a run's metrics and
+    "judge/frechet" in the final evaluation), else +1. Until 2026-12-02 only the first name was known, so the
+    protocol's summaries counted a higher Fréchet distance as an improvement."""
+    return -1.0 if metric.removeprefix("eval/") in LOWER_IS_BETTER else 1.0
 
 
 def verdict(metric, lo, hi):

@@ -138,6 +138,7 @@ def test_seeds_needed_resolves_the_observed_difference_at_its_sd():
     assert "n95" not in bench.fmt_ci(*bench.mean_ci([1.0, 1.1, 0.9]))
     assert bench.seeds_needed(0.0, -1.0, 1.0, 3) is None
     assert bench.verdict("eval/judge/frechet", -5.0, -1.0) == 1 and bench.verdict("eval/weighted", -5.0, -1.0) == -1
+    assert bench.verdict("judge/frechet", -5.0, -1.0) == 1 and bench.verdict("judge/frechet", 1.0, 5.0) == -1
     assert bench.verdict("eval/weighted", -1.0, 1.0) == 0 and bench.verdict("eval/weighted", np.nan, np.nan) == 0
     assert bench.paired({0: 1.0, 1: 5.0, 2: 2.0}, {0: 0.5, 2: 1.0}) == [0.5, 1.0]
     assert bench.fmt_ratio({0: 4.0, 1: 9.0}, {0: 2.0, 1: 3.0}).startswith(
