@@ -20,8 +20,7 @@ METRICS = ("eval/weighted", "eval/judge/cnn", "eval/judge/frechet")
 
 def last_eval(path):
     rows = json.loads(gzip.open(path).read())["rows"]
-    row = [r for r in rows if "eval/weighted" in r][-1]
-    return {m: row[m] for m in METRICS}
+    return {m: bench.final(rows, m) for m in METRICS}
 
 
 for reward in (bench.SMOOTH_REWARD, bench.DISCRETE_REWARD):

@@ -58,36 +58,35 @@ out["derivation"] = {
     "n_for_rho_half (c = 2)": dict(zip(names, ((2 * 2 * p - p) / q).round(1).tolist())),
 }
 print(out["derivation"])
-for n in (5, 10, 20, 30, 40, 50, 60, 80, 100, 150, 1000, 100000):
-    f = n / n0[1]
-    D, se = recast.level_curves(n0 * f, s1 * f, s2 * f)
-    _, _, P, rho = recast.credit_profiles(D, se, sig, n0 * f)
+
+
+def credit_at(scale):
+    """W from the measured statistics rescaled per level by `scale` (T+1,): rho, W / uniform, and the row's numbers."""
+    D, se = recast.level_curves(n0 * scale, s1 * scale, s2 * scale)
+    _, _, P, rho = recast.credit_profiles(D, se, sig, n0 * scale)
     W = recast.solve_W(budgets, P)
     ratio = W / (W.sum(1, keepdims=True) / T)
-    row = {"n": n, "rho": rho.round(3).tolist(), "max_departure": float(np.abs(ratio - 1).max())}
+    row = {"rho": rho.round(3).tolist(), "max_departure": float(np.abs(ratio - 1).max())}
     if late is not None:
         row["late_last3_vs_uniform"] = float(W[late, -3:].sum() / (budgets[late] * 3 / T))
-    out["by_n"].append(row)
-    print(row)
-main_total = 95.2 * 8  # the main command's group observations over its 8 rotated levels (results/world-design)
+    return ratio, row
+
+
+for n in (5, 10, 20, 30, 40, 50, 60, 80, 100, 150, 1000, 100000):
+    _, row = credit_at(np.full(T + 1, n / n0[1]))
+    out["by_n"].append({"n": n, **row})
+    print(out["by_n"][-1])
+# the main command's group observations over its 8 rotated levels, from its run (results/world-design/main_command.json)
+main_total = float(np.sum(json.loads((Path(__file__).parent / "main_command.json").read_text())["level_n"][1:9]))
 out["layouts"] = []
 for levels in (range(1, 9), range(2, 9), range(3, 9), range(4, 9), range(5, 9)):
     for total in (main_total, 2 * main_total):
         scale = np.zeros(T + 1)
         scale[list(levels)] = total / len(levels) / n0[list(levels)]
         scale[0] = scale[T] = total / n0[T]  # every group measures D(0) and the roots
-        D, se = recast.level_curves(n0 * scale, s1 * scale, s2 * scale)
-        _, _, P, rho = recast.credit_profiles(D, se, sig, n0 * scale)
-        W = recast.solve_W(budgets, P)
-        ratio = W / (W.sum(1, keepdims=True) / T)
-        row = {
-            "branch_levels": list(levels),
-            "groups_per_level": round(total / len(levels), 1),
-            "rho": rho.round(3).tolist(),
-            "max_departure": float(np.abs(ratio - 1).max()),
-        }
+        ratio, row = credit_at(scale)
+        row = {"branch_levels": list(levels), "groups_per_level": round(total / len(levels), 1), **row}
         if late is not None:
-            row["late_last3_vs_uniform"] = float(W[late, -3:].sum() / (budgets[late] * 3 / T))
             row["late_per_step_last3"] = ratio[late, -3:].round(3).tolist()
         out["layouts"].append(row)
         print(row)
