@@ -4,7 +4,8 @@
 
 Reads the last line of RUN_DIR/metrics.jsonl: W (recast/W), its departure from uniform max |K T W / Lam - 1|
 (= max_kj |W_kj / (lambda_k / T) - 1|), the evidence rho per reward, the discounted level counts (recast/level_n),
-the late reward's W over the last three sampler steps against its uniform share, eval/* at the first and last
+the late reward's W over the last three sampler steps against its uniform share, the pretrained model's held-out
+evaluation (eval_before/*, logged with iteration 0) as "eval_before", eval/* at the first in-run and the last
 evaluation, and the mean per-iteration times (time/*) over all iterations.
 """
 
@@ -39,6 +40,9 @@ out = {
     "time_total_s": float(sum(sum(m[k] for k in m if k.startswith("time/")) for m in lines)),
 }
 evals = [m for m in lines if "eval/weighted" in m]
+before = {k.replace("eval_before/", "eval/"): v for k, v in lines[0].items() if k.startswith("eval_before/")}
+if before:
+    out["eval_before"] = before  # the pretrained model: the "before" of a before -> after
 if evals:
     out["eval_first"] = {k: v for k, v in evals[0].items() if k.startswith("eval/")}
     out["eval_last"] = {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
