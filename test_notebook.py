@@ -3,7 +3,7 @@
 Executes the notebook with nbclient in a fresh `python3` kernel whose working directory is the
 repository root (so `import recast`, `import rvge`, `import toy_gaussian` work), 120 s per cell.
 ipykernel's wheel installs the `python3` kernel spec into sys.prefix, so a plain
-`pip install -r requirements.txt` is enough; if no spec is found (unusual installs) one is written
+`pip install -r requirements-dev.txt` is enough; if no spec is found (unusual installs) one is written
 into a temporary folder for this run only, pointing at the interpreter running the tests.
 """
 
