@@ -59,6 +59,7 @@ from run_kit import (
     check_common,
     check_files,
     check_finite,
+    check_ranges,  # noqa: F401 (bench.py checks each script's flags with it: recast.check_ranges)
     copy_adapter,
     decode,
     dry_run,
@@ -66,6 +67,7 @@ from run_kit import (
     finish_iteration,
     flag,
     iteration_generator,
+    load_pipeline,  # noqa: F401 (bench.py: recast.load_pipeline)
     load_run,
     lora_params,
     parse_flags,
@@ -73,13 +75,14 @@ from run_kit import (
     reward_metrics,
     run_folder,
     save_grid,
+    scheduler_sigmas,  # noqa: F401 (bench.py: recast.scheduler_sigmas)
     score,
     start_or_resume,
     stop_if_a_reward_failed,
 )
 
 # =============================================================================
-# ReCAST §3.2: Renyi discriminability of a reward's positive policy
+# NOTES.md §3.2, our reconstruction: Renyi discriminability of a reward's positive policy
 # =============================================================================
 
 
@@ -130,7 +133,7 @@ def denoised_moments(h, alpha=2.0):
 
 
 # =============================================================================
-# ReCAST §3.3: D_k(t) measured during training, with standard errors
+# NOTES.md §3.3, our reconstruction: D_k(t) measured during training, with standard errors
 # =============================================================================
 
 
@@ -246,7 +249,7 @@ def level_curves(n, s1, s2, estimator="pairs", alpha=2.0):
 
 
 # =============================================================================
-# ReCAST §3.3: gains and profiles, shrunk by their evidence
+# NOTES.md §3.3, our reconstruction: gains and profiles, shrunk by their evidence
 # =============================================================================
 
 
@@ -309,13 +312,12 @@ def evidence_weight(D, se, c=2.0, n=None, family=True):
     stricter constant (c = 2 keeps rho = 0 unless Q > 2p; a chi^2_8 exceeds 16 with probability 4%).
     n (T+1,): the levels' observation counts. The se are estimated from those observations, so with few of
     them z_kj has Student-t tails, not normal ones, and pure-noise rewards passed the chi^2 test far more often
-    than 4% (results/evidence-null). Each z_kj is then replaced by the normal score of its t tail probability
+    than 4% (NOTES.md §3.3). Each z_kj is then replaced by the normal score of its t tail probability
     with nu = min(n_j, n_0) - 1 degrees of freedom (derivations.ipynb §6c), which leaves it unchanged as n grows.
     family: the K rewards are K tests, and W moves as soon as one of them passes, so with K = 4 pure-noise rewards
     W left uniform ~4x as often as one test's rate. The threshold c p is then raised to the chi^2_p quantile at
     1 - alpha / K, alpha = P(chi^2_p > c p) (Bonferroni: the chance that any reward passes under the null stays
-    <= alpha; derivations.ipynb §6d). K = 1 keeps c p. family=False: each reward tested alone (the default until
-    the second session of 2026-12-01).
+    <= alpha; derivations.ipynb §6d). K = 1 keeps c p. family=False: each reward tested alone.
     D, se (K, T+1) from `level_curves`. Returns (K,)."""
     j, z = evidence_departures(D, se, n)
     if not len(j):
@@ -391,7 +393,7 @@ def credit_profiles(D, se, sigmas, n, c=2.0):
 
 
 # =============================================================================
-# ReCAST §3.4: the W solver
+# NOTES.md §3.4, our reconstruction: the W solver
 # =============================================================================
 
 
@@ -442,7 +444,7 @@ def uniform_W(budgets, T):
 
 
 # =============================================================================
-# ReCAST §3.1: the mixed NFT loss
+# NOTES.md §3.1, our reconstruction: the mixed NFT loss
 # =============================================================================
 
 
@@ -486,7 +488,7 @@ def nft_loss(v_theta, v_old, x_t, x0, t, r, b=1.0, adv_clip=5.0):
 
 
 # =============================================================================
-# ReCAST's glue: credit (curves -> W), the update, DiffusionNFT's one-reward baseline
+# ReCAST's glue: credit (curves -> W), the update, DiffusionNFT's multi-reward baseline
 # =============================================================================
 
 
@@ -689,10 +691,9 @@ class Args:
     eps: float = flag(1e-3, "method", min=0, max=1)
     """profile smoothing P~ = (1 - eps) P + eps / T (> 0 keeps W unique)"""
     gain_ema: float = flag(0.999, "method", min=0, lt=1)
-    """discount of the level statistics across iterations (horizon ~ 1 / (1 - gain_ema) iterations). 0.999: the default
-    run keeps nearly every observation, (1 - 0.999^I) / 0.001 groups per level after I iterations (95 at the default
-    100): W needs >= ~60 per level to resolve the embedded world's measured profiles (results/world-design/README.md;
-    at 0.9 the levels held ~10)"""
+    """discount of the level statistics across iterations (horizon ~ 1 / (1 - gain_ema) iterations); the default keeps
+    nearly every observation, (1 - gain_ema^I) / (1 - gain_ema) groups per level after I iterations (NOTES.md §3.3:
+    how many W needs)"""
     evidence: float = flag(2.0, "method", min=0)
     """shrink each reward's profile towards uniform by rho = max(0, 1 - c p / Q), Q the chi^2 of its curve against
     uniform gains (0: no shrinkage)"""
@@ -729,7 +730,7 @@ class Args:
     """chunk size for transformer calls during rollouts"""
     # optimisation
     iterations: int = flag(100, "optimisation", min=1)
-    """training iterations (rollout + update); the default run takes <= 9 min on 2 CPU cores"""
+    """training iterations (rollout + update)"""
     nft_b: float = flag(1.0, "optimisation", gt=0)
     """DiffusionNFT guidance strength b in v+- = v_old +- b (v_theta - v_old)"""
     base_reg: float = flag(1e-4, "optimisation", min=0)

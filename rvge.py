@@ -55,6 +55,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from recast import CreditSettings, combine_raw, credit
 from reward_models import DEFAULTS
 from run_kit import (
     EMBEDDED_MODEL,
@@ -63,6 +64,7 @@ from run_kit import (
     check_common,
     check_files,
     check_finite,
+    check_ranges,  # noqa: F401 (bench.py checks each script's flags with it: recast.check_ranges)
     copy_adapter,
     decode,
     dry_run,
@@ -70,6 +72,7 @@ from run_kit import (
     finish_iteration,
     flag,
     iteration_generator,
+    load_pipeline,  # noqa: F401 (bench.py: recast.load_pipeline)
     load_run,
     lora_params,
     parse_flags,
@@ -77,13 +80,14 @@ from run_kit import (
     reward_metrics,
     run_folder,
     save_grid,
+    scheduler_sigmas,  # noqa: F401 (bench.py: recast.scheduler_sigmas)
     score,
     start_or_resume,
     stop_if_a_reward_failed,
 )
 
 # =============================================================================
-# RVGE §4.1-§4.3: value directions and their transfer across t
+# NOTES.md §4.1-§4.3, our reconstruction: value directions and their transfer across t
 # =============================================================================
 
 
@@ -148,7 +152,7 @@ def target_velocity(v_old, d_B, t, t_b, s2, cap=4.0, transfer="direct"):
 
 
 # =============================================================================
-# RVGE §4.4: regression groups and bandwidth by reward continuity
+# NOTES.md §4.4, our reconstruction: regression groups and bandwidth by reward continuity
 # =============================================================================
 
 
@@ -184,7 +188,7 @@ def group_directions(x0, A, ids, beta=None, eta=1.0):
 def group_variance(x0, ids):
     """Sufficient statistics of s2, the per-dimension variance of the clean latents around their group means:
     (sum of squared deviations, degrees of freedom (sum_g (n_g - 1)) x dims), summable across processes.
-    On broad groups (independent roots) this is unbiased; siblings would bias it low (issue 16)."""
+    On broad groups (independent roots) this is unbiased; siblings would bias it low."""
     total, dof = 0.0, 0
     for g in np.unique(ids):
         xg = x0[np.flatnonzero(ids == g)]
@@ -346,8 +350,6 @@ def weighted_advantage(b, budgets, run):
     """--combine reward: the advantage (N, 1) of the one reward sum_k lambda_k R_k (`recast.combine_raw`), normalised
     once with its global std over all processes, as DiffusionNFT's multi-reward baseline forms it
     (`recast.nft_baseline`)."""
-    from recast import combine_raw
-
     Rc = combine_raw(b.R, budgets)[:, None]
     _, _, std = global_stats(Rc, run.reduce)
     return advantages(Rc, b.groups, std=std)
@@ -356,8 +358,6 @@ def weighted_advantage(b, budgets, run):
 def credit_settings(args):
     """rvge.py's flags for recast.credit: W learned with --credit recast (else uniform, the budgets' lambda / T), by
     ReCAST's pairs estimator at order 2 on RVGE's trees (CreditSettings' defaults)."""
-    from recast import CreditSettings
-
     return CreditSettings(args.credit == "recast", args.gain_ema, args.evidence, args.tau, args.eps)
 
 
@@ -400,9 +400,8 @@ def train(args: Args, extra_rewards=None, judges=None):
     """The whole run: per iteration rollout -> rewards -> per-reward group directions (bandwidth
     per reward) -> regression update to the transferred targets -> soft update of "old" ->
     log / evaluate / checkpoint. ReCAST's credit (W for --credit recast, its D curves logged either way) is
-    recast.py's, imported here. Returns the run folder."""
-    from recast import credit  # the pairs estimator, alpha = 2; with --credit budgets W is uniform
-
+    recast.py's `credit`: the pairs estimator at alpha = 2; with --credit budgets W is uniform. Returns the run
+    folder."""
     run = setup_run(args, extra_rewards, judges)
     start, state = start_or_resume(run, args)
     budgets, regressed = run.budgets, run.names if args.combine == "directions" else ["weighted"]  # one direction each
@@ -501,8 +500,8 @@ class Args:
     with the same child index, one per root, t_b = 1), split (local for training queries t <= t_b, broad above) or
     auto (broad when more than --tie-threshold of the local groups tie, else split); one value or one per reward"""
     tie_threshold: float = flag(0.2, "method", min=0, max=1)
-    """auto picks broad for a reward when the share of tied local groups exceeds this (smooth rewards: ~0; 0/1 rewards:
-    0.45-0.85 in toy_gaussian.py 6d)"""
+    """auto picks broad for a reward when the share of tied local groups exceeds this (smooth rewards tie rarely, 0/1
+    rewards often: toy_gaussian.py 6d)"""
     coords: str = flag("clean", "method", choices=["clean", "noisy"])
     """regression coordinates: clean (final latents) or noisy (x0_hat on each trajectory one grid step after the group's
     branch time)"""
@@ -523,8 +522,8 @@ class Args:
     eps: float = flag(1e-3, "recast credit", min=0, max=1)
     """profile smoothing P~ = (1 - eps) P + eps / T (> 0 keeps W unique)"""
     gain_ema: float = flag(0.999, "recast credit", min=0, lt=1)
-    """discount of the level statistics across iterations (horizon ~ 1 / (1 - gain_ema) iterations); 0.999 as recast.py:
-    W needs ~60 groups per level to resolve the embedded world's profiles (results/world-design/horizon.json)"""
+    """discount of the level statistics across iterations (horizon ~ 1 / (1 - gain_ema) iterations); the default as
+    recast.py's (NOTES.md §3.3: how many groups per level W needs)"""
     evidence: float = flag(2.0, "recast credit", min=0)
     """shrink each reward's profile towards uniform by rho = max(0, 1 - c p / Q), Q the chi^2 of its curve against
     uniform gains (0: no shrinkage)"""

@@ -551,8 +551,8 @@ def test_t5_prompt_length_is_diffusionnfts_128_off_the_embedded_model(tiny, tmp_
     i = argv.index("--max-sequence-length")
     argv = argv[:i] + argv[i + 2 :]
     run = recast.setup_run(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
-    emb, _ = run.encode(["a red circle"])
-    assert emb.shape[1] == run.pipe.tokenizer.model_max_length + 128
+    emb, _ = run_kit.encode(run.pipe, ["a red circle"], run.max_len, run.acc.device)
+    assert run.max_len == 128 and emb.shape[1] == run.pipe.tokenizer.model_max_length + 128
     run.lock.close()
 
 
