@@ -1125,7 +1125,7 @@ class Rollout:
     t_rollout: float  # time.perf_counter() when the rollouts ended (the rewards' clock starts there)
 
 
-def rollout_and_score(run, args, it, gen, probe_steps=()):
+def rollout_and_score(run: Run, args: Args, it, gen, probe_steps=()) -> Rollout:
     """Step 1 of an iteration: prompts, rollouts from the "old" adapter (--sampler tree: branched trees
     with this iteration's branch layout; ode: independent deterministic DPM-Solver-2 samples, as
     DiffusionNFT), decoded leaves scored; x0_hat kept, decoded and scored at probe_steps (steps, or
@@ -1180,7 +1180,7 @@ def global_stats(R, reduce):
     return n, mean, np.sqrt(np.maximum(reduce((Rz**2).sum(0)) / np.maximum(n, 1) - mean**2, 0.0))
 
 
-def evaluate(run, args):
+def evaluate(run: Run, args: Args):
     """Held-out evaluation of the trained adapter (its EMA with --ema, as DiffusionNFT evaluates):
     Euler ODE sampling with --eval-steps on fixed prompts and seeds, training rewards and held-out
     judges. Returns (metrics, images)."""
@@ -1213,7 +1213,7 @@ def training_pairs(N, T, per_leaf, gen):
     return pairs[torch.randperm(len(pairs), generator=gen)]
 
 
-def update_loop(run, b, args, gen, on_step, policy_loss):
+def update_loop(run: Run, b: Rollout, args: Args, gen, on_step, policy_loss):
     """The update both methods share (NOTES.md §2, §4.3): the iteration's (leaf, timestep) samples in
     --updates-per-iter equal chunks, one AdamW step per chunk on the mean loss over its samples (all processes;
     1 chunk is DiffusionNFT's one step per epoch). Per micro-batch: fresh noise (`noised_batch`), the frozen

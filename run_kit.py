@@ -1,11 +1,13 @@
-"""The run kit of recast.py and rvge.py: everything a training run needs around its method, in one module.
+"""run_kit: the run machinery recast.py and rvge.py share, in one module, named for what it holds: the kit a run is
+set up, kept and logged with (as diffusers' training examples import `diffusers.training_utils`).
 
-Named for what it holds, the kit a run is set up and kept with (as diffusers' training examples import
-`diffusers.training_utils`): flags (an Args dataclass -> argparse with --help sections, --resume's saved config),
-the input checks both scripts make, model loading, text encoding, decoding and scoring, the typed state of a run
-(`Run`), run folders, locks, resume, atomic checkpoints, trackers, figures and --dry-run. The method and the
-DiffusionNFT training core it acts on (optimality, schedules, sampler steps, tree rollouts, the update loop) stay in
-each script; a script passes in what is its own: its Args class and --help sections, its checks, its run name.
+Flags (a script's Args dataclass -> argparse with --help sections; --resume's saved config), the input checks both
+scripts make, model loading, text encoding, decoding and scoring, what a run holds (`Run`), run folders, locks,
+resume, atomic checkpoints, trackers, figures and --dry-run. The method and the DiffusionNFT training core it acts on
+(optimality, schedules, sampler steps, tree rollouts, the update loop, the evaluation) stay in each script, which
+passes in what is its own: its Args class and --help sections, its checks, its default run name, its evaluation.
+diffusers, transformers, peft, accelerate and matplotlib are imported where first used, so that importing a script
+for its math (the toy, the notebook, the tests) does not load them.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ EMBEDDED_MODEL = str(Path(__file__).resolve().parent / "assets" / "shapes-sd3") 
 
 
 def flag(default, group, **checks):
-    """One Args field: its default, its --help section (a key of ARG_GROUPS) and the checks `check_ranges` applies:
-    min / max (inclusive), gt / lt (strict), choices. Its help line is the string under it (`field_docs`)."""
+    """One Args field: its default, its --help section (a key of the script's ARG_GROUPS) and the checks
+    `check_ranges` applies: min / max (inclusive), gt / lt (strict), choices. Its help line is the string under it
+    (`field_docs`)."""
     return field(default=default, metadata={"group": group, **checks})
 
 
@@ -651,7 +654,7 @@ def iteration_generator(seed, iteration):
     return torch.Generator().manual_seed(seed * 1_000_003 + iteration)
 
 
-def stop_if_a_reward_failed(run, it, n_valid, state):
+def stop_if_a_reward_failed(run: Run, it, n_valid, state):
     """Stop the run when a reward returned NaN/inf for every image of iteration `it` (all processes): the state
     before it is checkpointed, and the message names the reward(s) and how to continue. n_valid (K,)."""
     if (n_valid == 0).any():
@@ -664,7 +667,7 @@ def stop_if_a_reward_failed(run, it, n_valid, state):
         )
 
 
-def reward_metrics(run, it, b, n_valid, mean_R, losses):
+def reward_metrics(run: Run, it, b, n_valid, mean_R, losses):
     """The first entries of an iteration's metrics line: training rewards per reward and budget-weighted, the
     count of non-finite ones (all processes), the update's losses and sample count."""
     nonfinite = (run.reduce(len(b.R)) - n_valid).astype(int).tolist()
@@ -684,7 +687,7 @@ def budget_mean(values, budgets):
     return np.asarray(budgets) @ values / sum(budgets)
 
 
-def finish_iteration(run, args, it, metrics, state, before, evaluate):
+def finish_iteration(run: Run, args, it, metrics, state, before, evaluate):
     """Step 4: evaluate (the script's `evaluate`, every eval_every iterations and at the end), append the metrics
     line, checkpoint (every save_every iterations and at the end). Main process only; `before` the first
     evaluation's metrics (or None)."""
@@ -808,7 +811,7 @@ def lock_run(out):
     return handle
 
 
-def start_or_resume(run, args):
+def start_or_resume(run: Run, args):
     """Restore the newest intact checkpoint when resuming (metrics cut back to it), or clear the folder
     for --overwrite; remove this program's .tmp leftovers; write config.json; start the --report-to tracker.
     Returns (first iteration, state)."""
@@ -980,7 +983,7 @@ def load_checkpoint(out, transformer, opt, lr, weight_decay):
 # =============================================================================
 
 
-def start_trackers(run, args):
+def start_trackers(run: Run, args):
     """--report-to tensorboard | wandb: accelerate's tracker, started with the run's flags (TensorBoard: event files
     in <run>/tensorboard; W&B: a run named after the run folder, in project <script>). Nothing for none."""
     if args.report_to == "none":
