@@ -304,7 +304,7 @@ def flops_per_sample(run, module, decode):
     from torch.utils.flop_counter import FlopCounterMode
 
     count_cpu_attention()
-    emb, pooled = run.encode(PROMPTS[:1])
+    emb, pooled = module.encode(run.pipe, PROMPTS[:1], run.max_len, run.acc.device)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn((1, *run.shape), generator=gen).to(emb.device)
     s = torch.full((1,), 0.5, device=emb.device)

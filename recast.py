@@ -1,10 +1,13 @@
 """ReCAST: Reward Credit Assignment across Timesteps, on top of DiffusionNFT.
 
-One self-contained file, read top to bottom: ReCAST's math in the paper's order (Renyi discriminability
-curves of each reward, their gains per sampler step, the W solver, the mixed NFT loss), its glue (credit,
-the update), the train loop, the flags; then the DiffusionNFT skeleton and run machinery, one block that is
-the same text in rvge.py (so `diff recast.py rvge.py` shows the two methods). Derivations: derivations.ipynb;
-the design each "§n" names: NOTES.md.
+Read top to bottom: ReCAST's math (the Renyi discriminability of each reward, its curve measured during training
+with standard errors, the gains per sampler step shrunk by their evidence, the W solver, the mixed NFT loss), its
+glue (credit, the update, DiffusionNFT's multi-reward baseline), the train loop, the flags and ReCAST's checks; then
+DiffusionNFT's training core (optimality, schedules, sampler steps, tree rollouts, the update loop), one block that
+is the same text in rvge.py (so `diff recast.py rvge.py` shows the two methods). The run machinery (flag parsing,
+the shared checks, run folders, resume, checkpoints, trackers, figures, model loading) is run_kit.py's.
+The paper's full text was not available: each "NOTES.md §n" names a section of our reconstruction of the method,
+and derivations.ipynb derives each formula.
 
 Notation map (code name -> symbol)
     lam      (K,)      reward budgets lambda_k (user preference), not normalised
@@ -21,41 +24,65 @@ Notation map (code name -> symbol)
 Conventions: x_t = (1 - t) x0 + t eps; all losses are means over latent
 dimensions, then over the batch; numpy math is float64.
 
-Where to change what
-    flags      Args (a field, its --help section in ARG_GROUPS, its checks), validate
+Where to change what (run_kit.x: in run_kit.py)
+    flags      Args (a field, its --help section in ARG_GROUPS, its checks), validate; run_kit.check_common
     sampler    tree_rollout (trees; sde_step / sde_continue after a branch, ode_step or dpm2_step before),
                rollout_and_score (which adapter samples, what is decoded and scored)
-    rewards    reward_models.py (REWARD_MODELS, build_rewards; README "Add a reward"), score, reward_extras
+    rewards    reward_models.py (REWARD_MODELS, build_rewards; README "Add a reward"), run_kit.score,
+               run_kit.reward_extras
     credit     credit: level_observations -> level_curves -> credit_profiles -> solve_W; --credit nft: nft_baseline
     loss       nft_loss, mix_optimality (r~ per step), nft_update; the loop shared with rvge.py: update_loop
     old policy old_decay (the soft update of "old" each iteration), ema_decay (--ema)
-    logging    reward_metrics + train's metrics line, finish_iteration (metrics.jsonl, log_to_trackers,
-               checkpoints), progress bar in train, figures in plot_run and save_grid
-    the loop   train (steps 1-4), setup_run, start_or_resume
+    logging    run_kit.reward_metrics + train's metrics line, run_kit.finish_iteration (metrics.jsonl,
+               run_kit.log_to_trackers, checkpoints), progress bar in train, figures in run_kit.plot_run, save_grid
+    the loop   train (steps 1-4), setup_run (run_kit.Run), run_kit.start_or_resume
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
-import os
-import shutil
-import subprocess
 import time
-import warnings
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
-from reward_models import DEFAULTS, REWARD_MODELS, build_rewards, ocr_target
+from reward_models import DEFAULTS
+from run_kit import (
+    EMBEDDED_MODEL,
+    Run,
+    budget_mean,
+    check_common,
+    check_files,
+    check_finite,
+    check_ranges,  # noqa: F401 (bench.py checks each script's flags with it: recast.check_ranges)
+    copy_adapter,
+    decode,
+    dry_run,
+    encode,
+    finish_iteration,
+    flag,
+    iteration_generator,
+    load_pipeline,  # noqa: F401 (bench.py: recast.load_pipeline)
+    load_run,
+    lora_params,
+    parse_flags,
+    plot_run,
+    reward_metrics,
+    run_folder,
+    save_grid,
+    scheduler_sigmas,  # noqa: F401 (bench.py: recast.scheduler_sigmas)
+    score,
+    start_or_resume,
+    stop_if_a_reward_failed,
+)
 
 # =============================================================================
-# ReCAST §3.2: Renyi discriminability of a reward's positive policy
+# NOTES.md §3.2, our reconstruction: Renyi discriminability of a reward's positive policy
 # =============================================================================
 
 
@@ -106,7 +133,7 @@ def denoised_moments(h, alpha=2.0):
 
 
 # =============================================================================
-# ReCAST §3.3: D_k(t) measured during training, with standard errors
+# NOTES.md §3.3, our reconstruction: D_k(t) measured during training, with standard errors
 # =============================================================================
 
 
@@ -222,7 +249,7 @@ def level_curves(n, s1, s2, estimator="pairs", alpha=2.0):
 
 
 # =============================================================================
-# ReCAST §3.3: gains and profiles, shrunk by their evidence
+# NOTES.md §3.3, our reconstruction: gains and profiles, shrunk by their evidence
 # =============================================================================
 
 
@@ -285,13 +312,12 @@ def evidence_weight(D, se, c=2.0, n=None, family=True):
     stricter constant (c = 2 keeps rho = 0 unless Q > 2p; a chi^2_8 exceeds 16 with probability 4%).
     n (T+1,): the levels' observation counts. The se are estimated from those observations, so with few of
     them z_kj has Student-t tails, not normal ones, and pure-noise rewards passed the chi^2 test far more often
-    than 4% (results/evidence-null). Each z_kj is then replaced by the normal score of its t tail probability
+    than 4% (NOTES.md §3.3). Each z_kj is then replaced by the normal score of its t tail probability
     with nu = min(n_j, n_0) - 1 degrees of freedom (derivations.ipynb §6c), which leaves it unchanged as n grows.
     family: the K rewards are K tests, and W moves as soon as one of them passes, so with K = 4 pure-noise rewards
     W left uniform ~4x as often as one test's rate. The threshold c p is then raised to the chi^2_p quantile at
     1 - alpha / K, alpha = P(chi^2_p > c p) (Bonferroni: the chance that any reward passes under the null stays
-    <= alpha; derivations.ipynb §6d). K = 1 keeps c p. family=False: each reward tested alone (the default until
-    the second session of 2026-12-01).
+    <= alpha; derivations.ipynb §6d). K = 1 keeps c p. family=False: each reward tested alone.
     D, se (K, T+1) from `level_curves`. Returns (K,)."""
     j, z = evidence_departures(D, se, n)
     if not len(j):
@@ -367,7 +393,7 @@ def credit_profiles(D, se, sigmas, n, c=2.0):
 
 
 # =============================================================================
-# ReCAST §3.4: the W solver
+# NOTES.md §3.4, our reconstruction: the W solver
 # =============================================================================
 
 
@@ -418,7 +444,7 @@ def uniform_W(budgets, T):
 
 
 # =============================================================================
-# ReCAST §3.1: the mixed NFT loss
+# NOTES.md §3.1, our reconstruction: the mixed NFT loss
 # =============================================================================
 
 
@@ -462,7 +488,7 @@ def nft_loss(v_theta, v_old, x_t, x0, t, r, b=1.0, adv_clip=5.0):
 
 
 # =============================================================================
-# ReCAST's glue: credit (curves -> W), the update, DiffusionNFT's one-reward baseline
+# ReCAST's glue: credit (curves -> W), the update, DiffusionNFT's multi-reward baseline
 # =============================================================================
 
 
@@ -512,8 +538,6 @@ def nft_update(run, b, r_mix_table, W, args, gen, on_step):
     """ReCAST's update: `update_loop` with DiffusionNFT's loss (`nft_loss`) on the mixed optimality. The loss at
     t = sigmas[j] (the velocity that moves s_j -> s_{j+1}) uses r~ = sum_k (T / Lam) W_kj r_k (`mix_optimality`).
     b: the iteration's rollout (leaves, groups, emb, pooled); r_mix_table (N, K) optimality per reward; W (K, T)."""
-    import torch
-
     r_t = torch.as_tensor(r_mix_table, dtype=torch.float32)
     W_t = torch.as_tensor(W / W.sum(), dtype=torch.float32)  # scale-free before float32 (budgets of 1e-40 or 1e300)
 
@@ -624,7 +648,7 @@ def train(args: Args, extra_rewards=None, judges=None):
             "time/gains_W": t3 - t2,
             "time/update": t4 - t3,
         }
-        finish_iteration(run, args, it, metrics, state, before)
+        finish_iteration(run, args, it, metrics, state, before, evaluate)
         bar.set_postfix({"reward": f"{metrics['reward/weighted']:.3f}", "loss": f"{metrics['loss/policy']:.4g}"})
     if run.acc.is_main_process:
         plot_run(run.out, run.names)
@@ -637,9 +661,6 @@ def train(args: Args, extra_rewards=None, judges=None):
 # =============================================================================
 
 
-EMBEDDED_MODEL = str(Path(__file__).resolve().parent / "assets" / "shapes-sd3")  # runs from any folder
-
-
 ARG_GROUPS = {  # --help sections, in this order: title -> what the flags set
     "method": "ReCAST's credit: rewards, budgets, the Renyi gains and W",
     "rollout": "prompts per iteration, trees and the sampler",
@@ -648,12 +669,6 @@ ARG_GROUPS = {  # --help sections, in this order: title -> what the flags set
     "I/O": "model, prompts, run folder, device and logging",
     "reward models": "weights and servers of the real reward models (defaults in reward_models.DEFAULTS)",
 }
-
-
-def flag(default, group, **checks):
-    """One Args field: its default, its --help section (a key of ARG_GROUPS) and the checks `check_ranges` applies:
-    min / max (inclusive), gt / lt (strict), choices. Its help line is the string under it (`field_docs`)."""
-    return field(default=default, metadata={"group": group, **checks})
 
 
 @dataclass
@@ -676,10 +691,9 @@ class Args:
     eps: float = flag(1e-3, "method", min=0, max=1)
     """profile smoothing P~ = (1 - eps) P + eps / T (> 0 keeps W unique)"""
     gain_ema: float = flag(0.999, "method", min=0, lt=1)
-    """discount of the level statistics across iterations (horizon ~ 1 / (1 - gain_ema) iterations). 0.999: the default
-    run keeps nearly every observation, (1 - 0.999^I) / 0.001 groups per level after I iterations (95 at the default
-    100): W needs >= ~60 per level to resolve the embedded world's measured profiles (results/world-design/README.md;
-    at 0.9 the levels held ~10)"""
+    """discount of the level statistics across iterations (horizon ~ 1 / (1 - gain_ema) iterations); the default keeps
+    nearly every observation, (1 - gain_ema^I) / (1 - gain_ema) groups per level after I iterations (NOTES.md §3.3:
+    how many W needs)"""
     evidence: float = flag(2.0, "method", min=0)
     """shrink each reward's profile towards uniform by rho = max(0, 1 - c p / Q), Q the chi^2 of its curve against
     uniform gains (0: no shrinkage)"""
@@ -716,7 +730,7 @@ class Args:
     """chunk size for transformer calls during rollouts"""
     # optimisation
     iterations: int = flag(100, "optimisation", min=1)
-    """training iterations (rollout + update); the default run takes <= 9 min on 2 CPU cores"""
+    """training iterations (rollout + update)"""
     nft_b: float = flag(1.0, "optimisation", gt=0)
     """DiffusionNFT guidance strength b in v+- = v_old +- b (v_theta - v_old)"""
     base_reg: float = flag(1e-4, "optimisation", min=0)
@@ -823,7 +837,7 @@ def validate(args: Args, extra_rewards=None):
         if args.n_roots < 2 or not branch:
             raise SystemExit("--gain-estimator pairs needs --n-roots >= 2 and at least one --branch-steps entry")
     check_files(args, names)
-    args.out = run_folder(args)
+    args.out = run_folder(args, default_name(args))
     return names, budgets, branch
 
 
@@ -832,45 +846,16 @@ def default_name(args):
 
 
 # #####################################################################################################################
-# DiffusionNFT skeleton and run machinery: identical in recast.py and rvge.py, in this order, to the end of the file.
+# DiffusionNFT's training core: identical in recast.py and rvge.py, in this order, to the end of the file.
 # test_recast.py checks that the two blocks are the same text; change it in recast.py, then
-# `python test_recast.py --fix-copies` rewrites rvge.py's block from it.
+# `python test_recast.py --fix-copies` rewrites rvge.py's block from it. The run machinery around it (flags, checks,
+# run folders, resume, checkpoints, trackers, figures, model loading) is run_kit.py's.
 # #####################################################################################################################
 
 
 # =============================================================================
 # DiffusionNFT's rewards to optimality, and its schedules (NOTES.md §2)
 # =============================================================================
-
-
-def parse_budgets(text: str) -> list[float]:
-    """Parse a budget vector such as "0.4,0.3,0.2,0.1" -> [0.4, 0.3, 0.2, 0.1].
-
-    Budgets are NOT normalised: W's row sums equal them exactly as given. The
-    loss divides by their sum (the mixture weights T W_kj / Lam sum to one per
-    step), so scaling all budgets by a constant changes nothing in training.
-    Raises ValueError naming the problem: empty, not a number, NaN/inf,
-    negative, or all zero.
-    """
-    fix = "give comma-separated non-negative numbers, one per reward, e.g. --budgets 0.4,0.3,0.2,0.1"
-    if text is None or not str(text).strip():
-        raise ValueError(f"budgets are empty: {fix}")
-    out = []
-    for i, part in enumerate(str(text).split(",")):
-        try:
-            value = float(part)
-        except ValueError:
-            raise ValueError(f"budget {i + 1} ({part.strip()!r}) is not a number: {fix}") from None
-        if not math.isfinite(value):
-            raise ValueError(f"budget {i + 1} is {value}: budgets must be finite; {fix}")
-        if value < 0:
-            raise ValueError(f"budget {i + 1} is negative ({value}): {fix}")
-        out.append(value)
-    if sum(out) <= 0:
-        raise ValueError(f"all budgets are zero: at least one reward needs a positive budget; {fix}")
-    if not math.isfinite(sum(out)):
-        raise ValueError(f"budgets sum to {sum(out)}: only their ratios matter, so scale them down; {fix}")
-    return out
 
 
 def advantages(rewards, groups, std=None, clip=5.0, eps=1e-4):
@@ -903,12 +888,6 @@ def optimality(rewards, groups, std=None, clip=5.0, eps=1e-4):
     """DiffusionNFT's reward -> optimality probability: r = 0.5 + 0.5 A / clip in [0, 1], A the
     clipped advantage (`advantages`, same arguments). Non-finite rewards and tied groups get r = 0.5."""
     return 0.5 + 0.5 * advantages(rewards, groups, std, clip, eps) / clip
-
-
-def budget_mean(values, budgets):
-    """The budget-weighted mean sum_k lambda_k v_k / Lam of per-reward values (K,): the metrics `reward/weighted`
-    and `eval/weighted`."""
-    return np.asarray(budgets) @ values / sum(budgets)
 
 
 def old_decay(step, decay_type):
@@ -979,7 +958,7 @@ def shifted_sigmas(T, shift=3.0):
 
 
 # =============================================================================
-# Rollout and rewards (NOTES.md §5)
+# Tree rollouts (NOTES.md §5), rewards, the held-out evaluation
 # =============================================================================
 
 
@@ -993,23 +972,10 @@ def branch_layout(n_groups, T, branch_steps, offset=0):
     return [list(branch_steps) for _ in range(n_groups)]
 
 
-def encode(pipe, prompts, max_len, device):
-    """CFG-free text conditioning: (prompt_embeds (P, L, D), pooled (P, D'))."""
-    import torch
-
-    with torch.no_grad():
-        emb, _, pooled, _ = pipe.encode_prompt(
-            prompts, prompts, prompts, device=device, do_classifier_free_guidance=False, max_sequence_length=max_len
-        )
-    return emb, pooled
-
-
 def velocity(transformer, x, s, emb, pooled, chunk=64):
     """v(x_t, t, c) of the active adapter; x (N, C, h, w) float32, s (N,) sigmas in [0, 1],
     emb/pooled already indexed per sample. The transformer takes timestep = 1000 s (float32, as the
     SD3 pipeline passes it, whatever the weights' dtype). Returns float32."""
-    import torch
-
     dtype = emb.dtype
     outs = []
     for i in range(0, len(x), chunk):
@@ -1052,8 +1018,6 @@ def tree_rollout(
 
     Returns leaves (N, C, h, w), groups (N,) prompt index, ancestry (N, 1 + L) codes for
     `split_levels`, and probes: a list of (step, x0_hat = x - s v, groups) for the denoised estimator."""
-    import torch
-
     device = emb.device
     P, T = len(emb), len(sigmas) - 1
 
@@ -1119,8 +1083,6 @@ def tree_rollout(
 def ode_sample(transformer, emb, pooled, sigmas, shape, seed, chunk=64):
     """One image latent per prompt by the Euler ODE from fixed noise (`seed`): the held-out samplers' rollout
     (a tree with one root and no branch)."""
-    import torch
-
     return tree_rollout(
         transformer,
         emb,
@@ -1138,8 +1100,6 @@ def ode_sample(transformer, emb, pooled, sigmas, shape, seed, chunk=64):
 
 def sde_continue(transformer, x, v, s, s_next, emb, pooled, sde_a, s_first, substeps, gen, chunk):
     """`substeps` SDE steps from s to s_next on an even sub-grid; v is the velocity already taken at s."""
-    import torch
-
     grid = np.linspace(s, s_next, substeps + 1)
     for i, (u, u_next) in enumerate(zip(grid[:-1], grid[1:])):
         if i:
@@ -1148,29 +1108,96 @@ def sde_continue(transformer, x, v, s, s_next, emb, pooled, sde_a, s_first, subs
     return x
 
 
-def decode(pipe, latents, chunk=8):
-    """Latents (scaled as the transformer sees them) -> list of PIL images."""
-    import torch
+@dataclass
+class Rollout:
+    """One iteration's rollouts and rewards (`rollout_and_score`): what the method's step 2 and the update read."""
 
-    cfg = pipe.vae.config
-    images = []
-    with torch.no_grad():
-        for z in latents.split(chunk):
-            x = pipe.vae.decode((z / cfg.scaling_factor + cfg.shift_factor).to(pipe.vae.dtype), return_dict=False)[0]
-            images += pipe.image_processor.postprocess(x.float(), output_type="pil")
-    return images
-
-
-def reward_extras(model, extra=None):
-    """Rewards that are plain callables: the embedded world's programs (for the embedded model;
-    their names shadow the reward models', e.g. `geneval` is the shapes checker there) and `extra`."""
-    world = __import__("shapes_world").REWARDS if is_embedded(model) else {}
-    return {**world, **(extra or {})}
+    prompts: list[str]  # (P,) this process's prompts, one per tree
+    emb: torch.Tensor  # (P, L, D) CFG-free text embeddings
+    pooled: torch.Tensor  # (P, D') pooled text embeddings
+    leaves: torch.Tensor  # (N, C, h, w) clean latents of the leaves
+    groups: np.ndarray  # (N,) prompt index of each leaf
+    ancestry: np.ndarray  # (N, 1 + L) each leaf's root and branch indices (`split_levels`)
+    layouts: list[list[int]]  # each prompt's branch steps (`branch_layout`; [] each with --sampler ode)
+    R: np.ndarray  # (N, K) rewards; NaN where a reward failed
+    probes: list  # [(step, x0_hat (M, C, h, w), groups (M,))] at the probe steps
+    probe_R: list  # [(step, rewards (M, K), groups (M,))]: the decoded probes, scored
+    t_rollout: float  # time.perf_counter() when the rollouts ended (the rewards' clock starts there)
 
 
-def score(rewards, images, prompts):
-    """Rewards (N, K) float64; non-finite values are kept (NaN) and handled by `optimality`."""
-    return np.stack([np.asarray(fn(images, prompts), dtype=np.float64).reshape(len(images)) for fn in rewards], 1)
+def rollout_and_score(run: Run, args: Args, it, gen, probe_steps=()) -> Rollout:
+    """Step 1 of an iteration: prompts, rollouts from the "old" adapter (--sampler tree: branched trees
+    with this iteration's branch layout; ode: independent deterministic DPM-Solver-2 samples, as
+    DiffusionNFT), decoded leaves scored; x0_hat kept, decoded and scored at probe_steps (steps, or
+    "layout": each group's layout steps, the denoised estimator). Returns the Rollout."""
+    prompts = run.prompts_for(it)
+    emb, pooled = encode(run.pipe, prompts, run.max_len, run.acc.device)
+    P = len(prompts)
+    layouts = branch_layout(P, args.steps, run.branch, offset=(it * run.acc.num_processes + run.acc.process_index) * P)
+    tree = args.sampler == "tree"
+    run.transformer.set_adapter("old")
+    leaves, groups, ancestry, probes = tree_rollout(
+        run.transformer,
+        emb,
+        pooled,
+        run.sigmas,
+        n_roots=args.n_roots,
+        n_branch=args.n_branch,
+        branch=layouts if tree else [],
+        sde_a=args.sde_a,
+        gen=gen,
+        shape=run.shape,
+        chunk=args.rollout_batch,
+        probe_steps=layouts if probe_steps == "layout" else probe_steps,
+        substeps=args.sde_substeps,
+        solver="euler" if tree else "dpm2",
+    )
+    run.transformer.set_adapter("default")
+    t_rollout = time.perf_counter()
+    R = score(run.rewards, decode(run.pipe, leaves), [prompts[g] for g in groups])
+    probe_R = [(j, score(run.rewards, decode(run.pipe, x0h), [prompts[g] for g in gp]), gp) for j, x0h, gp in probes]
+    return Rollout(
+        prompts=prompts,
+        emb=emb,
+        pooled=pooled,
+        leaves=leaves,
+        groups=groups,
+        ancestry=ancestry,
+        layouts=layouts if tree else [[]] * P,
+        R=R,
+        probes=probes,
+        probe_R=probe_R,
+        t_rollout=t_rollout,
+    )
+
+
+def global_stats(R, reduce):
+    """Per-column (count, mean, std) of the finite rewards of all processes; R (N, K)."""
+    finite = np.isfinite(R)
+    Rz = np.where(finite, R, 0.0)
+    n = reduce(finite.sum(0))
+    mean = reduce(Rz.sum(0)) / np.maximum(n, 1)
+    return n, mean, np.sqrt(np.maximum(reduce((Rz**2).sum(0)) / np.maximum(n, 1) - mean**2, 0.0))
+
+
+def evaluate(run: Run, args: Args):
+    """Held-out evaluation of the trained adapter (its EMA with --ema, as DiffusionNFT evaluates):
+    Euler ODE sampling with --eval-steps on fixed prompts and seeds, training rewards and held-out
+    judges. Returns (metrics, images)."""
+
+    emb, pooled = encode(run.pipe, run.eval_prompts, run.max_len, run.acc.device)
+    run.transformer.set_adapter("ema" if args.ema else "default")
+    latents = ode_sample(run.transformer, emb, pooled, run.eval_sigmas, run.shape, seed=12345, chunk=args.rollout_batch)
+    run.transformer.set_adapter("default")
+    images = decode(run.pipe, latents)
+    R = score(run.rewards, images, run.eval_prompts)
+    metrics = {f"eval/{n}": float(np.nanmean(R[:, k])) for k, n in enumerate(run.names)}
+    metrics["eval/weighted"] = float(budget_mean(np.nanmean(R, 0), run.budgets))
+    for name, fn in (run.judges or {}).items():
+        metrics[f"eval/judge/{name}"] = float(np.nanmean(fn(images, run.eval_prompts)))
+    if run.frechet:
+        metrics["eval/judge/frechet"] = float(run.frechet(images, run.eval_prompts))
+    return metrics, images
 
 
 # =============================================================================
@@ -1181,22 +1208,18 @@ def score(rewards, images, prompts):
 def training_pairs(N, T, per_leaf, gen):
     """(N * per_leaf, 2) (leaf, grid step) pairs in random order: each leaf trains on `per_leaf`
     distinct sampler steps, the first of a random permutation of the T (DiffusionNFT: 9 of 10)."""
-    import torch
-
     steps = torch.stack([torch.randperm(T, generator=gen)[: min(per_leaf, T)] for _ in range(N)])
     pairs = torch.stack([torch.arange(N).repeat_interleave(steps.shape[1]), steps.reshape(-1)], 1)
     return pairs[torch.randperm(len(pairs), generator=gen)]
 
 
-def update_loop(run, b, args, gen, on_step, policy_loss):
+def update_loop(run: Run, b: Rollout, args: Args, gen, on_step, policy_loss):
     """The update both methods share (NOTES.md §2, §4.3): the iteration's (leaf, timestep) samples in
     --updates-per-iter equal chunks, one AdamW step per chunk on the mean loss over its samples (all processes;
     1 chunk is DiffusionNFT's one step per epoch). Per micro-batch: fresh noise (`noised_batch`), the frozen
     v_old / v_base, v_theta, and loss = mean(policy_loss(nb, v_theta, v_old)) + base_reg mean(|v_theta - v_base|^2),
     policy_loss the method's per-sample loss (B,). `on_step()` runs after every optimizer step (the EMA).
     Returns mean losses, the last gradient norm and the counts."""
-    import torch
-
     transformer, sigmas, leaves, groups = run.transformer, run.sigmas, b.leaves, torch.as_tensor(b.groups)
     pairs = training_pairs(len(leaves), len(sigmas) - 1, args.train_steps_per_leaf, gen)
     params = lora_params(transformer, "default")
@@ -1237,8 +1260,6 @@ class NoisedBatch(NamedTuple):
 
 def noised_batch(pairs, leaves, groups, emb, pooled, sigmas, gen):
     """One micro-batch of (leaf, step) pairs -> NoisedBatch, with fresh noise eps from gen."""
-    import torch
-
     i, j = pairs[:, 0], pairs[:, 1]
     x0, s = leaves[i], sigmas[j].to(leaves.device)
     eps = torch.randn(x0.shape, generator=gen).to(leaves.device)
@@ -1250,8 +1271,6 @@ def frozen_velocities_ahead(transformer, batches, size, with_base):
     """--frozen-batch: the no-grad v_old / v_base of every micro-batch of an optimizer step, computed
     ahead in chunks of `size` (larger than the gradient micro-batch: no activations are kept), then
     split back per micro-batch. The same numbers as `frozen_velocities` per micro-batch."""
-    import torch
-
     x_t, s = torch.cat([nb.x_t for nb in batches]), torch.cat([nb.s for nb in batches])
     cond = (torch.cat([nb.cond[0] for nb in batches]), torch.cat([nb.cond[1] for nb in batches]))
     v_old, v_base = zip(
@@ -1273,8 +1292,6 @@ def frozen_velocities_ahead(transformer, batches, size, with_base):
 def frozen_velocities(transformer, x_t, s, cond, with_base):
     """No-grad velocities of the "old" (sampling) adapter and of the frozen base (adapters off; v_old
     again when the base term is off); leaves the "default" adapter active."""
-    import torch
-
     with torch.no_grad():
         transformer.set_adapter("old")
         v_old = velocity(transformer, x_t, s, *cond)
@@ -1287,8 +1304,6 @@ def frozen_velocities(transformer, x_t, s, cond, with_base):
 
 def optimizer_step(opt, params, totals, grad_clip, all_reduce_grads):
     """Average the gradients over processes, clip their norm, refuse a non-finite step, step AdamW."""
-    import torch
-
     all_reduce_grads(params)
     totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
     check_finite(totals)
@@ -1297,1033 +1312,19 @@ def optimizer_step(opt, params, totals, grad_clip, all_reduce_grads):
     totals["train/opt_steps"] += 1
 
 
-def check_finite(values):
-    """Stop before an optimizer step that would write NaN/inf into the weights (exit code 1; the run
-    folder keeps its last good checkpoint). values: the step's losses and gradient norm."""
-    bad = {k: v for k, v in values.items() if not math.isfinite(v)}
-    if bad:
-        raise SystemExit(
-            f"non-finite {bad}: the optimizer step was not taken and nothing was saved; the last good "
-            "checkpoint is kept. Lower --lr or check the flags and rewards, then --resume"
-        )
-
-
 # =============================================================================
-# One iteration's shared steps (train's steps 1 and 4)
+# The script's entry points: its flags, its run, main
 # =============================================================================
-
-
-def setup_run(args: Args, extra_rewards=None, judges=None):
-    """Validate, then load everything one run needs; returns a namespace shared by the loop's steps."""
-    import torch
-    from accelerate import Accelerator, PartialState
-    from accelerate.utils import broadcast_object_list
-
-    names, budgets, branch = validate(args, extra_rewards)
-    quiet_start_up()
-    lock = lock_run(args.out) if is_first_process() else None
-    device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if PartialState(cpu=device_name == "cpu").num_processes > 1:  # the first process chose the run folder
-        args.out = broadcast_object_list([args.out], from_process=0)[0]
-    trackers = {} if args.report_to == "none" else {"log_with": args.report_to, "project_dir": args.out}
-    acc = Accelerator(cpu=device_name == "cpu", **trackers)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if acc.device.type == "cuda" else "float32"))
-    seed_everything(args.seed)
-    world = __import__("shapes_world") if is_embedded(args.model) else None
-    gen_kwargs = world.GEN_KWARGS if world else {}
-    res = args.resolution or gen_kwargs.get("height", 512)
-    max_len = args.max_sequence_length or gen_kwargs.get("max_sequence_length", 128)  # 128: DiffusionNFT's T5 length
-    pipe = load_pipeline(args, acc.device, dtype)
-    pipe.scheduler.set_timesteps(args.steps)
-    train_prompts = read_prompts(args.train_prompts, "--train-prompts") if args.train_prompts else None
-    if world is None and train_prompts is None:
-        raise SystemExit("--train-prompts FILE is required for this model (one prompt per line)")
-
-    def reduce(a):  # sum numpy statistics over processes
-        if acc.num_processes == 1:
-            return np.asarray(a)
-        return acc.reduce(torch.as_tensor(np.asarray(a), dtype=torch.float64, device=acc.device), "sum").cpu().numpy()
-
-    def all_reduce_grads(params):
-        if acc.num_processes > 1:
-            for p in params:
-                if p.grad is not None:
-                    p.grad = acc.reduce(p.grad, "mean")
-
-    def prompts_for(it):  # each process its own prompt groups
-        if world:
-            return world.sample_prompts(args.prompts_per_iter, "train", args.seed * 7919 + it * 97 + acc.process_index)
-        return distinct_prompts(
-            train_prompts, args.prompts_per_iter, [args.seed, it], acc.process_index, acc.num_processes
-        )
-
-    return SimpleNamespace(
-        acc=acc,
-        pipe=pipe,
-        transformer=pipe.transformer,
-        names=names,
-        budgets=budgets,
-        branch=branch,
-        rewards=build_rewards(names, replace(args, device=str(acc.device)), reward_extras(args.model, extra_rewards)),
-        judges=judges if judges is not None or world is None else world.JUDGES,
-        frechet=world.frechet_distance if world else None,  # held-out drift judge (set level)
-        sigmas=pipe.scheduler.sigmas.float().cpu(),  # (T+1,), 1 -> 0: the W columns and training timesteps
-        eval_sigmas=scheduler_sigmas(pipe, args.eval_steps or args.steps),
-        shape=(pipe.transformer.config.in_channels, res // pipe.vae_scale_factor, res // pipe.vae_scale_factor),
-        opt=torch.optim.AdamW(lora_params(pipe.transformer, "default"), lr=args.lr, weight_decay=args.weight_decay),
-        eval_prompts=read_prompts(args.eval_prompts, "--eval-prompts")
-        if args.eval_prompts
-        else (world.sample_prompts(16, "heldout", 0) if world else []),
-        out=Path(args.out),
-        lock=lock,
-        reduce=reduce,
-        all_reduce_grads=all_reduce_grads,
-        prompts_for=prompts_for,
-        encode=lambda prompts: encode(pipe, prompts, max_len, acc.device),
-    )
-
-
-def rollout_and_score(run, args, it, gen, probe_steps=()):
-    """Step 1 of an iteration: prompts, rollouts from the "old" adapter (--sampler tree: branched trees
-    with this iteration's branch layout; ode: independent deterministic DPM-Solver-2 samples, as
-    DiffusionNFT), decoded leaves scored; x0_hat kept, decoded and scored at probe_steps (steps, or
-    "layout": each group's layout steps, the denoised estimator). Returns a namespace with prompts, emb,
-    pooled, leaves, groups, ancestry, layouts, probes [(step, x0_hat, groups)], probe_R [(step, R, groups)],
-    R (N, K)."""
-    prompts = run.prompts_for(it)
-    emb, pooled = run.encode(prompts)
-    P = len(prompts)
-    layouts = branch_layout(P, args.steps, run.branch, offset=(it * run.acc.num_processes + run.acc.process_index) * P)
-    tree = args.sampler == "tree"
-    run.transformer.set_adapter("old")
-    leaves, groups, ancestry, probes = tree_rollout(
-        run.transformer,
-        emb,
-        pooled,
-        run.sigmas,
-        n_roots=args.n_roots,
-        n_branch=args.n_branch,
-        branch=layouts if tree else [],
-        sde_a=args.sde_a,
-        gen=gen,
-        shape=run.shape,
-        chunk=args.rollout_batch,
-        probe_steps=layouts if probe_steps == "layout" else probe_steps,
-        substeps=args.sde_substeps,
-        solver="euler" if tree else "dpm2",
-    )
-    run.transformer.set_adapter("default")
-    t_rollout = time.perf_counter()
-    R = score(run.rewards, decode(run.pipe, leaves), [prompts[g] for g in groups])
-    probe_R = [(j, score(run.rewards, decode(run.pipe, x0h), [prompts[g] for g in gp]), gp) for j, x0h, gp in probes]
-    return SimpleNamespace(
-        prompts=prompts,
-        emb=emb,
-        pooled=pooled,
-        leaves=leaves,
-        groups=groups,
-        ancestry=ancestry,
-        layouts=layouts if tree else [[]] * P,
-        R=R,
-        probes=probes,
-        probe_R=probe_R,
-        t_rollout=t_rollout,
-    )
-
-
-def global_stats(R, reduce):
-    """Per-column (count, mean, std) of the finite rewards of all processes; R (N, K)."""
-    finite = np.isfinite(R)
-    Rz = np.where(finite, R, 0.0)
-    n = reduce(finite.sum(0))
-    mean = reduce(Rz.sum(0)) / np.maximum(n, 1)
-    return n, mean, np.sqrt(np.maximum(reduce((Rz**2).sum(0)) / np.maximum(n, 1) - mean**2, 0.0))
-
-
-def stop_if_a_reward_failed(run, it, n_valid, state):
-    """Stop the run when a reward returned NaN/inf for every image of iteration `it` (all processes): the state
-    before it is checkpointed, and the message names the reward(s) and how to continue. n_valid (K,)."""
-    if (n_valid == 0).any():
-        if run.acc.is_main_process:
-            save_checkpoint(run.out, max(it - 1, 0), run.transformer, run.opt, state)
-        bad = [n for n, c in zip(run.names, n_valid) if c == 0]
-        raise SystemExit(
-            f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; checkpoint saved in {run.out}. "
-            f"Fix the reward, then continue with --resume {run.out}"
-        )
-
-
-def reward_metrics(run, it, b, n_valid, mean_R, losses):
-    """The first entries of an iteration's metrics line: training rewards per reward and budget-weighted, the
-    count of non-finite ones (all processes), the update's losses and sample count."""
-    nonfinite = (run.reduce(len(b.R)) - n_valid).astype(int).tolist()
-    return {
-        "iteration": it,
-        **{f"reward/{n}": float(mean_R[k]) for k, n in enumerate(run.names)},
-        "reward/weighted": float(budget_mean(mean_R, run.budgets)),
-        **{f"reward_nonfinite/{n}": c for n, c in zip(run.names, nonfinite)},
-        **losses,
-        "train/samples": int(run.reduce(losses["train/samples"])),
-    }
-
-
-def finish_iteration(run, args, it, metrics, state, before=None):
-    """Step 4: evaluate (every eval_every iterations and at the end), append the metrics line,
-    checkpoint (every save_every iterations and at the end). Main process only."""
-    last = it == args.iterations - 1
-    if run.acc.is_main_process:
-        if before:
-            metrics.update({k.replace("eval/", "eval_before/"): v for k, v in before.items()})
-        if args.eval_every and run.eval_prompts and ((it + 1) % args.eval_every == 0 or last):
-            metrics_eval, images = evaluate(run, args)
-            metrics.update(metrics_eval)
-            if last:
-                save_grid(images, run.out / "samples_after.png", prompts=run.eval_prompts)
-        with open(run.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        log_to_trackers(run.acc, metrics, step=it)
-        if (it + 1) % args.save_every == 0 or last:
-            save_checkpoint(run.out, it, run.transformer, run.opt, state)
-    run.acc.wait_for_everyone()
-
-
-# =============================================================================
-# Model loading
-# =============================================================================
-
-
-LORA_TARGETS = [
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-]
-
-
-def no_torchvision_notice(record):
-    """A logging filter: drops transformers' notice that torchvision is absent (deliberately: the PIL image processors
-    it falls back to serve every model here) and nothing else."""
-    return "requires torchvision (not installed)" not in record.getMessage()
-
-
-def quiet_start_up():
-    """The console of a run holds one progress bar and no library notices: the filter above on the logger that
-    prints the torchvision notice, and the loading bars of diffusers and transformers off in this process."""
-    logging.getLogger("transformers.utils.import_utils").addFilter(no_torchvision_notice)
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
-
-
-def load_pipeline(args, device, dtype):
-    """StableDiffusion3Pipeline (the real SD3.5-M or the embedded tiny one, same classes) with
-    frozen VAE and text encoders, and LoRA adapters on the transformer: "default" (trained), "old"
-    (sampling policy, a copy) and with --ema "ema". Disabling adapters gives the frozen base."""
-    import torch
-    from diffusers import StableDiffusion3Pipeline
-    from peft import LoraConfig
-
-    local = Path(args.model).exists()
-    pipe = StableDiffusion3Pipeline.from_pretrained(args.model, dtype=dtype, local_files_only=local)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.to(device)
-    for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.transformer):
-        if module is not None:
-            module.requires_grad_(False)
-            module.eval()
-    transformer = pipe.transformer
-    config = LoraConfig(
-        r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian", target_modules=LORA_TARGETS
-    )
-    torch.manual_seed(args.seed)
-    transformer.add_adapter(config, adapter_name="default")
-    adapters = ["default", "old"] + (["ema"] if args.ema else [])
-    for name in adapters[1:]:  # "old" and "ema" start as copies of "default"
-        with warnings.catch_warnings():  # several adapters on one model are the design here, not a slip
-            warnings.filterwarnings("ignore", message="Already found a `peft_config`")
-            transformer.add_adapter(config, adapter_name=name)
-        copy_adapter(transformer, "default", name)
-    for p in [p for name in adapters for p in lora_params(transformer, name)]:
-        p.data = p.data.float()  # LoRA weights and their optimizer state in float32
-    transformer.set_adapter("default")
-    if args.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    return pipe
-
-
-def scheduler_sigmas(pipe, steps):
-    """The pipeline scheduler's sigma grid (steps + 1,) for `steps` steps, from a copy (the pipeline's own stays
-    as set)."""
-    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
-    scheduler.set_timesteps(steps)
-    return scheduler.sigmas.float().cpu()
-
-
-def lora_params(transformer, adapter):
-    return [p for n, p in transformer.named_parameters() if f".{adapter}." in n]
-
-
-def copy_adapter(transformer, src, dst, keep=0.0):
-    """dst <- keep * dst + (1 - keep) * src, parameter by parameter (DiffusionNFT's soft update)."""
-    import torch
-
-    with torch.no_grad():
-        for p_src, p_dst in zip(lora_params(transformer, src), lora_params(transformer, dst)):
-            p_dst.mul_(keep).add_(p_src.to(p_dst.dtype), alpha=1 - keep)
-
-
-def dry_run(args):
-    """SD3.5-Medium readiness without weights: its transformer (shipped config) on the meta device,
-    the LoRA attached, trainable parameters and a memory plan for one micro-batch."""
-    from accelerate import init_empty_weights
-    from diffusers import SD3Transformer2DModel
-    from peft import LoraConfig
-
-    config = json.loads((Path(__file__).parent / "assets/sd3.5-medium-transformer.json").read_text())
-    with init_empty_weights():
-        transformer = SD3Transformer2DModel.from_config(config)
-        lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=LORA_TARGETS)
-        transformer.add_adapter(lora, adapter_name="default")
-        transformer.add_adapter(lora, adapter_name="old")
-    total = sum(p.numel() for p in transformer.parameters())
-    trainable = sum(p.numel() for p in lora_params(transformer, "default"))
-    targets = sum(1 for n, _ in transformer.named_modules() if n.endswith(".lora_A.default"))
-    res = args.resolution or 512
-    tokens = (res // 8 // config["patch_size"]) ** 2 + 77 + (args.max_sequence_length or 128)
-    gib = 2**30
-    plan = {
-        "frozen weights (bf16)": 2 * (total - 2 * trainable) / gib,
-        "two LoRA adapters (fp32)": 4 * 2 * trainable / gib,
-        "AdamW state + grads (fp32)": 3 * 4 * trainable / gib,
-        # rough activation size kept for backward: per block ~ 12 tensors of (tokens, hidden) in bf16
-        f"activations, micro-batch {args.train_batch} (estimate)": args.train_batch
-        * config["num_layers"]
-        * 12
-        * tokens
-        * config["num_attention_heads"]
-        * config["attention_head_dim"]
-        * 2
-        / gib,
-    }
-    print(
-        f"SD3.5-Medium transformer: {total / 1e6:.1f}M parameters, LoRA on {targets} linear layers "
-        f"(r={args.lora_rank}, alpha={args.lora_alpha}): {trainable / 1e6:.2f}M trainable"
-    )
-    for key, value in plan.items():
-        print(f"  {key:<45} {value:8.2f} GiB")
-    print(f"  {'total (transformer training, excl. VAE/text encoders)':<45} {sum(plan.values()):8.2f} GiB")
-    return {"total_params": total, "trainable_params": trainable, "lora_layers": targets, "memory_gib": plan}
-
-
-# =============================================================================
-# Arguments: parsing, resume, input checks
-# =============================================================================
-
-
-def field_docs(cls):
-    """{field name: the string literal written under it} from cls's source: per-field docstrings (CleanRL's habit)
-    that become the --help lines, whitespace collapsed."""
-    import ast
-    import inspect
-    import textwrap
-
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    return {
-        a.target.id: " ".join(b.value.value.split())
-        for a, b in zip(body, body[1:])
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
-    }
-
-
-def make_parser(suppress=False):
-    """argparse from Args, in the sections of ARG_GROUPS; the string under each field is its --help line. With
-    suppress=True only the flags actually given appear in the result (used by --resume)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS if suppress else None
-    )
-    sections = {title: parser.add_argument_group(title, text) for title, text in ARG_GROUPS.items()}
-    docs = field_docs(Args)
-    for f in fields(Args):
-        name, section = "--" + f.name.replace("_", "-"), sections[f.metadata["group"]]
-        extra = {} if suppress else {"default": f.default}
-        if f.type in (bool, "bool"):
-            section.add_argument(name, action="store_true", help=docs[f.name], **extra)
-        else:
-            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            section.add_argument(name, type=kind, help=docs[f.name], choices=f.metadata.get("choices"), **extra)
-    return parser
-
-
-# Refused on --resume when they differ from the saved run (those of them a script has): a checkpoint is only valid with
-# the first five; the level statistics it holds were measured with the gain estimator and order; --gain-init only
-# seeds iteration 0. Every other flag applies from the resumed iteration on (the optimizer takes --lr, --weight-decay).
-FIXED_ON_RESUME = ("model", "rewards", "steps", "lora_rank", "lora_alpha", "gain_estimator", "alpha", "gain_init")
-
-
-NOT_ON_RESUME = ("name", "overwrite")  # they choose or replace a run folder; --resume continues its own
 
 
 def parse_args(argv=None) -> Args:
-    """Args from the command line. With --resume DIR the settings come from DIR/config.json and
-    flags given now override them, except FIXED_ON_RESUME (refused with both values named); the
-    run folder is DIR itself, wherever it lies now."""
-    args = Args(**vars(make_parser().parse_args(argv)))
-    if not args.resume:
-        return args
-    config = Path(args.resume) / "config.json"
-    if not config.is_file():
-        raise SystemExit(f"--resume {args.resume}: no config.json there; give the run folder of an earlier run")
-    saved_config, saved = read_run_config(config)
-    script = Path(__file__).stem
-    if saved_config["script"] != script:
-        raise SystemExit(
-            f"--resume {args.resume}: that run was trained by {saved_config['script']}.py; resume it with that script"
-        )
-    given = vars(make_parser(suppress=True).parse_args(argv))
-    for k in NOT_ON_RESUME:
-        if k in given:
-            raise SystemExit(
-                f"--{k} does not go with --resume {args.resume}, which continues that run in its own folder: "
-                f"drop --{k}, or start a new run without --resume"
-            )
-    if "out" in given and Path(given["out"]).resolve() != Path(args.resume).resolve():
-        raise SystemExit(
-            f"--resume {args.resume} continues that folder in place; --out {given['out']} names another. "
-            "To branch a run, copy its folder and resume the copy"
-        )
-    changed = [
-        f"--{k.replace('_', '-')}: saved {saved.get(k)!r}, given {given[k]!r}"
-        for k in FIXED_ON_RESUME
-        if k in given and given[k] != saved.get(k)
-    ]
-    if changed:
-        raise SystemExit(
-            f"--resume {args.resume}: these settings cannot change on resume ({'; '.join(changed)}). "
-            "Drop them, or start a new run"
-        )
-    known = {f.name for f in fields(Args)}
-    args = Args(**{**{k: v for k, v in saved.items() if k in known}, **given})
-    args.out, args.resume = str(args.resume), str(args.resume)
-    return args
+    """This script's Args from the command line (`run_kit.parse_flags`; --resume DIR reads DIR/config.json)."""
+    return parse_flags(argv, Args, ARG_GROUPS, __doc__, Path(__file__).stem)
 
 
-def read_run_config(path):
-    """(config, its args) of a run's config.json, each saved flag of the type its Args field has (an int is
-    also a float); SystemExit naming the file, the entry and the fix when it is unreadable or hand-edited wrong."""
-    problem = None
-    try:
-        config = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        config, problem = None, f"it is not readable JSON ({err})"
-    if problem is None and not (isinstance(config, dict) and isinstance(config.get("args"), dict)):
-        problem = 'it does not hold an "args" object'
-    if problem is None and config.get("script") not in ("recast", "rvge"):
-        problem = f'its "script" is {config.get("script")!r}, not recast or rvge'
-    types = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
-    for f in fields(Args) if problem is None else ():
-        value, kind = config["args"].get(f.name), f.type if isinstance(f.type, str) else f.type.__name__
-        fits = isinstance(value, types[kind]) and (kind == "bool" or not isinstance(value, bool))
-        if f.name in config["args"] and not fits and not (value is None and f.default is None):
-            problem = f"args.{f.name} is {value!r}, not of type {kind}"
-            break
-    if problem:
-        raise SystemExit(
-            f"{path}: {problem}. Repair the file (the run's checkpoints are not affected), or start a new run"
-        )
-    return config, config["args"]
-
-
-def seed_everything(seed):
-    """Seeds Python's `random`, numpy's global RNG and torch's CPU and CUDA default generators.
-    The loop itself draws every random number from per-iteration generators seeded by
-    (seed, iteration), so a resumed run repeats the iterations an uninterrupted one would."""
-    import random
-
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def iteration_generator(seed, iteration):
-    """The CPU generator that draws every random number of one iteration (noise moves to the device)."""
-    import torch
-
-    return torch.Generator().manual_seed(seed * 1_000_003 + iteration)
-
-
-def check_ranges(args: Args):
-    """Each numeric flag against the bounds in its Args metadata (min / max inclusive, gt / lt strict),
-    NaN and inf refused; each flag with choices against them. Raises SystemExit naming flag, value and fix."""
-    for f in fields(Args):
-        value, meta, flag = getattr(args, f.name), f.metadata, "--" + f.name.replace("_", "-")
-        if meta.get("choices") and value not in meta["choices"]:
-            raise SystemExit(f"{flag} {value!r}: choose one of {[c for c in meta['choices'] if c]}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        bounds = [
-            (meta.get("min"), ">=", value >= meta.get("min", -math.inf)),
-            (meta.get("gt"), ">", value > meta.get("gt", -math.inf)),
-            (meta.get("max"), "<=", value <= meta.get("max", math.inf)),
-            (meta.get("lt"), "<", value < meta.get("lt", math.inf)),
-        ]
-        if not math.isfinite(value) or any(bound is not None and not ok for bound, _, ok in bounds):
-            need = " and ".join(f"{op} {bound}" for bound, op, _ in bounds if bound is not None) or "finite"
-            raise SystemExit(f"{flag} {value}: must be a finite number {need}. Fix {flag}")
-
-
-def check_report_to(report_to):
-    """--report-to's package is installed (no default run needs it); else SystemExit with the fix."""
-    import importlib.util
-
-    packages = {"tensorboard": ["tensorboard", "tensorboardX"], "wandb": ["wandb"]}.get(report_to, [])
-    if packages and not any(importlib.util.find_spec(p) for p in packages):
-        raise SystemExit(
-            f"--report-to {report_to} needs the {packages[0]} package: pip install {packages[0]}, "
-            "or leave --report-to at none"
-        )
-
-
-def check_common(args: Args, extra_rewards=None):
-    """The checks both scripts make on the user's input, before any model is loaded or any file in a run folder
-    changes: flag ranges, tracker, resolution, device, model, budgets and rewards, branch steps. Returns (reward
-    names, budgets, branch steps). Raises SystemExit with the problem and the fix."""
-    import torch
-
-    check_ranges(args)
-    check_report_to(args.report_to)
-    if args.resolution % 16:
-        raise SystemExit(
-            f"--resolution {args.resolution}: SD3 needs a multiple of 16 (VAE 8 x patch 2), "
-            "or 0 for the model's default"
-        )
-    device = args.device.split(":")[0]
-    if device not in ("", "cpu", "cuda"):
-        raise SystemExit(f"--device {args.device!r}: give cpu, cuda or cuda:N (or omit it: cuda when available)")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device}: no CUDA GPU is visible here. Use --device cpu (or omit --device)")
-    model_path = Path(args.model)
-    if not args.dry_run:
-        if not model_path.exists():
-            if args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:
-                raise SystemExit(
-                    f"--model {args.model}: no such folder. Give a diffusers folder or a hub id such as "
-                    "stabilityai/stable-diffusion-3.5-medium"
-                )
-            if not torch.cuda.is_available() and args.device != "cpu":
-                raise SystemExit(
-                    f"--model {args.model} (SD3.5-Medium scale) needs a CUDA GPU and none is visible. "
-                    "On a CPU, train the embedded model: omit --model"
-                )
-        elif not (model_path / "model_index.json").exists():
-            raise SystemExit(f"--model {args.model}: not a diffusers pipeline folder (no model_index.json)")
-    try:
-        budgets = parse_budgets(args.budgets)
-    except ValueError as err:
-        raise SystemExit(f"--budgets: {err}") from None
-    names = [n.strip() for n in args.rewards.split(",") if n.strip()]
-    if not names:
-        if not is_embedded(args.model):
-            raise SystemExit("--rewards is required for this model, e.g. --rewards pickscore,clipscore,aesthetic,ocr")
-        import shapes_world
-
-        names = list(shapes_world.DEFAULT_REWARDS)
-    known = set(REWARD_MODELS) | set(reward_extras(args.model, extra_rewards))
-    unknown = [n for n in names if n not in known]
-    if unknown or len(set(names)) != len(names):
-        raise SystemExit(f"unknown or repeated reward(s) in {names}; known rewards: {sorted(known)}. Fix --rewards.")
-    if len(budgets) != len(names):
-        raise SystemExit(
-            f"{len(budgets)} budgets for {len(names)} rewards ({','.join(names)}): "
-            "give one budget per reward with --budgets"
-        )
-    branch = parse_branch_steps(args.branch_steps, args.steps)
-    if is_embedded(args.model) and args.train_prompts:
-        raise SystemExit(
-            "--train-prompts is not used with the embedded model (it samples prompts of its own world): "
-            "omit it, or give --model"
-        )
-    return names, budgets, branch
-
-
-def check_files(args, names):
-    """The files a run reads, checked before any model loads: prompt files (readable, >= 2 held-out prompts, the
-    embedded world's held-out prompts inside its grammar, quoted text for the ocr reward) and, on --resume, the
-    metrics file (a damaged line is refused; metrics_lines). SystemExit naming the file, the problem and the fix."""
-    if args.train_prompts:
-        unquoted = [q for q in read_prompts(args.train_prompts, "--train-prompts") if ocr_target(q) is None]
-        if "ocr" in names and unquoted:
-            raise SystemExit(
-                f"--train-prompts {args.train_prompts}: the ocr reward scores the text between double quotes, and "
-                f"{len(unquoted)} prompt(s) quote nothing, the first: {unquoted[0]!r}. Quote the text to render"
-            )
-    if args.eval_prompts:
-        prompts = read_prompts(args.eval_prompts, "--eval-prompts")
-        if len(prompts) < 2:
-            raise SystemExit(
-                f"--eval-prompts {args.eval_prompts}: give at least 2 prompts (the held-out set is judged as a set)"
-            )
-        if is_embedded(args.model):
-            import shapes_world
-
-            for number, prompt in enumerate(prompts, 1):
-                try:
-                    shapes_world.parse_prompt(prompt)
-                except ValueError:
-                    raise SystemExit(
-                        f"--eval-prompts {args.eval_prompts}: line {number}, {prompt!r}, is outside the embedded "
-                        "world's captions (e.g. 'two red circles', 'a blue square on the left'); the world's "
-                        "rewards cannot score it. Fix the line, or give --model"
-                    ) from None
-    if args.resume:
-        metrics_lines(Path(args.resume) / "metrics.jsonl")
-
-
-def parse_branch_steps(text, T):
-    """--branch-steps: "rotate" or sorted distinct steps strictly between 0 and T - 1."""
-    if text.strip() == "rotate":
-        return "rotate"
-    try:
-        branch = sorted({int(b) for b in text.split(",") if b.strip()})
-    except ValueError:
-        raise SystemExit(f"--branch-steps {text!r}: give rotate, or step indices such as 3,6") from None
-    if any(not 0 < b < T - 1 for b in branch):
-        raise SystemExit(f"--branch-steps must lie strictly between 0 and T - 1 = {T - 1} (T = --steps), got {branch}")
-    return branch
-
-
-def is_embedded(model):
-    return Path(model).resolve() == (Path(__file__).parent / EMBEDDED_MODEL).resolve()
-
-
-def read_prompts(path, flag="prompts"):
-    """Prompts of a UTF-8 text file, one per line; SystemExit naming the flag when the file is missing,
-    binary, not UTF-8 or empty."""
-    try:
-        text = Path(path).read_bytes().decode("utf-8")
-    except OSError as err:
-        raise SystemExit(
-            f"{flag} {path}: cannot read it ({err.strerror}); give a text file with one prompt per line"
-        ) from None
-    except UnicodeDecodeError:
-        raise SystemExit(f"{flag} {path}: not UTF-8 text; save it as UTF-8, one prompt per line") from None
-    if "\x00" in text:
-        raise SystemExit(f"{flag} {path}: a binary file, not prompts; give a text file with one prompt per line")
-    prompts = [line.strip() for line in text.splitlines() if line.strip()]
-    if not prompts:
-        raise SystemExit(f"{flag} {path}: no prompts (one per line)")
-    return prompts
-
-
-def distinct_prompts(prompts, n, seed, rank, world_size):
-    """Process `rank`'s n prompts of one iteration, as DiffusionNFT's sampler draws them: one permutation of the
-    prompt file's lines per iteration (seed), shared by every process and cut into consecutive slices, so no prompt
-    is drawn twice in an iteration while the file has n * world_size lines or more (a shorter file is cycled)."""
-    need = n * world_size
-    order = np.random.default_rng(seed).permutation(len(prompts))
-    order = np.tile(order, -(-need // len(order)))[:need]
-    return [prompts[i] for i in order[rank * n : (rank + 1) * n]]
-
-
-# =============================================================================
-# Run folders, resume and locks
-# =============================================================================
-
-
-def is_run(folder):
-    """True when folder/config.json is a run's record (JSON with "args" and "script" recast or rvge)."""
-    try:
-        config = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return (
-        isinstance(config, dict) and isinstance(config.get("args"), dict) and config.get("script") in ("recast", "rvge")
-    )
-
-
-def is_unused(folder):
-    """True when nothing is at the path, or it is a folder holding nothing but a run's lock file (a start that
-    stopped before it wrote its config)."""
-    folder = Path(folder)
-    return not folder.exists() or (folder.is_dir() and all(p.name == ".lock" for p in folder.iterdir()))
-
-
-def run_folder(args):
-    """The run folder, checked writable, never inside another run (whose checkpoint rotation would delete it).
-    --resume: that folder. --out: a new or empty folder, or a run, which is refused unless --overwrite (a folder of
-    other files is refused even then: a run writes only where nothing else lives). Default runs/<name>: a fresh
-    -1, -2, ... suffix when the name is taken, so running a command twice gives two runs. Creates the folder;
-    changes nothing inside it. Under a multi-process launch only the first process decides (the others would see
-    its files as another run's); setup_run hands its choice to the rest. Returns the folder as a string, or, in
-    the other processes, args.out as given."""
-    if not is_first_process():
-        return args.out
-    if args.resume:
-        out = Path(args.resume)
-    elif args.out:
-        out = Path(args.out)
-        holds_a_run = is_run(out)
-        if holds_a_run and not args.overwrite:
-            raise SystemExit(
-                f"--out {out} already holds a run. Continue it with --resume {out}, choose another --out, "
-                "or replace it with --overwrite"
-            )
-        if not holds_a_run and not is_unused(out):
-            raise SystemExit(
-                f"--out {out} holds files that are not a run of this project (a run writes only to a new or empty "
-                "folder, and --overwrite replaces only runs). Choose a new folder with --out"
-            )
-    else:
-        base = Path("runs") / (args.name or default_name(args))
-        out = next(p for p in (base.with_name(f"{base.name}-{i}") if i else base for i in range(10**6)) if is_unused(p))
-    where = Path(os.path.abspath(out))
-    if len(where.parts) <= 2 or where == Path.home().absolute():
-        raise SystemExit(
-            f"{out} is a system folder (the root, a folder directly under it, or your home folder): a run writes only "
-            "to a folder of its own. Choose one such as runs/<name> with --out"
-        )
-    host = next((p for p in where.parents if is_run(p)), None)
-    if host is not None:
-        raise SystemExit(
-            f"{out} lies inside the run folder {host}, whose checkpoint rotation and --overwrite would delete it: "
-            "choose a folder outside any run"
-        )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write_test.{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as err:
-        raise SystemExit(f"cannot write to the run folder {out} ({err.strerror}): choose another with --out") from None
-    return str(out)
-
-
-def is_first_process():
-    """True in a single process and in rank 0 of an `accelerate launch` (which sets RANK before Python starts)."""
-    return int(os.environ.get("RANK", 0)) == 0
-
-
-def lock_run(out):
-    """An exclusive lock on out/.lock for this process's lifetime: a second live process on the same
-    folder (e.g. two --resume) is refused. Returns the open file (keep it referenced)."""
-    import fcntl
-
-    handle = open(Path(out) / ".lock", "w")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
-        raise SystemExit(
-            f"{out} is in use by another live process (it holds {out}/.lock); wait for it to finish or stop it"
-        ) from None
-    return handle
-
-
-def start_or_resume(run, args):
-    """Restore the newest intact checkpoint when resuming (metrics cut back to it), or clear the folder
-    for --overwrite; remove this program's .tmp leftovers; write config.json; start the --report-to tracker.
-    Returns (first iteration, state)."""
-    state = load_checkpoint(run.out, run.transformer, run.opt, args.lr, args.weight_decay) if args.resume else None
-    start = state.pop("iteration") + 1 if state else 0
-    if args.resume and state is None:
-        tqdm.write(f"{run.out} has no checkpoint yet: training starts at iteration 0")
-    if run.acc.is_main_process:
-        if args.overwrite:
-            for name in (
-                "config.json",
-                "tensorboard",
-                "metrics.jsonl",
-                "checkpoints",
-                "rewards.png",
-                "credit.png",
-                "samples_before.png",
-                "samples_after.png",
-            ):
-                shutil.rmtree(run.out / name) if (run.out / name).is_dir() else (run.out / name).unlink(missing_ok=True)
-        for leftover in leftovers(run.out):
-            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-        config = {"args": asdict(args), "script": Path(__file__).stem, "rewards": run.names, "git_sha": git_sha()}
-        write_atomic(run.out / "config.json", json.dumps(config, indent=2))
-        keep_metrics_until(run.out / "metrics.jsonl", start)
-    start_trackers(run, args)
-    return start, {"opt_steps": 0, "level_stats": None, **(state or {})}
-
-
-def write_atomic(path, text):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def leftovers(out):
-    """The half-written files a kill can leave in a run folder: write_atomic's and save_checkpoint's .tmp names
-    (nothing else is ever deleted: a user's own *.tmp files stay)."""
-    out, ckpts = Path(out), Path(out) / "checkpoints"
-    ours = [out / "config.json.tmp", out / "metrics.jsonl.tmp", ckpts / "latest.tmp", *ckpts.glob("iter_??????.tmp")]
-    return [p for p in ours if p.exists()]
-
-
-def metrics_lines(path):
-    """(iteration, line) of each line of a metrics.jsonl. A last line that does not decode is a write a kill cut
-    short and is left out; a damaged line before the last is not ours to drop: SystemExit naming it and the fix."""
-    lines = Path(path).read_text(errors="replace").splitlines() if Path(path).exists() else []
-    rows = []
-    for number, line in enumerate(lines, 1):
-        try:
-            rows.append((int(json.loads(line)["iteration"]), line))
-        except (ValueError, KeyError, TypeError):
-            if number < len(lines):
-                raise SystemExit(
-                    f"{path}: line {number} of {len(lines)} is damaged ({line[:40]!r}...); a resume would lose it. "
-                    "Repair or delete that line, then --resume again"
-                ) from None
-    return rows
-
-
-def keep_metrics_until(path, start):
-    """On resume, keep the metric lines of iterations before `start` (later ones will be redone); a partial last
-    line (a kill or a full disk mid-write) is dropped (metrics_lines)."""
-    if path.exists():
-        write_atomic(path, "".join(line + "\n" for it, line in metrics_lines(path) if it < start))
-
-
-def git_sha():
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
-# =============================================================================
-# Checkpoints (atomic)
-# =============================================================================
-
-
-def save_checkpoint(out, iteration, transformer, opt, state):
-    """checkpoints/iter_N/: the "default" LoRA in diffusers' format with its LoraConfig as metadata, so that
-    pipe.load_lora_weights("<run>/checkpoints/iter_N") gives the trained model exactly (without the metadata
-    diffusers takes lora_alpha = r, a wrong scale unless alpha = r); iter_N/ema the EMA with --ema; and state.pt
-    (every adapter, optimizer, level statistics, optimizer-step count, iteration). Written to a .tmp folder,
-    renamed, then `latest` is replaced atomically: a kill at any moment leaves the last good one.
-    Keeps this checkpoint and the newest earlier one. Refuses to write non-finite weights."""
-    import torch
-    from diffusers import StableDiffusion3Pipeline
-    from peft.utils import get_peft_model_state_dict
-
-    lora = {a: get_peft_model_state_dict(transformer, adapter_name=a) for a in transformer.peft_config}
-    bad = [k for sd in lora.values() for k, v in sd.items() if not torch.isfinite(v).all()]
-    if bad:
-        raise SystemExit(
-            f"non-finite LoRA weights ({bad[0]}, {len(bad)} tensors) at iteration {iteration}: not saved; "
-            f"the last good checkpoint in {out}/checkpoints is kept"
-        )
-    root = out / "checkpoints"
-    final, tmp = root / f"iter_{iteration:06d}", root / f"iter_{iteration:06d}.tmp"
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for adapter, folder in (("default", tmp), ("ema", tmp / "ema")):  # ema: DiffusionNFT's evaluation weights
-            if adapter in lora:  # the adapter's config (rank, alpha, targets) in the file: loaders scale as trained
-                StableDiffusion3Pipeline.save_lora_weights(
-                    folder,
-                    transformer_lora_layers=lora[adapter],
-                    transformer_lora_adapter_metadata=transformer.peft_config[adapter].to_dict(),
-                )
-        torch.save({"iteration": iteration, "lora": lora, "optimizer": opt.state_dict(), **state}, tmp / "state.pt")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        (root / "latest.tmp").write_text(final.name)
-        os.replace(root / "latest.tmp", root / "latest")
-    except (OSError, RuntimeError) as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise SystemExit(
-            f"writing the checkpoint of iteration {iteration} failed ({err}); is the disk full? "
-            f"The last good checkpoint in {root} is kept; free space, then continue with --resume {out}"
-        ) from None
-    previous = max((p for p in root.glob("iter_??????") if p.name < final.name), default=None)
-    for old in root.glob("iter_??????"):
-        if old not in (final, previous):
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def load_checkpoint(out, transformer, opt, lr, weight_decay):
-    """Restore the newest intact checkpoint of a run folder (the one `latest` names, else the newest
-    iter_N whose state.pt loads; says so when it falls back); the optimizer then takes this run's lr and
-    weight decay (its saved moments are kept). Returns its state dict, None when the run has no checkpoint yet;
-    SystemExit, with nothing changed, when it has checkpoints and none loads."""
-    import torch
-    from peft.utils import set_peft_model_state_dict
-
-    root = out / "checkpoints"
-    latest = root / "latest"
-    named = root / latest.read_text().strip() if latest.is_file() else None
-    candidates = ([named] if named else []) + sorted((p for p in root.glob("iter_??????") if p != named), reverse=True)
-    for ckpt in candidates:
-        try:
-            state = torch.load(ckpt / "state.pt", weights_only=False)
-        except Exception as err:  # missing, truncated or corrupt: try the next older one
-            tqdm.write(f"checkpoint {ckpt} is not loadable ({type(err).__name__}); trying an older one")
-            continue
-        if ckpt != named:
-            tqdm.write(f"resuming from {ckpt.name}, the newest intact checkpoint")
-        lora = state.pop("lora")
-        for adapter, sd in lora.items():
-            if adapter in transformer.peft_config:
-                set_peft_model_state_dict(transformer, sd, adapter_name=adapter)
-        if "ema" in transformer.peft_config and "ema" not in lora:  # --ema switched on at resume: start it here
-            copy_adapter(transformer, "default", "ema")
-        opt.load_state_dict(state.pop("optimizer"))
-        for group in opt.param_groups:  # the saved groups hold the old run's values: --lr / --weight-decay apply
-            group.update(lr=lr, weight_decay=weight_decay)
-        transformer.set_adapter("default")
-        return state
-    if candidates:
-        raise SystemExit(
-            f"--resume {out}: none of its checkpoints loads ({', '.join(p.name for p in candidates)}); nothing was "
-            "changed. Their LoRA files (pytorch_lora_weights.safetensors) may still load in diffusers; to train "
-            "again, start a new run"
-        )
-    return None
-
-
-# =============================================================================
-# Evaluation, trackers and figures
-# =============================================================================
-
-
-def evaluate(run, args):
-    """Held-out evaluation of the trained adapter (its EMA with --ema, as DiffusionNFT evaluates):
-    Euler ODE sampling with --eval-steps on fixed prompts and seeds, training rewards and held-out
-    judges. Returns (metrics, images)."""
-
-    emb, pooled = run.encode(run.eval_prompts)
-    run.transformer.set_adapter("ema" if args.ema else "default")
-    latents = ode_sample(run.transformer, emb, pooled, run.eval_sigmas, run.shape, seed=12345, chunk=args.rollout_batch)
-    run.transformer.set_adapter("default")
-    images = decode(run.pipe, latents)
-    R = score(run.rewards, images, run.eval_prompts)
-    metrics = {f"eval/{n}": float(np.nanmean(R[:, k])) for k, n in enumerate(run.names)}
-    metrics["eval/weighted"] = float(budget_mean(np.nanmean(R, 0), run.budgets))
-    for name, fn in (run.judges or {}).items():
-        metrics[f"eval/judge/{name}"] = float(np.nanmean(fn(images, run.eval_prompts)))
-    if run.frechet:
-        metrics["eval/judge/frechet"] = float(run.frechet(images, run.eval_prompts))
-    return metrics, images
-
-
-def start_trackers(run, args):
-    """--report-to tensorboard | wandb: accelerate's tracker, started with the run's flags (TensorBoard: event files
-    in <run>/tensorboard; W&B: a run named after the run folder, in project <script>). Nothing for none."""
-    if args.report_to == "none":
-        return
-    wandb = {"wandb": {"name": run.out.name, "dir": str(run.out)}}
-    name, kwargs = ("tensorboard", {}) if args.report_to == "tensorboard" else (Path(__file__).stem, wandb)
-    run.acc.init_trackers(name, config=asdict(args), init_kwargs=kwargs)
-
-
-def log_to_trackers(acc, metrics, step):
-    """The metrics line's numbers and strings to the --report-to tracker under the same keys (lists such as D stay in
-    metrics.jsonl); W (K, T) also as an image on TensorBoard (viridis, 16 px a cell, scaled to its largest entry)."""
-    if not acc.trackers:
-        return
-    acc.log({k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}, step=step)
-    if "recast/W" in metrics and any(tracker.name == "tensorboard" for tracker in acc.trackers):
-        import matplotlib
-
-        W = np.asarray(metrics["recast/W"])
-        rgb = matplotlib.colormaps["viridis"](W / max(W.max(), 1e-300))[..., :3]  # (K, T, 3)
-        image = np.kron(rgb, np.ones((16, 16, 1)))
-        acc.get_tracker("tensorboard", unwrap=True).add_image("recast/W", image, step, dataformats="HWC")
-
-
-def save_grid(images, path, prompts=(), cols=8, cell=128):
-    """The images in rows of `cols`, each upscaled (nearest) to at least `cell` px wide, with its prompt written
-    under it (wrapped to the image's width). Returns the grid (PIL)."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    scale = max(1, -(-cell // images[0].size[0]))  # ceil: small images grow to at least `cell` px
-    w, h = images[0].size[0] * scale, images[0].size[1] * scale
-    font = ImageFont.load_default(size=max(10, w // 12))
-    draw = ImageDraw.Draw(Image.new("RGB", (w, h)))
-    captions = [wrap_text(draw, text, font, w - 4) for text in list(prompts) + [""] * (len(images) - len(prompts))]
-    line = font.getbbox("Ag")[3] + 2
-    text_h = line * max(len(c) for c in captions) + 4
-    rows = (len(images) + cols - 1) // cols
-    grid = Image.new("RGB", (cols * w, rows * (h + text_h)), "white")
-    draw = ImageDraw.Draw(grid)
-    for i, (im, caption) in enumerate(zip(images, captions)):
-        x, y = (i % cols) * w, (i // cols) * (h + text_h)
-        grid.paste(im.convert("RGB").resize((w, h), Image.NEAREST), (x, y))
-        for k, text in enumerate(caption):
-            draw.text((x + 2, y + h + 2 + k * line), text, fill="black", font=font)
-    grid.save(path)
-    return grid
-
-
-def wrap_text(draw, text, font, width):
-    """Lines of `text` (words kept whole) that fit in `width` px with `font`."""
-    lines = []
-    for word in text.split():
-        if lines and draw.textlength(f"{lines[-1]} {word}", font=font) <= width:
-            lines[-1] += f" {word}"
-        else:
-            lines.append(word)
-    return lines
-
-
-def plot_run(out, names):
-    """Figures from metrics.jsonl: reward curves, the last W heatmap, D_k(t) curves and gains."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    if not rows:
-        return
-    its = [m["iteration"] for m in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for n in names + ["weighted"]:
-        ax.plot(its, [m[f"reward/{n}"] for m in rows], label=n)
-    ax.set(xlabel="iteration", ylabel="mean training reward", title="rewards")
-    ax.legend(fontsize=7)
-    fig.savefig(out / "rewards.png", dpi=120, bbox_inches="tight")
-    last, sig = rows[-1], np.array(rows[-1]["recast/sigmas"])
-    fig, axes = plt.subplots(1, 3, figsize=(16, 3.6), gridspec_kw={"wspace": 0.35})
-    im = axes[0].imshow(np.array(last["recast/W"]), aspect="auto", cmap="viridis")
-    axes[0].set(yticks=range(len(names)), yticklabels=names, xlabel="step j (t = sigma_j)", title="W (last iteration)")
-    fig.colorbar(im, ax=axes[0])
-    D_meas, D_se = np.array(last["recast/D_measured"]), np.array(last["recast/D_se"])  # -1: level not measured
-    for k, n in enumerate(names):
-        (line,) = axes[1].plot(
-            sig, np.array(last["recast/D"])[k], label=f"{n} (evidence {last['recast/evidence'][k]:.2f})"
-        )
-        ok = D_se[k] >= 0
-        axes[1].errorbar(sig[ok], D_meas[k, ok], yerr=2 * D_se[k, ok], fmt="o", ms=3, capsize=2, color=line.get_color())
-        axes[2].plot(sig[:-1], np.array(last["recast/gains"])[k], marker=".", label=n)
-    axes[1].set(xlabel="t", ylabel="D_k(t)", title="Renyi discriminability: levels +- 2 se, monotone fit")
-    axes[2].set(xlabel="t at step start", ylabel="gain", title="gains per step")
-    for a in axes[1:]:
-        a.invert_xaxis()
-        a.legend(fontsize=7)
-    fig.savefig(out / "credit.png", dpi=120, bbox_inches="tight")
-    plt.close("all")
-
-
-# =============================================================================
-# Main
-# =============================================================================
+def setup_run(args: Args, extra_rewards=None, judges=None) -> Run:
+    """This script's checks (`validate`), then everything the run needs, loaded (`run_kit.load_run`)."""
+    return load_run(args, *validate(args, extra_rewards), Path(__file__).stem, extra_rewards, judges)
 
 
 def main(argv=None):

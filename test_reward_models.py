@@ -85,9 +85,13 @@ def _forward(path, images, prompts):
 
 
 def test_import_loads_no_model():
+    """reward_models loads no framework at import; the scripts import torch (a hard dependency) but no model
+    library: transformers, diffusers and the OCR runtime load when a run builds its models."""
     code = (
-        "import recast, rvge, reward_models, sys; "
-        "assert not {'torch', 'transformers', 'rapidocr_onnxruntime'} & set(sys.modules)"
+        "import reward_models, sys; "
+        "assert not {'torch', 'transformers', 'rapidocr_onnxruntime'} & set(sys.modules); "
+        "import recast, rvge; "
+        "assert not {'transformers', 'diffusers', 'rapidocr_onnxruntime'} & set(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(recast.__file__))
 

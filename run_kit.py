@@ -1,0 +1,1082 @@
+"""run_kit: the run machinery recast.py and rvge.py share, in one module, named for what it holds: the kit a run is
+set up, kept and logged with (as diffusers' training examples import `diffusers.training_utils`).
+
+Flags (a script's Args dataclass -> argparse with --help sections; --resume's saved config), the input checks both
+scripts make, model loading, text encoding, decoding and scoring, what a run holds (`Run`), run folders, locks,
+resume, atomic checkpoints, trackers, figures and --dry-run. The method and the DiffusionNFT training core it acts on
+(optimality, schedules, sampler steps, tree rollouts, the update loop, the evaluation) stay in each script, which
+passes in what is its own: its Args class and --help sections, its checks, its default run name, its evaluation.
+diffusers, transformers, peft, accelerate and matplotlib are imported where first used, so that importing a script
+for its math (the toy, the notebook, the tests) does not load them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import fcntl
+import importlib.util
+import inspect
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import subprocess
+import textwrap
+import warnings
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import shapes_world
+from reward_models import REWARD_MODELS, build_rewards, ocr_target
+
+if TYPE_CHECKING:  # the types Run's fields name; diffusers and accelerate load when a run starts (`load_run`)
+    from accelerate import Accelerator
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+
+# =============================================================================
+# Flags: Args fields, parsing, --resume's saved config
+# =============================================================================
+
+
+EMBEDDED_MODEL = str(Path(__file__).resolve().parent / "assets" / "shapes-sd3")  # runs from any folder
+
+
+def flag(default, group, **checks):
+    """One Args field: its default, its --help section (a key of the script's ARG_GROUPS) and the checks
+    `check_ranges` applies: min / max (inclusive), gt / lt (strict), choices. Its help line is the string under it
+    (`field_docs`)."""
+    return field(default=default, metadata={"group": group, **checks})
+
+
+def field_docs(cls):
+    """{field name: the string literal written under it} from cls's source: per-field docstrings (CleanRL's habit)
+    that become the --help lines, whitespace collapsed."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {
+        a.target.id: " ".join(b.value.value.split())
+        for a, b in zip(body, body[1:])
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
+    }
+
+
+def make_parser(Args, groups, doc, suppress=False):
+    """argparse from a script's Args class, in the sections of `groups` (its ARG_GROUPS: title -> text), described by
+    the first paragraph of `doc` (its docstring); the string under each field is its --help line. With suppress=True
+    only the flags actually given appear in the result (used by --resume)."""
+    parser = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], argument_default=argparse.SUPPRESS if suppress else None
+    )
+    sections = {title: parser.add_argument_group(title, text) for title, text in groups.items()}
+    docs = field_docs(Args)
+    for f in fields(Args):
+        name, section = "--" + f.name.replace("_", "-"), sections[f.metadata["group"]]
+        extra = {} if suppress else {"default": f.default}
+        if f.type in (bool, "bool"):
+            section.add_argument(name, action="store_true", help=docs[f.name], **extra)
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            section.add_argument(name, type=kind, help=docs[f.name], choices=f.metadata.get("choices"), **extra)
+    return parser
+
+
+# Refused on --resume when they differ from the saved run (those of them a script has): a checkpoint is only valid with
+# the first five; the level statistics it holds were measured with the gain estimator and order; --gain-init only
+# seeds iteration 0. Every other flag applies from the resumed iteration on (the optimizer takes --lr, --weight-decay).
+FIXED_ON_RESUME = ("model", "rewards", "steps", "lora_rank", "lora_alpha", "gain_estimator", "alpha", "gain_init")
+
+
+NOT_ON_RESUME = ("name", "overwrite")  # they choose or replace a run folder; --resume continues its own
+
+
+def parse_flags(argv, Args, groups, doc, script):
+    """A script's Args (the class; `groups` and `doc` as make_parser's) from the command line. With --resume DIR the
+    settings come from DIR/config.json and flags given now override them, except FIXED_ON_RESUME (refused with both
+    values named); the run must be one of `script`'s; the run folder is DIR itself, wherever it lies now."""
+    args = Args(**vars(make_parser(Args, groups, doc).parse_args(argv)))
+    if not args.resume:
+        return args
+    config = Path(args.resume) / "config.json"
+    if not config.is_file():
+        raise SystemExit(f"--resume {args.resume}: no config.json there; give the run folder of an earlier run")
+    saved_config, saved = read_run_config(config, Args)
+    if saved_config["script"] != script:
+        raise SystemExit(
+            f"--resume {args.resume}: that run was trained by {saved_config['script']}.py; resume it with that script"
+        )
+    given = vars(make_parser(Args, groups, doc, suppress=True).parse_args(argv))
+    for k in NOT_ON_RESUME:
+        if k in given:
+            raise SystemExit(
+                f"--{k} does not go with --resume {args.resume}, which continues that run in its own folder: "
+                f"drop --{k}, or start a new run without --resume"
+            )
+    if "out" in given and Path(given["out"]).resolve() != Path(args.resume).resolve():
+        raise SystemExit(
+            f"--resume {args.resume} continues that folder in place; --out {given['out']} names another. "
+            "To branch a run, copy its folder and resume the copy"
+        )
+    changed = [
+        f"--{k.replace('_', '-')}: saved {saved.get(k)!r}, given {given[k]!r}"
+        for k in FIXED_ON_RESUME
+        if k in given and given[k] != saved.get(k)
+    ]
+    if changed:
+        raise SystemExit(
+            f"--resume {args.resume}: these settings cannot change on resume ({'; '.join(changed)}). "
+            "Drop them, or start a new run"
+        )
+    known = {f.name for f in fields(Args)}
+    args = Args(**{**{k: v for k, v in saved.items() if k in known}, **given})
+    args.out, args.resume = str(args.resume), str(args.resume)
+    return args
+
+
+def read_run_config(path, Args):
+    """(config, its args) of a run's config.json, each saved flag of the type its Args field has (an int is
+    also a float); SystemExit naming the file, the entry and the fix when it is unreadable or hand-edited wrong."""
+    problem = None
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        config, problem = None, f"it is not readable JSON ({err})"
+    if problem is None and not (isinstance(config, dict) and isinstance(config.get("args"), dict)):
+        problem = 'it does not hold an "args" object'
+    if problem is None and config.get("script") not in ("recast", "rvge"):
+        problem = f'its "script" is {config.get("script")!r}, not recast or rvge'
+    types = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+    for f in fields(Args) if problem is None else ():
+        value, kind = config["args"].get(f.name), f.type if isinstance(f.type, str) else f.type.__name__
+        fits = isinstance(value, types[kind]) and (kind == "bool" or not isinstance(value, bool))
+        if f.name in config["args"] and not fits and not (value is None and f.default is None):
+            problem = f"args.{f.name} is {value!r}, not of type {kind}"
+            break
+    if problem:
+        raise SystemExit(
+            f"{path}: {problem}. Repair the file (the run's checkpoints are not affected), or start a new run"
+        )
+    return config, config["args"]
+
+
+# =============================================================================
+# Input checks (both scripts), before any model loads
+# =============================================================================
+
+
+def check_ranges(args):
+    """Each numeric flag against the bounds in its Args metadata (min / max inclusive, gt / lt strict),
+    NaN and inf refused; each flag with choices against them. Raises SystemExit naming flag, value and fix."""
+    for f in fields(args):
+        value, meta, flag = getattr(args, f.name), f.metadata, "--" + f.name.replace("_", "-")
+        if meta.get("choices") and value not in meta["choices"]:
+            raise SystemExit(f"{flag} {value!r}: choose one of {[c for c in meta['choices'] if c]}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        bounds = [
+            (meta.get("min"), ">=", value >= meta.get("min", -math.inf)),
+            (meta.get("gt"), ">", value > meta.get("gt", -math.inf)),
+            (meta.get("max"), "<=", value <= meta.get("max", math.inf)),
+            (meta.get("lt"), "<", value < meta.get("lt", math.inf)),
+        ]
+        if not math.isfinite(value) or any(bound is not None and not ok for bound, _, ok in bounds):
+            need = " and ".join(f"{op} {bound}" for bound, op, _ in bounds if bound is not None) or "finite"
+            raise SystemExit(f"{flag} {value}: must be a finite number {need}. Fix {flag}")
+
+
+def check_report_to(report_to):
+    """--report-to's package is installed (no default run needs it); else SystemExit with the fix."""
+    packages = {"tensorboard": ["tensorboard", "tensorboardX"], "wandb": ["wandb"]}.get(report_to, [])
+    if packages and not any(importlib.util.find_spec(p) for p in packages):
+        raise SystemExit(
+            f"--report-to {report_to} needs the {packages[0]} package: pip install {packages[0]}, "
+            "or leave --report-to at none"
+        )
+
+
+def parse_budgets(text: str) -> list[float]:
+    """Parse a budget vector such as "0.4,0.3,0.2,0.1" -> [0.4, 0.3, 0.2, 0.1].
+
+    Budgets are NOT normalised: W's row sums equal them exactly as given. The
+    loss divides by their sum (the mixture weights T W_kj / Lam sum to one per
+    step), so scaling all budgets by a constant changes nothing in training.
+    Raises ValueError naming the problem: empty, not a number, NaN/inf,
+    negative, or all zero.
+    """
+    fix = "give comma-separated non-negative numbers, one per reward, e.g. --budgets 0.4,0.3,0.2,0.1"
+    if text is None or not str(text).strip():
+        raise ValueError(f"budgets are empty: {fix}")
+    out = []
+    for i, part in enumerate(str(text).split(",")):
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"budget {i + 1} ({part.strip()!r}) is not a number: {fix}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"budget {i + 1} is {value}: budgets must be finite; {fix}")
+        if value < 0:
+            raise ValueError(f"budget {i + 1} is negative ({value}): {fix}")
+        out.append(value)
+    if sum(out) <= 0:
+        raise ValueError(f"all budgets are zero: at least one reward needs a positive budget; {fix}")
+    if not math.isfinite(sum(out)):
+        raise ValueError(f"budgets sum to {sum(out)}: only their ratios matter, so scale them down; {fix}")
+    return out
+
+
+def check_common(args, extra_rewards=None):
+    """The checks both scripts make on the user's input, before any model is loaded or any file in a run folder
+    changes: flag ranges, tracker, resolution, device, model, budgets and rewards, branch steps. Returns (reward
+    names, budgets, branch steps). Raises SystemExit with the problem and the fix."""
+    check_ranges(args)
+    check_report_to(args.report_to)
+    if args.resolution % 16:
+        raise SystemExit(
+            f"--resolution {args.resolution}: SD3 needs a multiple of 16 (VAE 8 x patch 2), "
+            "or 0 for the model's default"
+        )
+    device = args.device.split(":")[0]
+    if device not in ("", "cpu", "cuda"):
+        raise SystemExit(f"--device {args.device!r}: give cpu, cuda or cuda:N (or omit it: cuda when available)")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA GPU is visible here. Use --device cpu (or omit --device)")
+    model_path = Path(args.model)
+    if not args.dry_run:
+        if not model_path.exists():
+            if args.model.startswith((".", "/", "~")) or args.model.count("/") != 1:
+                raise SystemExit(
+                    f"--model {args.model}: no such folder. Give a diffusers folder or a hub id such as "
+                    "stabilityai/stable-diffusion-3.5-medium"
+                )
+            if not torch.cuda.is_available() and args.device != "cpu":
+                raise SystemExit(
+                    f"--model {args.model} (SD3.5-Medium scale) needs a CUDA GPU and none is visible. "
+                    "On a CPU, train the embedded model: omit --model"
+                )
+        elif not (model_path / "model_index.json").exists():
+            raise SystemExit(f"--model {args.model}: not a diffusers pipeline folder (no model_index.json)")
+    try:
+        budgets = parse_budgets(args.budgets)
+    except ValueError as err:
+        raise SystemExit(f"--budgets: {err}") from None
+    names = [n.strip() for n in args.rewards.split(",") if n.strip()]
+    if not names:
+        if not is_embedded(args.model):
+            raise SystemExit("--rewards is required for this model, e.g. --rewards pickscore,clipscore,aesthetic,ocr")
+        names = list(shapes_world.DEFAULT_REWARDS)
+    known = set(REWARD_MODELS) | set(reward_extras(args.model, extra_rewards))
+    unknown = [n for n in names if n not in known]
+    if unknown or len(set(names)) != len(names):
+        raise SystemExit(f"unknown or repeated reward(s) in {names}; known rewards: {sorted(known)}. Fix --rewards.")
+    if len(budgets) != len(names):
+        raise SystemExit(
+            f"{len(budgets)} budgets for {len(names)} rewards ({','.join(names)}): "
+            "give one budget per reward with --budgets"
+        )
+    branch = parse_branch_steps(args.branch_steps, args.steps)
+    if is_embedded(args.model) and args.train_prompts:
+        raise SystemExit(
+            "--train-prompts is not used with the embedded model (it samples prompts of its own world): "
+            "omit it, or give --model"
+        )
+    return names, budgets, branch
+
+
+def check_files(args, names):
+    """The files a run reads, checked before any model loads: prompt files (readable, >= 2 held-out prompts, the
+    embedded world's held-out prompts inside its grammar, quoted text for the ocr reward) and, on --resume, the
+    metrics file (a damaged line is refused; metrics_lines). SystemExit naming the file, the problem and the fix."""
+    if args.train_prompts:
+        unquoted = [q for q in read_prompts(args.train_prompts, "--train-prompts") if ocr_target(q) is None]
+        if "ocr" in names and unquoted:
+            raise SystemExit(
+                f"--train-prompts {args.train_prompts}: the ocr reward scores the text between double quotes, and "
+                f"{len(unquoted)} prompt(s) quote nothing, the first: {unquoted[0]!r}. Quote the text to render"
+            )
+    if args.eval_prompts:
+        prompts = read_prompts(args.eval_prompts, "--eval-prompts")
+        if len(prompts) < 2:
+            raise SystemExit(
+                f"--eval-prompts {args.eval_prompts}: give at least 2 prompts (the held-out set is judged as a set)"
+            )
+        if is_embedded(args.model):
+            for number, prompt in enumerate(prompts, 1):
+                try:
+                    shapes_world.parse_prompt(prompt)
+                except ValueError:
+                    raise SystemExit(
+                        f"--eval-prompts {args.eval_prompts}: line {number}, {prompt!r}, is outside the embedded "
+                        "world's captions (e.g. 'two red circles', 'a blue square on the left'); the world's "
+                        "rewards cannot score it. Fix the line, or give --model"
+                    ) from None
+    if args.resume:
+        metrics_lines(Path(args.resume) / "metrics.jsonl")
+
+
+def parse_branch_steps(text, T):
+    """--branch-steps: "rotate" or sorted distinct steps strictly between 0 and T - 1."""
+    if text.strip() == "rotate":
+        return "rotate"
+    try:
+        branch = sorted({int(b) for b in text.split(",") if b.strip()})
+    except ValueError:
+        raise SystemExit(f"--branch-steps {text!r}: give rotate, or step indices such as 3,6") from None
+    if any(not 0 < b < T - 1 for b in branch):
+        raise SystemExit(f"--branch-steps must lie strictly between 0 and T - 1 = {T - 1} (T = --steps), got {branch}")
+    return branch
+
+
+def is_embedded(model):
+    return Path(model).resolve() == (Path(__file__).parent / EMBEDDED_MODEL).resolve()
+
+
+def read_prompts(path, flag="prompts"):
+    """Prompts of a UTF-8 text file, one per line; SystemExit naming the flag when the file is missing,
+    binary, not UTF-8 or empty."""
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except OSError as err:
+        raise SystemExit(
+            f"{flag} {path}: cannot read it ({err.strerror}); give a text file with one prompt per line"
+        ) from None
+    except UnicodeDecodeError:
+        raise SystemExit(f"{flag} {path}: not UTF-8 text; save it as UTF-8, one prompt per line") from None
+    if "\x00" in text:
+        raise SystemExit(f"{flag} {path}: a binary file, not prompts; give a text file with one prompt per line")
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise SystemExit(f"{flag} {path}: no prompts (one per line)")
+    return prompts
+
+
+def distinct_prompts(prompts, n, seed, rank, world_size):
+    """Process `rank`'s n prompts of one iteration, as DiffusionNFT's sampler draws them: one permutation of the
+    prompt file's lines per iteration (seed), shared by every process and cut into consecutive slices, so no prompt
+    is drawn twice in an iteration while the file has n * world_size lines or more (a shorter file is cycled)."""
+    need = n * world_size
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    order = np.tile(order, -(-need // len(order)))[:need]
+    return [prompts[i] for i in order[rank * n : (rank + 1) * n]]
+
+
+# =============================================================================
+# Model loading, text encoding, decoding and scoring
+# =============================================================================
+
+
+LORA_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+]
+
+
+def no_torchvision_notice(record):
+    """A logging filter: drops transformers' notice that torchvision is absent (deliberately: the PIL image processors
+    it falls back to serve every model here) and nothing else."""
+    return "requires torchvision (not installed)" not in record.getMessage()
+
+
+def quiet_start_up():
+    """The console of a run holds one progress bar and no library notices: the filter above on the logger that
+    prints the torchvision notice, and the loading bars of diffusers and transformers off in this process."""
+    logging.getLogger("transformers.utils.import_utils").addFilter(no_torchvision_notice)
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def load_pipeline(args, device, dtype):
+    """StableDiffusion3Pipeline (the real SD3.5-M or the embedded tiny one, same classes) with
+    frozen VAE and text encoders, and LoRA adapters on the transformer: "default" (trained), "old"
+    (sampling policy, a copy) and with --ema "ema". Disabling adapters gives the frozen base."""
+    from diffusers import StableDiffusion3Pipeline
+    from peft import LoraConfig
+
+    local = Path(args.model).exists()
+    pipe = StableDiffusion3Pipeline.from_pretrained(args.model, dtype=dtype, local_files_only=local)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.to(device)
+    for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.transformer):
+        if module is not None:
+            module.requires_grad_(False)
+            module.eval()
+    transformer = pipe.transformer
+    config = LoraConfig(
+        r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian", target_modules=LORA_TARGETS
+    )
+    torch.manual_seed(args.seed)
+    transformer.add_adapter(config, adapter_name="default")
+    adapters = ["default", "old"] + (["ema"] if args.ema else [])
+    for name in adapters[1:]:  # "old" and "ema" start as copies of "default"
+        with warnings.catch_warnings():  # several adapters on one model are the design here, not a slip
+            warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+            transformer.add_adapter(config, adapter_name=name)
+        copy_adapter(transformer, "default", name)
+    for p in [p for name in adapters for p in lora_params(transformer, name)]:
+        p.data = p.data.float()  # LoRA weights and their optimizer state in float32
+    transformer.set_adapter("default")
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    return pipe
+
+
+def scheduler_sigmas(pipe, steps):
+    """The pipeline scheduler's sigma grid (steps + 1,) for `steps` steps, from a copy (the pipeline's own stays
+    as set)."""
+    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+    scheduler.set_timesteps(steps)
+    return scheduler.sigmas.float().cpu()
+
+
+def lora_params(transformer, adapter):
+    return [p for n, p in transformer.named_parameters() if f".{adapter}." in n]
+
+
+def copy_adapter(transformer, src, dst, keep=0.0):
+    """dst <- keep * dst + (1 - keep) * src, parameter by parameter (DiffusionNFT's soft update)."""
+    with torch.no_grad():
+        for p_src, p_dst in zip(lora_params(transformer, src), lora_params(transformer, dst)):
+            p_dst.mul_(keep).add_(p_src.to(p_dst.dtype), alpha=1 - keep)
+
+
+def encode(pipe, prompts, max_len, device):
+    """CFG-free text conditioning: (prompt_embeds (P, L, D), pooled (P, D'))."""
+    with torch.no_grad():
+        emb, _, pooled, _ = pipe.encode_prompt(
+            prompts, prompts, prompts, device=device, do_classifier_free_guidance=False, max_sequence_length=max_len
+        )
+    return emb, pooled
+
+
+def decode(pipe, latents, chunk=8):
+    """Latents (scaled as the transformer sees them) -> list of PIL images."""
+    cfg = pipe.vae.config
+    images = []
+    with torch.no_grad():
+        for z in latents.split(chunk):
+            x = pipe.vae.decode((z / cfg.scaling_factor + cfg.shift_factor).to(pipe.vae.dtype), return_dict=False)[0]
+            images += pipe.image_processor.postprocess(x.float(), output_type="pil")
+    return images
+
+
+def reward_extras(model, extra=None):
+    """Rewards that are plain callables: the embedded world's programs (for the embedded model;
+    their names shadow the reward models', e.g. `geneval` is the shapes checker there) and `extra`."""
+    world = shapes_world.REWARDS if is_embedded(model) else {}
+    return {**world, **(extra or {})}
+
+
+def score(rewards, images, prompts):
+    """Rewards (N, K) float64; non-finite values are kept (NaN) and handled by `optimality`."""
+    return np.stack([np.asarray(fn(images, prompts), dtype=np.float64).reshape(len(images)) for fn in rewards], 1)
+
+
+def dry_run(args):
+    """SD3.5-Medium readiness without weights: its transformer (shipped config) on the meta device,
+    the LoRA attached, trainable parameters and a memory plan for one micro-batch."""
+    from accelerate import init_empty_weights
+    from diffusers import SD3Transformer2DModel
+    from peft import LoraConfig
+
+    config = json.loads((Path(__file__).parent / "assets/sd3.5-medium-transformer.json").read_text())
+    with init_empty_weights():
+        transformer = SD3Transformer2DModel.from_config(config)
+        lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=LORA_TARGETS)
+        transformer.add_adapter(lora, adapter_name="default")
+        transformer.add_adapter(lora, adapter_name="old")
+    total = sum(p.numel() for p in transformer.parameters())
+    trainable = sum(p.numel() for p in lora_params(transformer, "default"))
+    targets = sum(1 for n, _ in transformer.named_modules() if n.endswith(".lora_A.default"))
+    res = args.resolution or 512
+    tokens = (res // 8 // config["patch_size"]) ** 2 + 77 + (args.max_sequence_length or 128)
+    gib = 2**30
+    plan = {
+        "frozen weights (bf16)": 2 * (total - 2 * trainable) / gib,
+        "two LoRA adapters (fp32)": 4 * 2 * trainable / gib,
+        "AdamW state + grads (fp32)": 3 * 4 * trainable / gib,
+        # rough activation size kept for backward: per block ~ 12 tensors of (tokens, hidden) in bf16
+        f"activations, micro-batch {args.train_batch} (estimate)": args.train_batch
+        * config["num_layers"]
+        * 12
+        * tokens
+        * config["num_attention_heads"]
+        * config["attention_head_dim"]
+        * 2
+        / gib,
+    }
+    print(
+        f"SD3.5-Medium transformer: {total / 1e6:.1f}M parameters, LoRA on {targets} linear layers "
+        f"(r={args.lora_rank}, alpha={args.lora_alpha}): {trainable / 1e6:.2f}M trainable"
+    )
+    for key, value in plan.items():
+        print(f"  {key:<45} {value:8.2f} GiB")
+    print(f"  {'total (transformer training, excl. VAE/text encoders)':<45} {sum(plan.values()):8.2f} GiB")
+    return {"total_params": total, "trainable_params": trainable, "lora_layers": targets, "memory_gib": plan}
+
+
+# =============================================================================
+# The run: what one training run holds, seeding, and each iteration's bookkeeping
+# =============================================================================
+
+
+@dataclass
+class Run:
+    """What one training run holds once it is set up (`load_run`); each step of a script's train reads it."""
+
+    acc: Accelerator  # accelerate: the processes, this one's device, the --report-to tracker
+    pipe: StableDiffusion3Pipeline  # the real SD3.5-M or the embedded tiny one: frozen VAE and text encoders
+    transformer: SD3Transformer2DModel  # pipe.transformer, LoRA adapters "default" (trained), "old" (sampling), "ema"
+    names: list[str]  # reward names, in budget order
+    budgets: list[float]  # lambda_k, one per reward, as given (not normalised)
+    branch: str | list[int]  # --branch-steps: "rotate", or the branch steps every prompt group takes
+    rewards: list  # reward callables (images, prompts) -> (N,), in names' order
+    judges: dict | None  # held-out judges {name: (images, prompts) -> (N,)}, read by the evaluation only
+    frechet: object  # held-out drift judge (set level) (images, prompts) -> float, or None
+    sigmas: torch.Tensor  # (T+1,) float32, 1 -> 0: the sampler grid, W's columns and the training timesteps
+    eval_sigmas: torch.Tensor  # (eval steps + 1,): the evaluation sampler's grid
+    shape: tuple[int, int, int]  # (C, h, w) of one image's latent
+    opt: torch.optim.Optimizer  # AdamW on the "default" adapter's parameters
+    eval_prompts: list[str]  # the held-out prompts of every evaluation
+    out: Path  # the run folder
+    lock: object  # the open out/.lock of the first process (held while the run lives), None in the others
+    script: str  # "recast" or "rvge": config.json's "script", the W&B project
+    world: object  # the shapes_world module for the embedded model, else None
+    train_prompts: list[str] | None  # --train-prompts' lines (None: the embedded world samples its own)
+    max_len: int  # T5 tokens of the text conditioning
+    prompts_per_iter: int  # prompt groups per iteration and process
+    seed: int  # --seed, which draws the prompts
+
+    def reduce(self, a):
+        """Sum numpy statistics over processes."""
+        if self.acc.num_processes == 1:
+            return np.asarray(a)
+        tensor = torch.as_tensor(np.asarray(a), dtype=torch.float64, device=self.acc.device)
+        return self.acc.reduce(tensor, "sum").cpu().numpy()
+
+    def all_reduce_grads(self, params):
+        """Average the gradients of `params` over processes."""
+        if self.acc.num_processes > 1:
+            for p in params:
+                if p.grad is not None:
+                    p.grad = self.acc.reduce(p.grad, "mean")
+
+    def prompts_for(self, it):
+        """This process's prompt groups of iteration `it`."""
+        acc = self.acc
+        if self.world:
+            return self.world.sample_prompts(
+                self.prompts_per_iter, "train", self.seed * 7919 + it * 97 + acc.process_index
+            )
+        return distinct_prompts(
+            self.train_prompts, self.prompts_per_iter, [self.seed, it], acc.process_index, acc.num_processes
+        )
+
+
+def load_run(args, names, budgets, branch, script, extra_rewards=None, judges=None):
+    """Everything one run needs, loaded, after the script's checks (its `validate` gave names, budgets and branch):
+    the run folder locked, processes and device, seeds, the pipeline with its LoRA adapters, rewards, judges, the
+    optimizer, prompts. Returns the Run."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import broadcast_object_list
+
+    quiet_start_up()
+    lock = lock_run(args.out) if is_first_process() else None
+    device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if PartialState(cpu=device_name == "cpu").num_processes > 1:  # the first process chose the run folder
+        args.out = broadcast_object_list([args.out], from_process=0)[0]
+    trackers = {} if args.report_to == "none" else {"log_with": args.report_to, "project_dir": args.out}
+    acc = Accelerator(cpu=device_name == "cpu", **trackers)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if acc.device.type == "cuda" else "float32"))
+    seed_everything(args.seed)
+    world = shapes_world if is_embedded(args.model) else None
+    gen_kwargs = world.GEN_KWARGS if world else {}
+    res = args.resolution or gen_kwargs.get("height", 512)
+    max_len = args.max_sequence_length or gen_kwargs.get("max_sequence_length", 128)  # 128: DiffusionNFT's T5 length
+    pipe = load_pipeline(args, acc.device, dtype)
+    pipe.scheduler.set_timesteps(args.steps)
+    train_prompts = read_prompts(args.train_prompts, "--train-prompts") if args.train_prompts else None
+    if world is None and train_prompts is None:
+        raise SystemExit("--train-prompts FILE is required for this model (one prompt per line)")
+    return Run(
+        acc=acc,
+        pipe=pipe,
+        transformer=pipe.transformer,
+        names=names,
+        budgets=budgets,
+        branch=branch,
+        rewards=build_rewards(names, replace(args, device=str(acc.device)), reward_extras(args.model, extra_rewards)),
+        judges=judges if judges is not None or world is None else world.JUDGES,
+        frechet=world.frechet_distance if world else None,
+        sigmas=pipe.scheduler.sigmas.float().cpu(),
+        eval_sigmas=scheduler_sigmas(pipe, args.eval_steps or args.steps),
+        shape=(pipe.transformer.config.in_channels, res // pipe.vae_scale_factor, res // pipe.vae_scale_factor),
+        opt=torch.optim.AdamW(lora_params(pipe.transformer, "default"), lr=args.lr, weight_decay=args.weight_decay),
+        eval_prompts=read_prompts(args.eval_prompts, "--eval-prompts")
+        if args.eval_prompts
+        else (world.sample_prompts(16, "heldout", 0) if world else []),
+        out=Path(args.out),
+        lock=lock,
+        script=script,
+        world=world,
+        train_prompts=train_prompts,
+        max_len=max_len,
+        prompts_per_iter=args.prompts_per_iter,
+        seed=args.seed,
+    )
+
+
+def seed_everything(seed):
+    """Seeds Python's `random`, numpy's global RNG and torch's CPU and CUDA default generators.
+    The loop itself draws every random number from per-iteration generators seeded by
+    (seed, iteration), so a resumed run repeats the iterations an uninterrupted one would."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def iteration_generator(seed, iteration):
+    """The CPU generator that draws every random number of one iteration (noise moves to the device)."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + iteration)
+
+
+def stop_if_a_reward_failed(run: Run, it, n_valid, state):
+    """Stop the run when a reward returned NaN/inf for every image of iteration `it` (all processes): the state
+    before it is checkpointed, and the message names the reward(s) and how to continue. n_valid (K,)."""
+    if (n_valid == 0).any():
+        if run.acc.is_main_process:
+            save_checkpoint(run.out, max(it - 1, 0), run.transformer, run.opt, state)
+        bad = [n for n, c in zip(run.names, n_valid) if c == 0]
+        raise SystemExit(
+            f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; checkpoint saved in {run.out}. "
+            f"Fix the reward, then continue with --resume {run.out}"
+        )
+
+
+def reward_metrics(run: Run, it, b, n_valid, mean_R, losses):
+    """The first entries of an iteration's metrics line: training rewards per reward and budget-weighted, the
+    count of non-finite ones (all processes), the update's losses and sample count."""
+    nonfinite = (run.reduce(len(b.R)) - n_valid).astype(int).tolist()
+    return {
+        "iteration": it,
+        **{f"reward/{n}": float(mean_R[k]) for k, n in enumerate(run.names)},
+        "reward/weighted": float(budget_mean(mean_R, run.budgets)),
+        **{f"reward_nonfinite/{n}": c for n, c in zip(run.names, nonfinite)},
+        **losses,
+        "train/samples": int(run.reduce(losses["train/samples"])),
+    }
+
+
+def budget_mean(values, budgets):
+    """The budget-weighted mean sum_k lambda_k v_k / Lam of per-reward values (K,): the metrics `reward/weighted`
+    and `eval/weighted`."""
+    return np.asarray(budgets) @ values / sum(budgets)
+
+
+def finish_iteration(run: Run, args, it, metrics, state, before, evaluate):
+    """Step 4: evaluate (the script's `evaluate`, every eval_every iterations and at the end), append the metrics
+    line, checkpoint (every save_every iterations and at the end). Main process only; `before` the first
+    evaluation's metrics (or None)."""
+    last = it == args.iterations - 1
+    if run.acc.is_main_process:
+        if before:
+            metrics.update({k.replace("eval/", "eval_before/"): v for k, v in before.items()})
+        if args.eval_every and run.eval_prompts and ((it + 1) % args.eval_every == 0 or last):
+            metrics_eval, images = evaluate(run, args)
+            metrics.update(metrics_eval)
+            if last:
+                save_grid(images, run.out / "samples_after.png", prompts=run.eval_prompts)
+        with open(run.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        log_to_trackers(run.acc, metrics, step=it)
+        if (it + 1) % args.save_every == 0 or last:
+            save_checkpoint(run.out, it, run.transformer, run.opt, state)
+    run.acc.wait_for_everyone()
+
+
+def check_finite(values):
+    """Stop before an optimizer step that would write NaN/inf into the weights (exit code 1; the run
+    folder keeps its last good checkpoint). values: the step's losses and gradient norm."""
+    bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+    if bad:
+        raise SystemExit(
+            f"non-finite {bad}: the optimizer step was not taken and nothing was saved; the last good "
+            "checkpoint is kept. Lower --lr or check the flags and rewards, then --resume"
+        )
+
+
+# =============================================================================
+# Run folders, resume and locks
+# =============================================================================
+
+
+def is_run(folder):
+    """True when folder/config.json is a run's record (JSON with "args" and "script" recast or rvge)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(config, dict) and isinstance(config.get("args"), dict) and config.get("script") in ("recast", "rvge")
+    )
+
+
+def is_unused(folder):
+    """True when nothing is at the path, or it is a folder holding nothing but a run's lock file (a start that
+    stopped before it wrote its config)."""
+    folder = Path(folder)
+    return not folder.exists() or (folder.is_dir() and all(p.name == ".lock" for p in folder.iterdir()))
+
+
+def run_folder(args, default_name):
+    """The run folder, checked writable, never inside another run (whose checkpoint rotation would delete it).
+    --resume: that folder. --out: a new or empty folder, or a run, which is refused unless --overwrite (a folder of
+    other files is refused even then: a run writes only where nothing else lives). Default runs/<--name, else the
+    script's default_name>: a fresh -1, -2, ... suffix when the name is taken, so running a command twice gives two
+    runs. Creates the folder; changes nothing inside it. Under a multi-process launch only the first process decides
+    (the others would see its files as another run's); load_run hands its choice to the rest. Returns the folder as a
+    string, or, in the other processes, args.out as given."""
+    if not is_first_process():
+        return args.out
+    if args.resume:
+        out = Path(args.resume)
+    elif args.out:
+        out = Path(args.out)
+        holds_a_run = is_run(out)
+        if holds_a_run and not args.overwrite:
+            raise SystemExit(
+                f"--out {out} already holds a run. Continue it with --resume {out}, choose another --out, "
+                "or replace it with --overwrite"
+            )
+        if not holds_a_run and not is_unused(out):
+            raise SystemExit(
+                f"--out {out} holds files that are not a run of this project (a run writes only to a new or empty "
+                "folder, and --overwrite replaces only runs). Choose a new folder with --out"
+            )
+    else:
+        base = Path("runs") / (args.name or default_name)
+        out = next(p for p in (base.with_name(f"{base.name}-{i}") if i else base for i in range(10**6)) if is_unused(p))
+    where = Path(os.path.abspath(out))
+    if len(where.parts) <= 2 or where == Path.home().absolute():
+        raise SystemExit(
+            f"{out} is a system folder (the root, a folder directly under it, or your home folder): a run writes only "
+            "to a folder of its own. Choose one such as runs/<name> with --out"
+        )
+    host = next((p for p in where.parents if is_run(p)), None)
+    if host is not None:
+        raise SystemExit(
+            f"{out} lies inside the run folder {host}, whose checkpoint rotation and --overwrite would delete it: "
+            "choose a folder outside any run"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write_test.{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise SystemExit(f"cannot write to the run folder {out} ({err.strerror}): choose another with --out") from None
+    return str(out)
+
+
+def is_first_process():
+    """True in a single process and in rank 0 of an `accelerate launch` (which sets RANK before Python starts)."""
+    return int(os.environ.get("RANK", 0)) == 0
+
+
+def lock_run(out):
+    """An exclusive lock on out/.lock for this process's lifetime: a second live process on the same
+    folder (e.g. two --resume) is refused. Returns the open file (keep it referenced)."""
+    handle = open(Path(out) / ".lock", "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise SystemExit(
+            f"{out} is in use by another live process (it holds {out}/.lock); wait for it to finish or stop it"
+        ) from None
+    return handle
+
+
+def start_or_resume(run: Run, args):
+    """Restore the newest intact checkpoint when resuming (metrics cut back to it), or clear the folder
+    for --overwrite; remove this program's .tmp leftovers; write config.json; start the --report-to tracker.
+    Returns (first iteration, state)."""
+    state = load_checkpoint(run.out, run.transformer, run.opt, args.lr, args.weight_decay) if args.resume else None
+    start = state.pop("iteration") + 1 if state else 0
+    if args.resume and state is None:
+        tqdm.write(f"{run.out} has no checkpoint yet: training starts at iteration 0")
+    if run.acc.is_main_process:
+        if args.overwrite:
+            for name in (
+                "config.json",
+                "tensorboard",
+                "metrics.jsonl",
+                "checkpoints",
+                "rewards.png",
+                "credit.png",
+                "samples_before.png",
+                "samples_after.png",
+            ):
+                shutil.rmtree(run.out / name) if (run.out / name).is_dir() else (run.out / name).unlink(missing_ok=True)
+        for leftover in leftovers(run.out):
+            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+        config = {"args": asdict(args), "script": run.script, "rewards": run.names, "git_sha": git_sha()}
+        write_atomic(run.out / "config.json", json.dumps(config, indent=2))
+        keep_metrics_until(run.out / "metrics.jsonl", start)
+    start_trackers(run, args)
+    return start, {"opt_steps": 0, "level_stats": None, **(state or {})}
+
+
+def write_atomic(path, text):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def leftovers(out):
+    """The half-written files a kill can leave in a run folder: write_atomic's and save_checkpoint's .tmp names
+    (nothing else is ever deleted: a user's own *.tmp files stay)."""
+    out, ckpts = Path(out), Path(out) / "checkpoints"
+    ours = [out / "config.json.tmp", out / "metrics.jsonl.tmp", ckpts / "latest.tmp", *ckpts.glob("iter_??????.tmp")]
+    return [p for p in ours if p.exists()]
+
+
+def metrics_lines(path):
+    """(iteration, line) of each line of a metrics.jsonl. A last line that does not decode is a write a kill cut
+    short and is left out; a damaged line before the last is not ours to drop: SystemExit naming it and the fix."""
+    lines = Path(path).read_text(errors="replace").splitlines() if Path(path).exists() else []
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append((int(json.loads(line)["iteration"]), line))
+        except (ValueError, KeyError, TypeError):
+            if number < len(lines):
+                raise SystemExit(
+                    f"{path}: line {number} of {len(lines)} is damaged ({line[:40]!r}...); a resume would lose it. "
+                    "Repair or delete that line, then --resume again"
+                ) from None
+    return rows
+
+
+def keep_metrics_until(path, start):
+    """On resume, keep the metric lines of iterations before `start` (later ones will be redone); a partial last
+    line (a kill or a full disk mid-write) is dropped (metrics_lines)."""
+    if path.exists():
+        write_atomic(path, "".join(line + "\n" for it, line in metrics_lines(path) if it < start))
+
+
+def git_sha():
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+# =============================================================================
+# Checkpoints (atomic)
+# =============================================================================
+
+
+def save_checkpoint(out, iteration, transformer, opt, state):
+    """checkpoints/iter_N/: the "default" LoRA in diffusers' format with its LoraConfig as metadata, so that
+    pipe.load_lora_weights("<run>/checkpoints/iter_N") gives the trained model exactly (without the metadata
+    diffusers takes lora_alpha = r, a wrong scale unless alpha = r); iter_N/ema the EMA with --ema; and state.pt
+    (every adapter, optimizer, level statistics, optimizer-step count, iteration). Written to a .tmp folder,
+    renamed, then `latest` is replaced atomically: a kill at any moment leaves the last good one.
+    Keeps this checkpoint and the newest earlier one. Refuses to write non-finite weights."""
+    from diffusers import StableDiffusion3Pipeline
+    from peft.utils import get_peft_model_state_dict
+
+    lora = {a: get_peft_model_state_dict(transformer, adapter_name=a) for a in transformer.peft_config}
+    bad = [k for sd in lora.values() for k, v in sd.items() if not torch.isfinite(v).all()]
+    if bad:
+        raise SystemExit(
+            f"non-finite LoRA weights ({bad[0]}, {len(bad)} tensors) at iteration {iteration}: not saved; "
+            f"the last good checkpoint in {out}/checkpoints is kept"
+        )
+    root = out / "checkpoints"
+    final, tmp = root / f"iter_{iteration:06d}", root / f"iter_{iteration:06d}.tmp"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for adapter, folder in (("default", tmp), ("ema", tmp / "ema")):  # ema: DiffusionNFT's evaluation weights
+            if adapter in lora:  # the adapter's config (rank, alpha, targets) in the file: loaders scale as trained
+                StableDiffusion3Pipeline.save_lora_weights(
+                    folder,
+                    transformer_lora_layers=lora[adapter],
+                    transformer_lora_adapter_metadata=transformer.peft_config[adapter].to_dict(),
+                )
+        torch.save({"iteration": iteration, "lora": lora, "optimizer": opt.state_dict(), **state}, tmp / "state.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        (root / "latest.tmp").write_text(final.name)
+        os.replace(root / "latest.tmp", root / "latest")
+    except (OSError, RuntimeError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SystemExit(
+            f"writing the checkpoint of iteration {iteration} failed ({err}); is the disk full? "
+            f"The last good checkpoint in {root} is kept; free space, then continue with --resume {out}"
+        ) from None
+    previous = max((p for p in root.glob("iter_??????") if p.name < final.name), default=None)
+    for old in root.glob("iter_??????"):
+        if old not in (final, previous):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(out, transformer, opt, lr, weight_decay):
+    """Restore the newest intact checkpoint of a run folder (the one `latest` names, else the newest
+    iter_N whose state.pt loads; says so when it falls back); the optimizer then takes this run's lr and
+    weight decay (its saved moments are kept). Returns its state dict, None when the run has no checkpoint yet;
+    SystemExit, with nothing changed, when it has checkpoints and none loads."""
+    from peft.utils import set_peft_model_state_dict
+
+    root = out / "checkpoints"
+    latest = root / "latest"
+    named = root / latest.read_text().strip() if latest.is_file() else None
+    candidates = ([named] if named else []) + sorted((p for p in root.glob("iter_??????") if p != named), reverse=True)
+    for ckpt in candidates:
+        try:
+            state = torch.load(ckpt / "state.pt", weights_only=False)
+        except Exception as err:  # missing, truncated or corrupt: try the next older one
+            tqdm.write(f"checkpoint {ckpt} is not loadable ({type(err).__name__}); trying an older one")
+            continue
+        if ckpt != named:
+            tqdm.write(f"resuming from {ckpt.name}, the newest intact checkpoint")
+        lora = state.pop("lora")
+        for adapter, sd in lora.items():
+            if adapter in transformer.peft_config:
+                set_peft_model_state_dict(transformer, sd, adapter_name=adapter)
+        if "ema" in transformer.peft_config and "ema" not in lora:  # --ema switched on at resume: start it here
+            copy_adapter(transformer, "default", "ema")
+        opt.load_state_dict(state.pop("optimizer"))
+        for group in opt.param_groups:  # the saved groups hold the old run's values: --lr / --weight-decay apply
+            group.update(lr=lr, weight_decay=weight_decay)
+        transformer.set_adapter("default")
+        return state
+    if candidates:
+        raise SystemExit(
+            f"--resume {out}: none of its checkpoints loads ({', '.join(p.name for p in candidates)}); nothing was "
+            "changed. Their LoRA files (pytorch_lora_weights.safetensors) may still load in diffusers; to train "
+            "again, start a new run"
+        )
+    return None
+
+
+# =============================================================================
+# Trackers and figures
+# =============================================================================
+
+
+def start_trackers(run: Run, args):
+    """--report-to tensorboard | wandb: accelerate's tracker, started with the run's flags (TensorBoard: event files
+    in <run>/tensorboard; W&B: a run named after the run folder, in project <script>). Nothing for none."""
+    if args.report_to == "none":
+        return
+    wandb = {"wandb": {"name": run.out.name, "dir": str(run.out)}}
+    name, kwargs = ("tensorboard", {}) if args.report_to == "tensorboard" else (run.script, wandb)
+    run.acc.init_trackers(name, config=asdict(args), init_kwargs=kwargs)
+
+
+def log_to_trackers(acc, metrics, step):
+    """The metrics line's numbers and strings to the --report-to tracker under the same keys (lists such as D stay in
+    metrics.jsonl); W (K, T) also as an image on TensorBoard (viridis, 16 px a cell, scaled to its largest entry)."""
+    if not acc.trackers:
+        return
+    acc.log({k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}, step=step)
+    if "recast/W" in metrics and any(tracker.name == "tensorboard" for tracker in acc.trackers):
+        import matplotlib
+
+        W = np.asarray(metrics["recast/W"])
+        rgb = matplotlib.colormaps["viridis"](W / max(W.max(), 1e-300))[..., :3]  # (K, T, 3)
+        image = np.kron(rgb, np.ones((16, 16, 1)))
+        acc.get_tracker("tensorboard", unwrap=True).add_image("recast/W", image, step, dataformats="HWC")
+
+
+def save_grid(images, path, prompts=(), cols=8, cell=128):
+    """The images in rows of `cols`, each upscaled (nearest) to at least `cell` px wide, with its prompt written
+    under it (wrapped to the image's width). Returns the grid (PIL)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    scale = max(1, -(-cell // images[0].size[0]))  # ceil: small images grow to at least `cell` px
+    w, h = images[0].size[0] * scale, images[0].size[1] * scale
+    font = ImageFont.load_default(size=max(10, w // 12))
+    draw = ImageDraw.Draw(Image.new("RGB", (w, h)))
+    captions = [wrap_text(draw, text, font, w - 4) for text in list(prompts) + [""] * (len(images) - len(prompts))]
+    line = font.getbbox("Ag")[3] + 2
+    text_h = line * max(len(c) for c in captions) + 4
+    rows = (len(images) + cols - 1) // cols
+    grid = Image.new("RGB", (cols * w, rows * (h + text_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, (im, caption) in enumerate(zip(images, captions)):
+        x, y = (i % cols) * w, (i // cols) * (h + text_h)
+        grid.paste(im.convert("RGB").resize((w, h), Image.NEAREST), (x, y))
+        for k, text in enumerate(caption):
+            draw.text((x + 2, y + h + 2 + k * line), text, fill="black", font=font)
+    grid.save(path)
+    return grid
+
+
+def wrap_text(draw, text, font, width):
+    """Lines of `text` (words kept whole) that fit in `width` px with `font`."""
+    lines = []
+    for word in text.split():
+        if lines and draw.textlength(f"{lines[-1]} {word}", font=font) <= width:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word)
+    return lines
+
+
+def plot_run(out, names):
+    """Figures from metrics.jsonl: reward curves, the last W heatmap, D_k(t) curves and gains."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    if not rows:
+        return
+    its = [m["iteration"] for m in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n in names + ["weighted"]:
+        ax.plot(its, [m[f"reward/{n}"] for m in rows], label=n)
+    ax.set(xlabel="iteration", ylabel="mean training reward", title="rewards")
+    ax.legend(fontsize=7)
+    fig.savefig(out / "rewards.png", dpi=120, bbox_inches="tight")
+    last, sig = rows[-1], np.array(rows[-1]["recast/sigmas"])
+    fig, axes = plt.subplots(1, 3, figsize=(16, 3.6), gridspec_kw={"wspace": 0.35})
+    im = axes[0].imshow(np.array(last["recast/W"]), aspect="auto", cmap="viridis")
+    axes[0].set(yticks=range(len(names)), yticklabels=names, xlabel="step j (t = sigma_j)", title="W (last iteration)")
+    fig.colorbar(im, ax=axes[0])
+    D_meas, D_se = np.array(last["recast/D_measured"]), np.array(last["recast/D_se"])  # -1: level not measured
+    for k, n in enumerate(names):
+        (line,) = axes[1].plot(
+            sig, np.array(last["recast/D"])[k], label=f"{n} (evidence {last['recast/evidence'][k]:.2f})"
+        )
+        ok = D_se[k] >= 0
+        axes[1].errorbar(sig[ok], D_meas[k, ok], yerr=2 * D_se[k, ok], fmt="o", ms=3, capsize=2, color=line.get_color())
+        axes[2].plot(sig[:-1], np.array(last["recast/gains"])[k], marker=".", label=n)
+    axes[1].set(xlabel="t", ylabel="D_k(t)", title="Renyi discriminability: levels +- 2 se, monotone fit")
+    axes[2].set(xlabel="t at step start", ylabel="gain", title="gains per step")
+    for a in axes[1:]:
+        a.invert_xaxis()
+        a.legend(fontsize=7)
+    fig.savefig(out / "credit.png", dpi=120, bbox_inches="tight")
+    plt.close("all")

@@ -1,0 +1,690 @@
+"""run_kit.py, the run machinery both scripts import: budgets and flags parsed and checked before any work, --help in
+sections, run folders, locks, resume after a kill or damage, atomic checkpoints that load in diffusers, trackers,
+figures, prompt files, --dry-run; each case run through both scripts on the tiny pipeline of conftest.py.
+
+`python test_run_kit.py --same-metrics A B` compares two runs' metrics.jsonl apart from their wall-clock times
+(`time/*`): the check that a change to the code left a seeded run's numbers byte-identical.
+Run: python -m pytest -q test_run_kit.py
+"""
+
+import json
+import re
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import recast
+import reward_models
+import run_kit
+import rvge
+from conftest import (
+    TINY_REWARDS,
+    assert_loads_as_trained,
+    brightness,
+    copy_of,
+    read_metrics,
+    snapshot,
+    tiny_argv,
+    tiny_argv_for,
+)
+
+
+def test_parse_budgets_reads_and_keeps_scale():
+    assert run_kit.parse_budgets("0.4,0.3,0.2,0.1") == [0.4, 0.3, 0.2, 0.1]
+    assert run_kit.parse_budgets(" 2, 0 ,1 ") == [2.0, 0.0, 1.0]  # not normalised
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("", "empty"),
+        ("   ", "empty"),
+        ("0.4,abc", "not a number"),
+        ("0.4,,0.1", "not a number"),
+        ("nan,1", "finite"),
+        ("inf", "finite"),
+        ("0.5,-0.1", "negative"),
+        ("0,0,0", "all budgets are zero"),
+    ],
+)
+def test_parse_budgets_errors_name_the_problem_and_the_fix(text, words):
+    with pytest.raises(ValueError) as err:
+        run_kit.parse_budgets(text)
+    assert words in str(err.value) and "--budgets" in str(err.value)
+
+
+def test_sample_grid_upscales_each_image_and_writes_its_prompt_under_it(tmp_path):
+    colours = ["red", "blue", "green", "orange", "purple", "teal", "navy", "olive", "maroon", "gray"]
+    images = [Image.new("RGB", (16, 16), c) for c in colours]
+    prompts = ["a red circle on the left and a blue square", "two blue squares"] + [""] * 8
+    grid = np.asarray(run_kit.save_grid(images, tmp_path / "grid.png", prompts=prompts, cols=8, cell=128))
+    assert Image.open(tmp_path / "grid.png").size == (grid.shape[1], grid.shape[0])
+    assert grid.shape[1] == 8 * 128 and 2 * 128 < grid.shape[0] < 2 * 128 + 2 * 100  # two rows, room for captions
+    row_h = grid.shape[0] // 2
+    for i, c in enumerate(colours):  # nearest upscaling: each 16 px image fills its 128 px cell with its colour
+        x, y = (i % 8) * 128, (i // 8) * row_h
+        assert (grid[y : y + 128, x : x + 128] == Image.new("RGB", (1, 1), c).getpixel((0, 0))).all()
+    caption = lambda i: grid[128:row_h, i * 128 : (i + 1) * 128]  # noqa: E731
+    lines = lambda i: (caption(i).min(axis=(1, 2)) < 128).astype(int)  # noqa: E731
+    assert caption(0).min() < 100 and caption(1).min() < 100 and caption(2).min() == 255  # text only under prompts
+    assert (np.diff(lines(0)) == 1).sum() > (np.diff(lines(1)) == 1).sum() >= 1  # the long prompt wraps
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_report_to_tensorboard_logs_the_metrics_keys_and_W(tiny, tmp_path, module):
+    """--report-to tensorboard: event files in <run>/tensorboard hold every number of metrics.jsonl under the same key,
+    one point per iteration, and W as an image of 16 px a cell."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    script, out = __import__(module), tmp_path / "run"
+    argv = tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "1", "--report-to", "tensorboard")
+    script.train(script.parse_args(argv), extra_rewards=TINY_REWARDS)
+    rows = read_metrics(out)
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "images": 0}).Reload()
+    numbers = {k for m in rows for k, v in m.items() if isinstance(v, (int, float))}
+    assert numbers <= set(events.Tags()["scalars"]) and "eval_before/brightness" in numbers
+    for key in ("loss/policy", "reward/weighted", "eval/brightness", "grad_norm"):
+        assert [e.step for e in events.Scalars(key)] == [0, 1]
+        assert [e.value for e in events.Scalars(key)] == pytest.approx([m[key] for m in rows], rel=1e-6)
+    images = events.Images("recast/W")
+    assert [(i.step, i.height, i.width) for i in images] == [(0, 2 * 16, 10 * 16), (1, 2 * 16, 10 * 16)]
+
+
+def test_report_to_needs_its_package(tiny, tmp_path, monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
+    argv = tiny_argv(tiny, tmp_path / "run", "--report-to", "wandb")
+    with pytest.raises(SystemExit, match="needs the wandb package: pip install wandb"):
+        recast.validate(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+    assert not (tmp_path / "run").exists()
+
+
+KILL_SCRIPT = """
+import sys, numpy as np
+sys.path.insert(0, {repo!r})
+import {module} as script, conftest
+script.train(script.parse_args({argv!r}), extra_rewards=conftest.TINY_REWARDS)
+"""
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_resume_after_sigkill_loses_nothing_and_same_seed_repeats(tiny, tmp_path, module):
+    script = __import__(module)
+    import signal
+    import sys
+    import time as _time
+
+    ref, killed = tmp_path / "ref", tmp_path / "killed"
+    common = ["--iterations", "5", "--save-every", "1", "--eval-every", "0"]
+    script.train(script.parse_args(tiny_argv(tiny, ref, *common)), extra_rewards=TINY_REWARDS)
+    code = KILL_SCRIPT.format(repo=str(Path(__file__).parent), module=module, argv=tiny_argv(tiny, killed, *common))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = killed / "checkpoints" / "latest"
+    deadline = _time.time() + 240
+    while _time.time() < deadline and not (latest.exists() and latest.read_text() >= "iter_000001"):
+        _time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert latest.exists(), "the killed run wrote no checkpoint"
+    assert len(read_metrics(killed)) < 5, "the run finished before it could be killed"
+    script.train(script.parse_args(["--resume", str(killed)]), extra_rewards=TINY_REWARDS)
+
+    def strip(m):
+        return {k: v for k, v in m.items() if not k.startswith("time/")}
+
+    assert [strip(m) for m in read_metrics(killed)] == [strip(m) for m in read_metrics(ref)]
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_nan_rewards_are_left_out_and_an_all_nan_reward_stops_with_a_checkpoint(tiny, tmp_path, module):
+    script = __import__(module)
+
+    def half_nan(images, prompts):
+        v = brightness(images, prompts)
+        v[::2] = np.nan
+        return v
+
+    out = tmp_path / "half"
+    argv = tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0", "--rewards", "brightness,half")
+    script.train(script.parse_args(argv), extra_rewards={**TINY_REWARDS, "half": half_nan})
+    m, saved = read_metrics(out)[0], json.loads((out / "config.json").read_text())["args"]
+    leaves = saved["prompts_per_iter"] * saved["n_roots"] * saved["n_branch"] ** len(saved["branch_steps"].split(","))
+    assert m["reward_nonfinite/half"] == leaves // 2 and np.isfinite(m["reward/half"]) and np.isfinite(m["loss/policy"])
+    out = tmp_path / "all"
+    argv = tiny_argv(tiny, out, "--iterations", "3", "--eval-every", "0", "--rewards", "brightness,dead")
+    with pytest.raises(SystemExit, match="NaN/inf for every image"):
+        script.train(
+            script.parse_args(argv), extra_rewards={**TINY_REWARDS, "dead": lambda ims, ps: np.full(len(ims), np.nan)}
+        )
+    assert (out / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (["--budgets", "0.4,x"], "not a number"),
+        (["--budgets", "1,2,3"], "3 budgets for 2 rewards"),
+        (["--rewards", "brightness,nope"], "unknown or repeated reward"),
+        (["--model", "/no/such/folder"], "no such folder"),
+        (["--model", "stabilityai/stable-diffusion-3.5-medium"], "needs a CUDA GPU"),
+        (["--alpha", "3"], "--alpha 2"),
+        (["--branch-steps", "9"], "strictly between"),
+        (["--out", "/proc/forbidden/run"], "cannot write"),
+    ],
+)
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_bad_input_fails_before_any_work_with_a_clear_message(tiny, tmp_path, change, words, module):
+    if "CUDA" in words and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    if module == "rvge" and "--alpha" in change:
+        change, words = ["--kl-beta", "0"], "--kl-beta 0.0: must be a finite number > 0"
+    script = __import__(module)
+    argv = tiny_argv(tiny, tmp_path / "run") + change
+    with pytest.raises(SystemExit, match=words):
+        script.validate(script.parse_args(argv), extra_rewards=TINY_REWARDS)
+
+
+def test_the_same_command_twice_makes_two_runs(tiny, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = [a for a in tiny_argv(tiny, "x", "--iterations", "1", "--eval-every", "0") if a not in ("--out", "x")]
+    first = recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+    before = snapshot(first)
+    second = recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+    assert first == Path("runs/recast-recast-0") and second == Path("runs/recast-recast-0-1")
+    assert snapshot(first) == before and (second / "checkpoints" / "latest").is_file()
+
+
+@pytest.mark.parametrize(
+    "more, words",
+    [
+        ([], "already holds a run"),
+        (["--train-batch", "0"], "--train-batch 0: must be"),
+        (["--lr", "nan"], "--lr nan: must be a finite"),
+    ],
+)
+def test_an_existing_run_is_never_touched_by_a_new_command(finished_run, tmp_path, more, words):
+    out = copy_of(finished_run, tmp_path)
+    before = snapshot(out)
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        finished_run.script.validate(
+            finished_run.script.parse_args(tiny_argv_for(finished_run, out, *more)), extra_rewards=TINY_REWARDS
+        )
+    assert snapshot(out) == before
+
+
+def test_overwrite_replaces_a_run(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    script = finished_run.script
+    script.train(
+        script.parse_args(tiny_argv_for(finished_run, out, "--iterations", "1", "--eval-every", "0", "--overwrite")),
+        extra_rewards=TINY_REWARDS,
+    )
+    assert [m["iteration"] for m in read_metrics(out)] == [0]
+    assert sorted(p.name for p in (out / "checkpoints").glob("iter_*")) == ["iter_000000"]
+
+
+def test_resume_trains_the_folder_given_wherever_it_lies(finished_run, tmp_path):
+    script = finished_run.script
+    original = snapshot(finished_run.out)
+    moved = copy_of(finished_run, tmp_path, "moved")
+    script.train(script.parse_args(["--resume", str(moved), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+    assert [m["iteration"] for m in read_metrics(moved)] == [0, 1, 2]
+    assert snapshot(finished_run.out) == original  # the folder it was copied from is untouched
+    assert json.loads((moved / "config.json").read_text())["args"]["out"] == str(moved)
+    with pytest.raises(SystemExit, match="continues that folder in place"):
+        script.parse_args(["--resume", str(moved), "--out", str(tmp_path / "elsewhere")])
+
+
+@pytest.mark.parametrize(
+    "more, words",
+    [
+        (["--rewards", "brightness"], "--rewards: saved 'brightness,redness', given 'brightness'"),
+        (["--steps", "12"], "--steps: saved 10, given 12"),
+        (["--lora-rank", "8"], "--lora-rank: saved 4, given 8"),
+    ],
+)
+def test_resume_refuses_settings_that_cannot_change(finished_run, tmp_path, more, words):
+    out = copy_of(finished_run, tmp_path)
+    before = snapshot(out)
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        finished_run.script.parse_args(["--resume", str(out), *more])
+    assert snapshot(out) == before
+    other = "rvge" if finished_run.script is recast else "recast"
+    with pytest.raises(SystemExit, match=f"trained by {finished_run.script.__name__}.py"):
+        __import__(other).parse_args(["--resume", str(out)])
+
+
+def test_a_second_live_process_on_a_folder_is_refused(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    held = run_kit.lock_run(out)
+    try:
+        with pytest.raises(SystemExit, match="in use by another live process"):
+            finished_run.script.train(
+                finished_run.script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS
+            )
+    finally:
+        held.close()
+
+
+@pytest.mark.parametrize("damage", ["partial_metrics_line", "dangling_latest", "truncated_state"])
+def test_resume_survives_damage_and_falls_back_to_an_intact_checkpoint(finished_run, tmp_path, damage, capsys):
+    out = copy_of(finished_run, tmp_path)
+    ckpts = out / "checkpoints"
+    if damage == "partial_metrics_line":
+        with open(out / "metrics.jsonl", "a") as f:
+            f.write('{"iteration": 2, "reward/bri')
+    elif damage == "dangling_latest":
+        (ckpts / "latest").write_text("iter_000009")
+    else:
+        (ckpts / "iter_000001" / "state.pt").write_bytes((ckpts / "iter_000001" / "state.pt").read_bytes()[:1000])
+    (ckpts / "iter_000005.tmp").mkdir()
+    finished_run.script.train(
+        finished_run.script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS
+    )
+    its = [m["iteration"] for m in read_metrics(out)]
+    if damage == "truncated_state":  # iteration 1 is redone from the iteration-0 checkpoint
+        captured = capsys.readouterr()
+        assert its == [0, 1, 2] and "iter_000000, the newest intact checkpoint" in captured.out + captured.err
+    else:
+        assert its == [0, 1, 2]
+    assert not list(ckpts.glob("*.tmp")) and (ckpts / (ckpts / "latest").read_text()).is_dir()
+
+
+def test_a_runs_lora_loads_in_diffusers_as_the_trained_model(finished_run):
+    """Both scripts (rank 4, alpha 8): checkpoints/iter_N is the folder to load, and it loads at full strength."""
+    assert_loads_as_trained(finished_run.script, finished_run.out, finished_run.out / "checkpoints" / "iter_000001")
+
+
+def test_resume_applies_a_new_lr_and_weight_decay_and_records_what_it_did(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    script = finished_run.script
+    script.train(
+        script.parse_args(["--resume", str(out), "--iterations", "3", "--lr", "0.002", "--weight-decay", "0.25"]),
+        extra_rewards=TINY_REWARDS,
+    )
+    groups = torch.load(out / "checkpoints" / "iter_000002" / "state.pt", weights_only=False)["optimizer"]
+    assert [(g["lr"], g["weight_decay"]) for g in groups["param_groups"]] == [(0.002, 0.25)]
+    saved = json.loads((out / "config.json").read_text())["args"]
+    assert (saved["lr"], saved["weight_decay"]) == (0.002, 0.25)
+
+
+@pytest.mark.parametrize(
+    "more, words",
+    [
+        (["--gain-estimator", "denoised"], "--gain-estimator: saved 'pairs', given 'denoised'"),
+        (["--gain-init", "levels.json"], "--gain-init: saved '', given 'levels.json'"),
+        (["--overwrite"], "--overwrite does not go with --resume"),
+        (["--name", "other"], "--name does not go with --resume"),
+    ],
+)
+def test_resume_refuses_flags_whose_saved_state_would_override_them(finished_run, tmp_path, more, words):
+    """--gain-estimator / --alpha: the saved level statistics were measured with them; --gain-init seeds iteration 0
+    only; --overwrite / --name choose another folder. Refused, nothing written."""
+    script = finished_run.script
+    out = copy_of(finished_run, tmp_path)
+    before = snapshot(out)
+    if script is rvge and more[0].startswith("--gain"):  # rvge.py has no such flag (its --credit recast: pairs, 2)
+        with pytest.raises(SystemExit, match="2"):  # argparse: unrecognized arguments, exit status 2
+            script.parse_args(["--resume", str(out), *more])
+    else:
+        with pytest.raises(SystemExit, match=re.escape(words)):
+            script.train(script.parse_args(["--resume", str(out), *more]), extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
+
+
+def test_resume_with_no_loadable_checkpoint_stops_and_changes_nothing(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    for state in (out / "checkpoints").glob("iter_*/state.pt"):
+        state.write_bytes(state.read_bytes()[:500])
+    before = snapshot(out)
+    script = finished_run.script
+    with pytest.raises(SystemExit, match="none of its checkpoints loads .*nothing was changed"):
+        script.train(script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+@pytest.mark.parametrize(
+    "files",
+    [{"config.json": '{"_class_name": "SD3Transformer2DModel"}'}, {"notes.txt": "mine"}, {"config.json": "[1, 2]"}],
+)
+def test_out_at_a_folder_of_other_files_is_refused_even_with_overwrite(tiny, tmp_path, files, overwrite):
+    out = tmp_path / "transformer"
+    out.mkdir()
+    for name, text in files.items():
+        (out / name).write_text(text)
+    before = snapshot(out)
+    with pytest.raises(SystemExit, match="holds files that are not a run of this project"):
+        recast.validate(recast.parse_args(tiny_argv(tiny, out, *overwrite)), extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
+    for system in ("/", "/etc", "/mnt", str(Path.home())):
+        with pytest.raises(SystemExit, match="is a system folder|holds files that are not a run"):
+            recast.validate(recast.parse_args(tiny_argv(tiny, system, "--overwrite")), extra_rewards=TINY_REWARDS)
+    empty = tmp_path / "empty"
+    (empty / ".lock").parent.mkdir()
+    (empty / ".lock").write_text("")  # a start stopped before it wrote its config: the folder is free
+    recast.validate(recast.parse_args(tiny_argv(tiny, empty)), extra_rewards=TINY_REWARDS)
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_only_the_first_process_judges_the_run_folder(tiny, tmp_path, module, monkeypatch):
+    """Under accelerate launch, rank 0 creates the folder, probes it and may write config.json before rank 1 looks:
+    rank 1 must not judge that folder (it would call it another run's) but wait for rank 0's choice (CI saw
+    this race: test_two_processes_hold_the_same_W failed once with 'holds files that are not a run')."""
+    script = __import__(module)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".write_test.123").write_text("ok")  # rank 0's write probe, seen mid-check
+    with pytest.raises(SystemExit, match="holds files that are not a run"):
+        script.validate(script.parse_args(tiny_argv(tiny, out)), extra_rewards=TINY_REWARDS)
+    monkeypatch.setenv("RANK", "1")
+    args = script.parse_args(tiny_argv(tiny, out))
+    script.validate(args, extra_rewards=TINY_REWARDS)
+    assert args.out == str(out) and sorted(p.name for p in out.iterdir()) == [".write_test.123"]
+    argv = tiny_argv(tiny, out)
+    del argv[argv.index("--out") : argv.index("--out") + 2]
+    args = script.parse_args(argv)  # default runs/<name>: left to rank 0's broadcast
+    monkeypatch.chdir(tmp_path)
+    script.validate(args, extra_rewards=TINY_REWARDS)
+    assert not args.out and not (tmp_path / "runs").exists()
+
+
+def test_out_inside_a_run_is_refused(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    before = snapshot(out)
+    script = finished_run.script
+    for inner in (out / "checkpoints" / "iter_000001" / "new", out / "sub" / "run"):
+        with pytest.raises(SystemExit, match="lies inside the run folder"):
+            script.validate(script.parse_args(tiny_argv_for(finished_run, inner)), extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
+
+
+def test_only_the_programs_own_tmp_files_are_deleted(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    ckpts = out / "checkpoints"
+    for mine in (out / "notes.tmp", ckpts / "mine.tmp"):
+        mine.write_text("the user's")
+    (out / "drafts.tmp").mkdir()
+    (out / "config.json.tmp").write_text("{")
+    (ckpts / "iter_000007.tmp").mkdir()
+    (ckpts / "latest.tmp").write_text("iter_0000")
+    script = finished_run.script
+    script.train(script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+    assert (out / "notes.tmp").read_text() == (ckpts / "mine.tmp").read_text() == "the user's"
+    assert (out / "drafts.tmp").is_dir()
+    assert not any(p.exists() for p in (out / "config.json.tmp", ckpts / "iter_000007.tmp", ckpts / "latest.tmp"))
+
+
+def test_a_damaged_metrics_line_before_the_last_is_refused_not_dropped(finished_run, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join(["{broken", *lines[1:]]) + "\n")
+    before = snapshot(out)
+    script = finished_run.script
+    with pytest.raises(SystemExit, match="line 1 of 2 is damaged"):
+        script.train(script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda c: "{not json", "not readable JSON"),
+        (lambda c: json.dumps({**c, "args": []}), 'does not hold an "args" object'),
+        (lambda c: json.dumps({**c, "args": {**c["args"], "lr": "fast"}}), "args.lr is 'fast', not of type float"),
+        (lambda c: json.dumps({**c, "args": {**c["args"], "steps": 2.5}}), "args.steps is 2.5, not of type int"),
+        (lambda c: json.dumps({**c, "args": {**c["args"], "ema": "yes"}}), "args.ema is 'yes', not of type bool"),
+        (lambda c: json.dumps({**c, "script": None}), 'its "script" is None'),
+    ],
+)
+def test_a_hand_edited_config_is_a_clear_error_not_a_traceback(finished_run, tmp_path, edit, words):
+    out = copy_of(finished_run, tmp_path)
+    (out / "config.json").write_text(edit(json.loads((out / "config.json").read_text())))
+    before = snapshot(out)
+    with pytest.raises(SystemExit, match=re.escape(words) + ".*Repair the file"):
+        finished_run.script.parse_args(["--resume", str(out)])
+    assert snapshot(out) == before
+
+
+def test_embedded_world_prompts_outside_its_grammar_are_refused_before_the_model_loads(tmp_path):
+    path = tmp_path / "heldout.txt"
+    path.write_text("two red circles\na purple hexagon\n")
+    with pytest.raises(SystemExit, match="line 2, 'a purple hexagon', is outside the embedded world's captions"):
+        recast.validate(recast.parse_args(["--eval-prompts", str(path), "--out", str(tmp_path / "run")]))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_a_non_finite_loss_stops_before_the_step_and_keeps_the_last_good_checkpoint(
+    tiny, tmp_path, module, monkeypatch
+):
+    script = __import__(module)
+    out = tmp_path / "run"
+    script.train(
+        script.parse_args(tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0")), extra_rewards=TINY_REWARDS
+    )
+    before = snapshot(out)
+    loss = "nft_loss" if module == "recast" else "rvge_loss"
+    monkeypatch.setattr(script, loss, lambda *a, **k: torch.full((len(a[0]),), float("nan")))
+    with pytest.raises(SystemExit, match="non-finite"):
+        script.train(script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+    after = snapshot(out)
+    assert {k: v for k, v in after.items() if k != "config.json"} == {
+        k: v for k, v in before.items() if k != "config.json"
+    }
+
+
+BAD_FLAGS = [
+    ["--iterations", "0"],
+    ["--iterations", "-1"],
+    ["--train-batch", "0"],
+    ["--prompts-per-iter", "0"],
+    ["--n-branch", "0"],
+    ["--n-roots", "0"],
+    ["--resolution", "7"],
+    ["--lora-rank", "0"],
+    ["--updates-per-iter", "0"],
+    ["--rollout-batch", "0"],
+    ["--train-steps-per-leaf", "0"],
+    ["--save-every", "0"],
+    ["--seed", "-1"],
+    ["--lr", "-1"],
+    ["--lr", "nan"],
+    ["--sde-a", "nan"],
+    ["--grad-clip", "nan"],
+    ["--gain-ema", "nan"],
+    ["--gain-ema", "5"],
+    ["--steps", "2"],
+    ["--device", "bogus"],
+    ["--weight-decay", "inf"],
+]
+
+
+@pytest.mark.parametrize("change", BAD_FLAGS, ids=lambda c: " ".join(c))
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_every_numeric_flag_is_checked_before_anything_is_written(tiny, tmp_path, change, module):
+    script = __import__(module)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match=re.escape(change[0])):
+        script.validate(script.parse_args(tiny_argv(tiny, out, *change)), extra_rewards=TINY_REWARDS)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (None, "cannot read it"),
+        (b"\x00\x01\x02", "binary"),
+        ("caf\xe9".encode("latin-1"), "not UTF-8"),
+        (b"\n\n", "no prompts"),
+    ],
+)
+def test_prompt_files_are_checked(tiny, tmp_path, content, words):
+    path = tmp_path / "prompts.txt"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(SystemExit, match=words):
+        recast.validate(
+            recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--train-prompts", str(path))),
+            extra_rewards=TINY_REWARDS,
+        )
+    one = tmp_path / "one.txt"
+    one.write_text("a red circle\n")
+    with pytest.raises(SystemExit, match="at least 2 prompts"):
+        recast.validate(
+            recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--eval-prompts", str(one))), extra_rewards=TINY_REWARDS
+        )
+
+
+def test_t5_prompt_length_is_diffusionnfts_128_off_the_embedded_model(tiny, tmp_path):
+    """Without --max-sequence-length a model other than the embedded one encodes T5 at 128 tokens (DiffusionNFT's
+    length): the text states are the CLIP tokens followed by 128 T5 tokens."""
+    argv = tiny_argv(tiny, tmp_path / "run")
+    i = argv.index("--max-sequence-length")
+    argv = argv[:i] + argv[i + 2 :]
+    run = recast.setup_run(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+    emb, _ = run_kit.encode(run.pipe, ["a red circle"], run.max_len, run.acc.device)
+    assert run.max_len == 128 and emb.shape[1] == run.pipe.tokenizer.model_max_length + 128
+    run.lock.close()
+
+
+def test_file_prompts_are_drawn_as_diffusionnft_draws_them():
+    """DiffusionNFT's sampler: per iteration one permutation of the lines, split over processes: no prompt twice in an
+    iteration (all processes together), every line equally likely over iterations; a short file is cycled."""
+    lines = [f"prompt {i}" for i in range(12)]
+    counts = dict.fromkeys(lines, 0)
+    for it in range(600):
+        drawn = [p for rank in range(3) for p in run_kit.distinct_prompts(lines, 4, [0, it], rank, 3)]
+        assert len(drawn) == len(set(drawn)) == 12
+        for p in run_kit.distinct_prompts(lines, 4, [1, it], 0, 1):
+            counts[p] += 1
+    assert min(counts.values()) > 0.7 * 600 * 4 / 12 and max(counts.values()) < 1.3 * 600 * 4 / 12
+    short = [p for rank in range(2) for p in run_kit.distinct_prompts(lines[:3], 4, [0, 0], rank, 2)]
+    assert set(short[:3]) == set(lines[:3]) and short[3:6] == short[:3] and short[6:] == short[:2]
+
+
+def test_unclear_cases_now_name_the_real_problem(tiny, tmp_path):
+    with pytest.raises(SystemExit, match="--model /nonexistent: no such folder"):
+        recast.validate(recast.parse_args(["--model", "/nonexistent"]))
+    with pytest.raises(SystemExit, match="--steps 2: must be"):
+        recast.validate(
+            recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--steps", "2")), extra_rewards=TINY_REWARDS
+        )
+    with pytest.raises(SystemExit, match="--train-prompts is not used with the embedded model"):
+        recast.validate(recast.parse_args(["--train-prompts", str(tiny / "prompts.txt"), "--out", str(tmp_path / "e")]))
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no CUDA GPU is visible"):
+            recast.validate(
+                recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--device", "cuda")), extra_rewards=TINY_REWARDS
+            )
+
+
+def test_checkpoint_write_failure_says_disk_and_keeps_the_last_good_one(finished_run, tmp_path, monkeypatch):
+    script = finished_run.script
+    out = copy_of(finished_run, tmp_path)
+    before = snapshot(out)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(SystemExit, match="is the disk full"):
+        script.train(script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+    assert {k: v for k, v in snapshot(out).items() if k.startswith("checkpoints")} == {
+        k: v for k, v in before.items() if k.startswith("checkpoints")
+    }
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_help_reads_as_sections_with_every_flag_in_its_own(module, capsys):
+    """--help lists the flags in the sections of ARG_GROUPS, in that order, each flag under its Args group;
+    the reward-model defaults are reward_models.DEFAULTS (one place for each default); every field has its help
+    string written under it."""
+    script = __import__(module)
+    assert set(run_kit.field_docs(script.Args)) == {f.name for f in fields(script.Args)}
+    with pytest.raises(SystemExit):
+        script.parse_args(["--help"])
+    text = capsys.readouterr().out
+    heads = [text.index(f"\n{title}:\n") for title in script.ARG_GROUPS]
+    assert heads == sorted(heads) and set(f.metadata["group"] for f in fields(script.Args)) == set(script.ARG_GROUPS)
+    ends = dict(zip(script.ARG_GROUPS, heads[1:] + [len(text)]))
+    for f in fields(script.Args):
+        at = re.search(rf"\n  --{f.name.replace('_', '-')}\b", text).start()
+        assert text.index(f"\n{f.metadata['group']}:\n") < at < ends[f.metadata["group"]], f.name
+    for name in ("pickscore_model", "pickscore_processor", "clip_model", "geneval_url", "geneval_key"):
+        assert getattr(script.Args(), name) == reward_models.DEFAULTS[name]
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_dry_run_attaches_lora_to_sd35_medium_on_the_meta_device(capsys, module):
+    info = __import__(module).main(["--dry-run"])
+    assert 2.0e9 < info["total_params"] < 3.0e9  # SD3.5-Medium's transformer is ~2.5B parameters
+    # r = 32 on every targeted (in, out) linear; 24 blocks, the last one has no to_add_out
+    assert info["lora_layers"] == 24 * 7 + 23
+    assert info["trainable_params"] > 1e7
+    assert "GiB" in capsys.readouterr().out
+
+
+# -----------------------------------------------------------------------------
+# Nothing of the kit is defined again in a script; a seeded run's numbers, compared
+# -----------------------------------------------------------------------------
+
+
+def test_the_scripts_define_nothing_of_the_kit_again():
+    """recast.py and rvge.py import the run machinery: no definition of run_kit.py is written again in either."""
+    import ast
+
+    def names(path):
+        tree = ast.parse(Path(path).read_text())
+        return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+    kit = names(run_kit.__file__)
+    for script in (recast, rvge):
+        assert not names(script.__file__) & kit, script.__name__
+
+
+def metrics_without_times(path):
+    """The lines of a metrics.jsonl with the wall-clock keys (time/*) left out, each re-serialised as it was written."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return [json.dumps({k: v for k, v in row.items() if not k.startswith("time/")}) for row in rows]
+
+
+def same_metrics(a, b):
+    """(True, "") when two metrics.jsonl files hold the same lines apart from time/* keys, else (False, the first
+    line that differs)."""
+    left, right = metrics_without_times(a), metrics_without_times(b)
+    for i, (x, y) in enumerate(zip(left, right)):
+        if x != y:
+            return False, f"line {i + 1} differs:\n{x[:300]}\n{y[:300]}"
+    if len(left) != len(right):
+        return False, f"{len(left)} lines against {len(right)}"
+    return True, ""
+
+
+def test_same_metrics_ignores_times_only(tmp_path):
+    row = {"iteration": 0, "reward/a": 0.5, "time/update": 1.0, "recast/W": [[0.1, 0.2]]}
+    a, b, c = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    a.write_text(json.dumps(row) + "\n")
+    b.write_text(json.dumps({**row, "time/update": 2.5}) + "\n")
+    c.write_text(json.dumps({**row, "recast/W": [[0.1, 0.2000000001]]}) + "\n")
+    assert same_metrics(a, b) == (True, "")
+    assert not same_metrics(a, c)[0] and "line 1 differs" in same_metrics(a, c)[1]
+    d = tmp_path / "d.jsonl"
+    d.write_text(a.read_text() * 2)
+    assert same_metrics(a, d) == (False, "1 lines against 2")
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--same-metrics"]:
+    for a, b in zip(sys.argv[2::2], sys.argv[3::2]):
+        same, why = same_metrics(
+            Path(a) / "metrics.jsonl" if Path(a).is_dir() else a, Path(b) / "metrics.jsonl" if Path(b).is_dir() else b
+        )
+        print(f"{a} vs {b}: {'same apart from time/*' if same else why}")
