@@ -2246,7 +2246,8 @@ def check_results_md(md: Path, name: str):
         raise SystemExit(f"--results-md {md} is not writable: make it writable, or name another file")
     lines = text.splitlines()
     at = {m: [i + 1 for i, line in enumerate(lines) if m in line] for m in (begin, end)}
-    if not at[begin] and not at[end] or len(at[begin]) == len(at[end]) == 1 and text.find(begin) < text.find(end):
+    counts = text.count(begin), text.count(end)
+    if counts == (0, 0) or counts == (1, 1) and text.find(begin) < text.find(end):
         return
     where = "; ".join(f"{m} on line(s) {', '.join(map(str, at[m])) or 'none'}" for m in (begin, end))
     raise SystemExit(

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -777,3 +778,35 @@ def test_profiles_and_final_evaluations_are_never_replaced_silently(tmp_path, ca
     assert bench.final_evals([run], tmp_path, exp.final_noises) == {"pretrained": {"1": {}}}
     assert f"warning: {final_eval}: not JSON" in capsys.readouterr().out
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the runs are told to end with bench.py on Linux")
+def test_killing_bench_outright_leaves_no_run_behind(tmp_path):
+    """SIGKILL cannot be caught: the runs of --jobs N are told to end when bench.py dies, so none is orphaned."""
+    script = tmp_path / "bench_with_fake_runs.py"
+    script.write_text(
+        "import sys\nfrom pathlib import Path\nimport bench\n"
+        f"fake = {FAKE_WORKER!r}\n"
+        "bench.worker_command = lambda run: [sys.executable, '-c', fake, '60', *bench.argv_of(run)]\n"
+        "exp = bench.quick_version(bench.EXPERIMENTS['rvge-joint'])\n"
+        "bench.execute(bench.plan_runs(exp, Path(sys.argv[1])), 2)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(bench.HERE)}
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "exp")], cwd=bench.HERE, env=env)
+    pid_files = [tmp_path / "exp" / "work" / name / "pids" for name in ("joint_nft-seed0", "joint_rvge-seed0")]
+    deadline = time.monotonic() + 120
+    while not all(p.is_file() and len(p.read_text().split()) == 2 for p in pid_files):
+        assert time.monotonic() < deadline and proc.poll() is None, "the fake runs did not start"
+        time.sleep(0.05)
+    pids = [int(x) for p in pid_files for x in p.read_text().split()]
+    assert all(alive(pid) for pid in pids)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    runs_alive = [pid for pid in pids[::2] if alive(pid)]
+    for pid in pids:  # what is left (the fake runs' own children: the README's limit) is this test's to end
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert not runs_alive, "a run outlived bench.py"
