@@ -170,7 +170,8 @@ def test_seeds_needed_resolves_the_observed_difference_at_its_sd():
     assert bench.win_rate(scores, {"judge/pref": [0.0, 0.0, 3.0, 1.0]}) == pytest.approx((1 + 0.5 + 0 + 1) / 4)
 
 
-def test_a_result_from_other_settings_is_redone(tmp_path):
+def test_a_result_from_other_settings_is_not_the_runs(tmp_path):
+    """load_result takes only a result of the run's own settings (check_results refuses to replace the others)."""
     exp = bench.quick_version(bench.EXPERIMENTS["nft-steps"])
     run = bench.plan_runs(exp, tmp_path)[0]
     run.result.parent.mkdir(parents=True)
