@@ -10,7 +10,7 @@
     python bench.py recast-100       # the embedded default for 100 iterations: DiffusionNFT vs uniform W vs ReCAST
     python bench.py nft-steps        # DiffusionNFT with 1 vs 8 optimizer steps per iteration
     options: [--quick] [--jobs N] [--seeds N] [--out DIR] [--tables-only] [--iterations N] [--prompts-per-iter N]
-             [--results-md FILE]
+             [--results-md FILE] [--replace-results]
 
 An experiment is data (`EXPERIMENTS`): a list of cells, each (script, extra flags, label, group),
 plus iterations, prompt groups per iteration, held-out evaluation cadence and seeds. Every cell
@@ -25,16 +25,19 @@ its result is written to --out/<experiment>/runs/<run>.json.gz (the command, eve
 wall seconds, the git SHA and date; gzip-compressed). --out defaults to `results/`,
 where everything but work/ is small and committed: the results, the final evaluations
 (<run>.final.json), profiles.json, table.md and the figures. So `--tables-only` rebuilds every table
-on a fresh clone, with no run folder. A killed experiment keeps every finished run; running the
-command again skips runs whose result exists (a result made with other settings is redone), and
---tables-only rebuilds --out/<experiment>/table.md and the figures from whatever results exist
-(marked partial when runs are missing). Runs are ordered seed by seed, so a partial experiment
-holds complete pairs. Each report also goes into RESULTS.md (--results-md), between the markers
+on a fresh clone, with no run folder. A stopped experiment keeps every finished run (Ctrl-C or SIGTERM: nothing
+more starts, the runs in flight are ended with their process groups, exit 128 + the signal); running the
+command again skips runs whose result exists, and --tables-only rebuilds --out/<experiment>/table.md and the
+figures from whatever results exist (marked partial when runs are missing). Runs are ordered seed by seed, so a
+partial experiment holds complete pairs. Each report also goes into RESULTS.md (--results-md), between the markers
 `<!-- BEGIN <experiment> -->` and `<!-- END <experiment> -->` (replaced; appended when absent).
 The default `results/` writes RESULTS.md; another --out, or --quick (whose default is runs/bench-quick/), writes
-it only when --results-md names the file. Every result names the embedded world it was measured on
-(`shapes_world.world_id`); a run is not added to results of another world (move them first: the earlier world's
-are kept under results/world-amp0.3/, their tables rebuilt with `--out results/world-amp0.3 --tables-only`).
+it only when --results-md names the file; markers that do not pair up are refused. Every result names the embedded
+world it was measured on (`shapes_world.world_id`). Results are data and never lost: a command is refused, before
+anything runs, where runs/ holds results made with other settings or on another world (each named with what
+differs; the earlier world's are kept under results/world-amp0.3/, their tables rebuilt with
+`--out results/world-amp0.3 --tables-only`), unless --replace-results, which moves them to set-aside/<time>/; a
+damaged result is named, moved to set-aside/ and its run redone (--tables-only leaves it out with a warning).
 --jobs N runs N runs at once, each in its own process (`python recast.py ...`, one thread each:
 OMP/MKL threads = 1); --jobs 1 runs them one after the other in this process, also on one thread.
 
@@ -85,7 +88,6 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -431,30 +433,105 @@ def plan_runs(exp: Experiment, exp_dir: Path) -> list[Run]:
 
 def reuse_results(runs, exp: Experiment, exp_dir: Path) -> int:
     """Copy into exp_dir the results of `exp.reuse` that are the same runs (same id, same settings: e.g. the
-    nft and rvge cells of rvge-joint-why are rvge-joint's); returns how many were taken."""
+    nft and rvge cells of rvge-joint-why are rvge-joint's); returns how many were taken. A result file already
+    there is never overwritten."""
     taken, world = 0, shapes_world.world_id()
     for run in runs:
-        if not exp.reuse or load_result(run) is not None:
+        if not exp.reuse or run.result.exists():
             continue
         source = exp_dir.parent / exp.reuse / "runs" / run.result.name
         if (record := load_result(replace(run, result=source))) is not None and record.get("world") == world:
             run.result.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source, run.result)
+            tmp = run.result.with_name(run.result.name + ".tmp")
+            shutil.copyfile(source, tmp)
+            os.replace(tmp, run.result)
             taken += 1
     return taken
 
 
-def check_world(runs, exp_dir: Path):
-    """Refuse to add runs to results measured on another embedded world (before a rebuild of assets/): the tables
-    would pair runs of two different pretrained models. The fix is to keep the old results elsewhere."""
-    world = shapes_world.world_id()
-    others = {r.get("world", "not recorded") for r in map(load_result, runs) if r is not None} - {world}
-    if others:
+def survey_results(runs, exp: Experiment, exp_dir: Path) -> tuple[dict, dict]:
+    """Every result file in exp_dir/runs/ read against this command's runs: ({file: what is wrong} of the damaged
+    ones, {file: how it differs} of those made with other settings, on another embedded world, or of a run this
+    experiment does not plan). A result of a higher seed than asked (e.g. --seeds 1 where 5 exist) is this
+    experiment's when it matches the run that seed would be."""
+    folder, world = exp_dir / "runs", shapes_world.world_id()
+    files = sorted(folder.glob("*.json.gz")) if folder.is_dir() else []
+    read = {path: read_result(path) for path in files}
+    seeds = [re.search(r"-seed(\d+)\.json\.gz$", p.name) for p in files]
+    top = min(max([int(m[1]) + 1 for m in seeds if m] + [exp.seeds]), exp.seeds + 10_000)
+    plan = {r.result.name: r for r in (plan_runs(replace(exp, seeds=top), exp_dir) if top > exp.seeds else runs)}
+    damaged, differ = {}, {}
+    for path, (record, problem) in read.items():
+        run = plan.get(path.name)
+        if problem:
+            damaged[path] = problem
+        elif run is None:
+            differ[path] = "not a run of this experiment's cells"
+        else:
+            why = [] if same_settings(record, run) else [f"other settings ({settings_difference(record, run)})"]
+            if record.get("world") != world:
+                why.append(
+                    f"another embedded world ({record.get('world') or 'not recorded'}; assets/ now hold world {world})"
+                )
+            if why:
+                differ[path] = " and ".join(why)
+    return damaged, differ
+
+
+def check_results(runs, exp: Experiment, exp_dir: Path, replace_results=False):
+    """Committed results are data: before anything runs, refuse to replace or add to results of other settings or of
+    another embedded world (the tables would mix them, or a rerun would overwrite them), naming each and the fix;
+    with replace_results they are moved to exp_dir/set-aside/<time>/ instead. A damaged result of a planned run is
+    moved aside and the run redone (said); a damaged file of no planned run is left where it is (said)."""
+    damaged, differ = survey_results(runs, exp, exp_dir)
+    if differ and not replace_results:
+        lines = [f"  {p.name}: {why}" for p, why in list(differ.items())[:8]]
+        lines += [f"  ... and {len(differ) - 8} more"] if len(differ) > 8 else []
         raise SystemExit(
-            f"{exp_dir / 'runs'} holds results measured on another embedded world ({', '.join(sorted(others))}; "
-            f"assets/ now hold world {world}): move that folder away (or pass --out DIR) to run the experiment on "
-            f"this world; `--tables-only` still rebuilds the old tables"
+            f"{exp_dir / 'runs'} holds {len(differ)} result(s) that this command would replace or add to, made "
+            f"differently:\n" + "\n".join(lines) + "\nNothing was run or changed. To keep them and run this command: "
+            "pass --out DIR (a new folder). To run it here anyway: pass --replace-results (they are moved to "
+            f"{exp_dir / 'set-aside'}/<time>/, not deleted). Their own tables: `--tables-only` with the flags they "
+            "were made with."
         )
+    planned = {r.result.name for r in runs}
+    for path, why in damaged.items():
+        if path.name not in planned:
+            print(f"warning: {path}: {why}; not a run of this command, left where it is", flush=True)
+    broken = {p: why for p, why in damaged.items() if p.name in planned}
+    if broken:
+        where = set_aside(broken, exp_dir, "damaged")
+        for path, why in broken.items():
+            print(f"{path}: {why}; moved to {where / path.name} and the run will be redone", flush=True)
+    if differ:
+        where = set_aside(differ, exp_dir, "replaced")
+        print(f"--replace-results: moved {len(differ)} result(s) made differently to {where} (see WHY.txt there)")
+
+
+def set_aside(files: dict, exp_dir: Path, why: str) -> Path:
+    """Move files ({path: reason}) and their final evaluations (<run>.final.json) to exp_dir/set-aside/<UTC time>-why/,
+    with WHY.txt naming each file's reason; nothing is deleted. Returns the folder."""
+    where = exp_dir / "set-aside" / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{why}"
+    where.mkdir(parents=True, exist_ok=True)
+    with open(where / "WHY.txt", "a") as f:
+        for path, reason in files.items():
+            f.write(f"{path.name}: {reason}\n")
+            final_eval = path.with_name(path.name.removesuffix(".json.gz") + ".final.json")
+            for p in (path, final_eval):
+                if p.exists():
+                    os.replace(p, where / p.name)
+    return where
+
+
+def check_writable(folder: Path):
+    """Refuse, before anything runs, a results folder (or its nearest existing parent) that cannot be written."""
+    here = next(p for p in (folder, *folder.parents) if p.exists())
+    for p in (here, here / "runs", here / "work"):
+        if p.exists() and not (p.is_dir() and os.access(p, os.W_OK | os.X_OK)):
+            raise SystemExit(
+                f"{p} is {'not a folder' if not p.is_dir() else 'not writable'}: the results, tables and figures are "
+                f"written under {folder}; make it writable (chmod -R u+w {p}) or pass --out DIR (another folder)"
+            )
 
 
 def check_flags(runs):
@@ -472,25 +549,95 @@ def check_flags(runs):
             ) from None
 
 
+RESULT_FIELDS = {"settings": list, "rows": list}  # what a result needs; its run is its file name and settings
+
+
+def read_result(path: Path) -> tuple[dict | None, str | None]:
+    """(record, None) for an intact result file (gzip or plain JSON with RESULT_FIELDS and metrics rows); (None, what
+    is wrong) for a damaged or older-format one; (None, None) when there is no file."""
+    import zlib
+
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    except OSError as err:
+        return None, f"cannot be read ({err.strerror or err})"
+    try:
+        record = json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
+    except (OSError, EOFError, zlib.error) as err:
+        return None, f"not an intact gzip file ({type(err).__name__}: {err}; a write cut short?)"
+    except ValueError as err:
+        return None, f"not JSON ({type(err).__name__}: {str(err)[:80]})"
+    if not isinstance(record, dict):
+        return None, f"a JSON {type(record).__name__}, not a result record"
+    lacking = [k for k, kind in RESULT_FIELDS.items() if not isinstance(record.get(k), kind)]
+    if lacking:
+        return None, f"lacks {', '.join(lacking)} (an older format, or not a result of bench.py)"
+    if not record["rows"] or not all(isinstance(m, dict) and "iteration" in m for m in record["rows"]):
+        return None, "its metrics rows are empty or lack `iteration` (an older format?)"
+    return record, None
+
+
+def read_json(path: Path):
+    """(the parsed JSON, None), or (None, what is wrong) for a damaged or unreadable file."""
+    try:
+        return json.loads(path.read_text()), None
+    except OSError as err:
+        return None, f"cannot be read ({err.strerror or err})"
+    except ValueError as err:
+        return None, f"not JSON ({type(err).__name__}: {str(err)[:80]}; a write cut short?)"
+
+
 def load_result(run: Run):
     """The run's result if it exists, is intact and was made with the same settings; else None. Gzip or plain JSON."""
-    try:
-        data = run.result.read_bytes()
-        record = json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
-    except (OSError, ValueError, EOFError):
-        return None
-    if not record.get("rows"):
-        return None
-    made_in = re.search(r"--out (\S+)/work/", record.get("command", ""))  # where the results folder was then
-    made_in = made_in[1] if made_in else str(run.work.parent.parent)
-    same = portable(record.get("settings") or [], made_in) == portable(run.settings, run.work.parent.parent)
-    return record if same else None
+    record, _ = read_result(run.result)
+    return record if record is not None and same_settings(record, run) else None
+
+
+def same_settings(record: dict, run: Run) -> bool:
+    """Whether a result was made with the run's settings, wherever its results folder was then (`portable`)."""
+    return record_settings(record) == portable(run.settings, run.work.parent.parent)
+
+
+def record_settings(record: dict) -> list[str]:
+    made_in = re.search(r"--out (\S+)/work/", record.get("command") or "")  # where the results folder was then
+    return portable(record["settings"], made_in[1]) if made_in else [str(x) for x in record["settings"]]
+
+
+def settings_difference(record: dict, run: Run) -> str:
+    """The flags in which a result differs from the run, e.g. "--iterations 60 there, 1 now; --lr 5e-05 there,
+    (absent) now"."""
+
+    def flags(settings):
+        out, key = {}, None
+        for x in settings:
+            if x.startswith("--"):
+                key = x
+                out.setdefault(key, "")
+            elif key:
+                out[key] = (out[key] + " " + x).strip()
+        return out
+
+    a, b = flags(record_settings(record)), flags(portable(run.settings, run.work.parent.parent))
+    diffs = [
+        f"{k} {a.get(k, '(absent)')} there, {b.get(k, '(absent)')} now"
+        for k in dict.fromkeys([*a, *b])
+        if a.get(k) != b.get(k)
+    ]
+    return "; ".join(diffs) or "the same flags in another order"
 
 
 def portable(settings, exp_dir) -> list[str]:
     """Settings with the experiment's folder written {exp_dir} (as in the cells' flags): a result keeps its identity
     when its results folder moves (e.g. an earlier world's results to results/world-amp0.3/)."""
     return [str(x).replace(str(exp_dir), "{exp_dir}") for x in settings]
+
+
+def shown(text) -> str:
+    """A path or command as a result records it: relative to the project folder when under it (the committed results
+    then read the same on every machine), else absolute."""
+    return str(text).replace(str(HERE) + os.sep, "")
 
 
 def write_result(run: Run, wall_s: float):
@@ -505,8 +652,8 @@ def write_result(run: Run, wall_s: float):
         "label": run.cell.label,
         "group": run.cell.group,
         "seed": run.seed,
-        "settings": list(run.settings),
-        "command": f"python {run.cell.script}.py {' '.join(run.settings)} --out {run.work} --overwrite",
+        "settings": [shown(x) for x in run.settings],
+        "command": shown(f"python {run.cell.script}.py {' '.join(run.settings)} --out {run.work} --overwrite"),
         "wall_s": wall_s,
         "git_sha": sha,  # the code the run trained with (its config.json)
         "world": shapes_world.world_id(),  # the embedded model it trained (a rebuild changes it)
@@ -514,6 +661,8 @@ def write_result(run: Run, wall_s: float):
         "rows": rows,
     }
     run.result.parent.mkdir(parents=True, exist_ok=True)
+    if run.result.exists() and load_result(run) is None:  # appeared meanwhile (check_results ran before): kept
+        set_aside({run.result: "another result found where this run's was written"}, run.work.parent.parent, "replaced")
     tmp = run.result.with_name(run.result.name + ".tmp")
     tmp.write_bytes(gzip.compress(json.dumps(record).encode(), mtime=0))  # mtime 0: same record, same bytes
     os.replace(tmp, run.result)  # atomic: a kill leaves the old state or the whole result
@@ -544,8 +693,15 @@ def run_in_process(run: Run):
         torch.set_num_threads(threads)
 
 
-def run_in_subprocess(run: Run):
-    """`python <script>.py ...` with one thread (set before torch is imported); log in work/../<run>.log."""
+def worker_command(run: Run) -> list[str]:
+    """The process of one run under --jobs N: `python <script>.py <settings> --out <work> --overwrite`."""
+    return [sys.executable, str(HERE / f"{run.cell.script}.py"), *argv_of(run)]
+
+
+def start_worker(run: Run):
+    """Start the run's process with one thread (set before torch is imported), in its own process group (so that a
+    stop ends it and whatever it started), told to end if bench.py dies; log in work/<run>.log. Returns (process,
+    log, start time)."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -555,44 +711,161 @@ def run_in_subprocess(run: Run):
     }
     run.work.mkdir(parents=True, exist_ok=True)
     log = run.work.with_name(run.run_id + ".log")
-    t0 = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.run(
-            [sys.executable, str(HERE / f"{run.cell.script}.py"), *argv_of(run)],
+        proc = subprocess.Popen(
+            worker_command(run),
             stdout=f,
             stderr=subprocess.STDOUT,
             env=env,
             cwd=HERE,
+            start_new_session=True,
+            preexec_fn=end_with_parent,
         )
+    return proc, log, time.perf_counter()
+
+
+def end_with_parent():
+    """In the child, before exec (Linux): SIGTERM when bench.py dies, even by SIGKILL, so no run is left orphaned."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def finish_worker(run: Run, proc, log: Path, t0: float):
     if proc.returncode:
         tail = log.read_text(errors="replace").strip().splitlines()[-3:]
         raise RuntimeError(f"exit {proc.returncode}: {' | '.join(tail)} (log: {log})")
     return write_result(run, time.perf_counter() - t0)
 
 
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+GRACE_S = 10.0  # after a stop, seconds a run's process group has to end on SIGTERM before SIGKILL
+
+
+class Stop:
+    """While active: SIGINT, SIGTERM and SIGHUP record the signal instead of killing bench.py (with `interrupt`, also
+    raise KeyboardInterrupt, to leave a run trained in this process); a second signal asks to hurry (SIGKILL to the
+    runs), a third gets the signal's usual behaviour."""
+
+    def __init__(self, interrupt=False):
+        self.signum, self.count, self.interrupt, self.saved = 0, 0, interrupt, {}
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            for name in STOP_SIGNALS:
+                sig = getattr(signal, name)
+                self.saved[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        self.signum, self.count = self.signum or signum, self.count + 1
+        if self.count >= 3:  # a third signal: the usual behaviour again (the runs end with bench.py: end_with_parent)
+            self.__exit__()
+            os.kill(os.getpid(), signum)
+        elif self.interrupt and self.count == 1:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc):
+        import signal
+
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+        self.saved = {}
+
+
+def end_groups(live: dict, sig):
+    import signal
+
+    for proc, _, _ in live.values():
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if sig == signal.SIGKILL:
+            proc.kill()
+
+
+def stopped(stop: Stop, kept: int, ended: list, queued: int, runs_dir: Path):
+    """The line and exit code of a stopped experiment (128 + the signal, as a shell reports it)."""
+    import signal
+
+    name, which = signal.Signals(stop.signum).name, f" ({', '.join(ended)})" if ended else ""
+    print(
+        f"\nbench.py: stopped by {name}: {kept} finished result(s) kept in {runs_dir}; {len(ended)} run(s) in flight "
+        f"ended{which}, {queued} not started. Run the same command again to complete the experiment.",
+        file=sys.stderr,
+        flush=True,
+    )
+    raise SystemExit(128 + stop.signum)
+
+
 def execute(runs, jobs):
-    """Run what has no result yet; returns {run_id: error} of the runs that failed."""
+    """Run what has no result yet; returns {run_id: error} of the runs that failed. A SIGINT, SIGTERM or SIGHUP stops
+    it: nothing more starts, the runs in flight are ended (their whole process groups), every finished result is
+    kept, and it exits with 128 + the signal and one line saying so."""
+    import signal
+
     from tqdm import tqdm
 
     todo = [r for r in runs if load_result(r) is None]
-    failed = {}
+    failed, ended = {}, []
     bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc="runs", unit="run")
-    if jobs == 1:
-        for run in todo:
+    with Stop(interrupt=jobs == 1) as stop:
+        queue, live = list(todo), {}
+        if jobs == 1:
+            current = None
             try:
-                run_in_process(run)
-            except (Exception, SystemExit) as err:
-                failed[run.run_id] = f"{type(err).__name__}: {err}"
-            bar.update()
-    else:
-        with ThreadPoolExecutor(jobs) as pool:  # threads only wait; each run is its own process
-            futures = {pool.submit(run_in_subprocess, run): run for run in todo}
-            for fut in as_completed(futures):
-                if fut.exception():
-                    failed[futures[fut].run_id] = str(fut.exception())
-                bar.set_postfix_str(futures[fut].run_id)
-                bar.update()
+                while queue and not stop.signum:
+                    current = queue.pop(0)
+                    try:
+                        run_in_process(current)
+                    except (Exception, SystemExit) as err:
+                        failed[current.run_id] = f"{type(err).__name__}: {err}"
+                    bar.update()
+                    current = None
+            except KeyboardInterrupt:  # raised by Stop in the run's training: nothing more starts
+                stop.signum = stop.signum or signal.SIGINT
+                ended += [current.run_id] if current and not current.result.exists() else []
+        else:
+            stop_at = None
+            while live or queue and not stop.signum:
+                while queue and len(live) < jobs and not stop.signum:
+                    run = queue.pop(0)
+                    try:
+                        live[run] = start_worker(run)
+                    except OSError as err:
+                        failed[run.run_id] = f"could not start: {err}"
+                for run, (proc, log, t0) in list(live.items()):
+                    if proc.poll() is None:
+                        continue
+                    del live[run]
+                    if stop.signum and proc.returncode:
+                        ended.append(run.run_id)
+                        continue
+                    try:
+                        finish_worker(run, proc, log, t0)
+                    except Exception as err:
+                        failed[run.run_id] = str(err)
+                    bar.set_postfix_str(run.run_id)
+                    bar.update()
+                if stop.signum and live:
+                    if stop_at is None:
+                        stop_at = time.monotonic()
+                        end_groups(live, signal.SIGTERM)
+                    elif stop.count > 1 or time.monotonic() - stop_at > GRACE_S:
+                        end_groups(live, signal.SIGKILL)
+                time.sleep(0.05)
     bar.close()
+    if stop.signum:
+        kept = sum(r.result.exists() for r in runs)
+        stopped(stop, kept, ended, len(queue), runs[0].result.parent)
     return failed
 
 
@@ -1173,18 +1446,39 @@ PROFILE_CANDIDATES = (
 )
 
 
-def measure_profiles(exp_dir: Path, names=PROFILE_CANDIDATES, iterations=48, prompts=8, seed=0):
+def measure_profiles(exp_dir: Path, names=PROFILE_CANDIDATES, iterations=48, prompts=8, seed=0, replace_results=False):
     """D_k(t) of every candidate reward under the pretrained model: recast.py's own rollouts (rotated
     branch layout, so each of the 8 inner levels is measured by prompts * iterations / 8 groups) and its
     level statistics, with no update. Cached in exp_dir/profiles.json (reused for the same rewards, sizes and
     embedded world): names, sigmas, the statistics (n, s1, s2: the file `recast.py --gain-init` starts from), D, se
-    and the evidence rho of each reward."""
+    and the evidence rho of each reward. A cached file of other rewards, sizes or world is refused unless
+    replace_results (then moved to exp_dir/set-aside/); a damaged one is moved there and measured anew."""
     path = exp_dir / "profiles.json"
-    if path.is_file():
-        cached = json.loads(path.read_text())
-        same = (cached["names"], cached["iterations"], cached["prompts"]) == (list(names), iterations, prompts)
-        if same and cached.get("world") == shapes_world.world_id():
-            return cached
+    if path.exists():
+        cached, problem = read_json(path)
+        if problem is None and not isinstance(cached, dict):
+            problem = f"a JSON {type(cached).__name__}, not profiles"
+        if problem:
+            where = set_aside({path: problem}, exp_dir, "damaged")
+            print(f"{path}: {problem}; moved to {where / path.name} and measured anew", flush=True)
+        else:
+            mine = {
+                "names": list(names),
+                "iterations": iterations,
+                "prompts": prompts,
+                "world": shapes_world.world_id(),
+            }
+            differ = "; ".join(f"{k} {cached.get(k)} there, {v} now" for k, v in mine.items() if cached.get(k) != v)
+            if not differ:
+                return cached
+            if not replace_results:
+                raise SystemExit(
+                    f"{path} holds profiles measured differently ({differ}); this command would measure and replace "
+                    "them. Pass --out DIR (another folder) to keep them, or --replace-results to move the file to "
+                    f"{exp_dir / 'set-aside'}/<time>/ and measure anew; nothing was run or changed"
+                )
+            where = set_aside({path: f"profiles measured differently ({differ})"}, exp_dir, "replaced")
+            print(f"--replace-results: moved {path} ({differ}) to {where}", flush=True)
     import torch
 
     import recast
@@ -1236,7 +1530,9 @@ def measure_profiles(exp_dir: Path, names=PROFILE_CANDIDATES, iterations=48, pro
         "rho": rho.tolist(),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(out))
+    os.replace(tmp, path)  # atomic: a kill leaves no torn file
     return out
 
 
@@ -1401,14 +1697,23 @@ def final_evals(runs: list[Run], exp_dir: Path, noises: int):
         if load_result(r) is not None
     ]
     for run_id, ckpts, path in todo:
-        cached = json.loads(path.read_text()) if path.is_file() else {}
+        cached, problem = read_json(path) if path.exists() else ({}, None)
+        if problem is None and not isinstance(cached, dict):
+            problem = f"a JSON {type(cached).__name__}, not a final evaluation"
+        if problem:
+            print(f"warning: {path}: {problem}; not used (evaluated anew where the run's checkpoint exists)")
+            cached = {}
         if ckpts and not (ckpts / "latest").is_file():  # no run folder (a fresh clone): the committed evaluation
-            if cached.get("n") == len(prompts):
+            if cached.get("n") == len(prompts) and "scores" in cached:
                 out[run_id] = cached["scores"]
             continue
         latest = (ckpts / (ckpts / "latest").read_text().strip()) if ckpts else None
         key = latest.name if latest else "pretrained"  # the checkpoint's name: the cache survives moving --out
-        if Path(cached.get("checkpoint", "")).name == key and cached.get("n") == len(prompts):
+        if (
+            Path(str(cached.get("checkpoint", ""))).name == key
+            and cached.get("n") == len(prompts)
+            and "scores" in cached
+        ):
             out[run_id] = cached["scores"]
             continue
         if ckpts and not (latest / "state.pt").is_file():
@@ -1421,7 +1726,12 @@ def final_evals(runs: list[Run], exp_dir: Path, noises: int):
         scores = {
             str(seed): final_scores(final_eval_images(pipe, state, prompts, seed), prompts) for seed in EVAL_SEEDS
         }
-        path.write_text(json.dumps({"checkpoint": key, "n": len(prompts), "prompts": prompts, "scores": scores}))
+        if problem:  # the damaged file is kept, never overwritten
+            where = set_aside({path: problem}, exp_dir, "damaged")
+            print(f"{path}: moved to {where / path.name}; evaluated anew", flush=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"checkpoint": key, "n": len(prompts), "prompts": prompts, "scores": scores}))
+        os.replace(tmp, path)
         out[run_id] = scores
     if pipe is not None:
         torch.set_num_threads(threads)
@@ -1593,17 +1903,26 @@ def report_protocol(res: Results, out: Path):
     lines += ["", "## Summary", ""] + summary_lines(tally)
     settings = [e for e in EXPERIMENTS.values() if e.report == "report_protocol"]
     files = [res.exp_dir.parent / e.name / "summary.json" for e in settings]
-    if all(f.is_file() for f in files):  # every setting has run: the counts over all of their cells
+    tallies = [read_json(f) for f in files if f.is_file()]
+    for f, (_, problem) in zip(files, tallies):
+        if problem:
+            print(
+                f"warning: {f}: {problem}; the summary over both settings is left out (rebuild that setting's "
+                "table with --tables-only to rewrite it)"
+            )
+    if len(tallies) == len(files) and all(t is not None for t, _ in tallies):  # every setting has run
         both = {}
-        for f in files:
-            for text, v in json.loads(f.read_text()).items():
+        for tally_of_setting, _ in tallies:
+            for text, v in tally_of_setting.items():
                 key = tuple(text.split(" | "))
                 both[key] = [a + b for a, b in zip(both.get(key, [0] * 4), v)]
         lines += ["", f"## Summary over both settings ({', '.join(e.name for e in settings)})", ""]
         lines += summary_lines(both)
     prof_path = res.exp_dir.parent / PROFILES_DIR / "profiles.json"
-    if prof_path.is_file():
-        prof = json.loads(prof_path.read_text())
+    prof, problem = read_json(prof_path) if prof_path.is_file() else (None, None)
+    if problem or prof is not None and not isinstance(prof, dict):
+        print(f"warning: {prof_path}: {problem or 'not a JSON object'}; the profile table and figure are left out")
+    elif prof is not None:
         profile_figure(prof, out / "profiles.png")
         lines = lines[:3] + profile_table(prof) + lines[3:]
     curve_figure(res, out / "reward_vs_time.png", x="iterations")
@@ -1815,14 +2134,37 @@ def report_nft_steps(res: Results, out: Path):
 
 
 def build_report(exp: Experiment, exp_dir: Path, planned: list[Run]) -> tuple[str, Results]:
-    records = [rec for rec in (load_result(run) for run in planned) if rec is not None]
-    res = Results(exp, records, planned)
-    res.exp_dir = exp_dir
-    text = (
-        "\n".join(globals()[exp.report](res, exp_dir))
-        if records
-        else "\n".join(res.banner() + ["No finished runs yet.", ""])
-    )
+    """table.md from the results of the planned runs. A result the report cannot read (rows without a metric the
+    others have: an older format) is left out with a warning naming it, and the report made from the rest."""
+    pairs = [(run, rec) for run in planned if (rec := load_result(run)) is not None]
+    while True:
+        records = [  # a result's place in the tables is its run's (file name and settings), not what it says
+            {**rec, "run_id": run.run_id, "group": run.cell.group, "label": run.cell.label, "seed": run.seed}
+            for run, rec in pairs
+        ]
+        res = Results(exp, records, planned)
+        res.exp_dir = exp_dir
+        try:
+            text = (
+                "\n".join(globals()[exp.report](res, exp_dir))
+                if records
+                else "\n".join(res.banner() + ["No finished runs yet.", ""])
+            )
+            break
+        except KeyError as err:
+            key = err.args[0] if err.args else None
+            lacking = {run.run_id: run.result for run, rec in pairs if not any(key in m for m in rec["rows"])}
+            if not lacking:
+                raise  # not a result's fault
+            if len(lacking) == len(pairs):
+                raise SystemExit(
+                    f"{exp.name}: the report needs {key!r}, which no result under {exp_dir / 'runs'} has (e.g. "
+                    f"{next(iter(lacking.values())).name}: results of an older format?); rebuild them with the "
+                    "bench.py they were made with, or move them away and rerun the experiment"
+                ) from None
+            for path in lacking.values():
+                print(f"warning: {path}: its rows lack {key!r} (an older format?); left out of the tables")
+            pairs = [(run, rec) for run, rec in pairs if run.run_id not in lacking]
     text += "\n".join(power_lines(exp, text))
     (exp_dir / "table.md").write_text(text)
     return text, res
@@ -1887,15 +2229,44 @@ def results_block(text: str, records: list[dict], exp_dir: Path, md: Path, comma
     return "\n".join(lines).strip("\n")
 
 
+def check_results_md(md: Path, name: str):
+    """Refuse a --results-md that is a folder, lies in a missing folder, or whose markers of `name` are not one
+    `<!-- BEGIN name -->` followed by one `<!-- END name -->`: a rebuild could then replace text that is not the
+    section (a deleted END would take everything after BEGIN with it). Nothing is changed."""
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    if md.is_dir():
+        raise SystemExit(f"--results-md {md} is a folder: name a Markdown file (e.g. {md / 'RESULTS.md'})")
+    if not md.parent.is_dir():
+        raise SystemExit(f"--results-md {md}: its folder {md.parent} does not exist; create it or name another file")
+    try:
+        text = md.read_text() if md.exists() else ""
+    except (OSError, UnicodeDecodeError) as err:
+        raise SystemExit(f"--results-md {md} cannot be read as text ({err}); name a Markdown file") from None
+    if not os.access(md if md.exists() else md.parent, os.W_OK):
+        raise SystemExit(f"--results-md {md} is not writable: make it writable, or name another file")
+    lines = text.splitlines()
+    at = {m: [i + 1 for i, line in enumerate(lines) if m in line] for m in (begin, end)}
+    counts = text.count(begin), text.count(end)
+    if counts == (0, 0) or counts == (1, 1) and text.find(begin) < text.find(end):
+        return
+    where = "; ".join(f"{m} on line(s) {', '.join(map(str, at[m])) or 'none'}" for m in (begin, end))
+    raise SystemExit(
+        f"{md}: the section's markers do not pair up ({where}), so its end is unknown and a rebuild could delete text "
+        f"that is not the section. Leave exactly one {begin} before one {end} around the section (put a deleted END "
+        "back where the section ends), then rerun; nothing was changed"
+    )
+
+
 def write_results_md(md: Path, name: str, block: str):
-    """Replace what lies between RESULTS.md's markers of `name` with block (append the markers when absent)."""
+    """Replace what lies between RESULTS.md's markers of `name` with block (append the markers when absent); markers
+    that do not pair up are refused (`check_results_md`)."""
+    check_results_md(md, name)
     begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
     old = md.read_text() if md.is_file() else ""
     new = f"{begin}\n{block}\n{end}"
     i = old.find(begin)
-    j = old.find(end, i + len(begin)) if i >= 0 else -1
-    if j >= 0:
-        text = old[:i] + new + old[j + len(end) :]
+    if i >= 0:
+        text = old[:i] + new + old[old.index(end, i) + len(end) :]
     else:
         text = (old.rstrip("\n") + "\n\n" if old.strip() else "") + new + "\n"
     if text != old:
@@ -1950,10 +2321,19 @@ def main(argv=None):
         "under results/, e.g. world-amp0.3/recast-protocol) (default: RESULTS.md when OUT is the default results/; "
         "else none)",
     )
+    parser.add_argument(
+        "--replace-results",
+        action="store_true",
+        help="run even where OUT/<experiment>/runs/ holds results made with other settings or on another embedded "
+        "world (refused without it): they are moved to OUT/<experiment>/set-aside/<time>/, never deleted",
+    )
     args = parser.parse_args(argv)
     committed = args.out is None and not args.quick  # the committed results: their report goes into RESULTS.md
-    args.out = args.out or ("runs/bench-quick" if args.quick else "results")
-    args.results_md = Path(args.results_md) if args.results_md else (Path("RESULTS.md") if committed else None)
+    # every path absolute, once: the runs' processes start in the project folder, wherever bench.py was started
+    args.out = Path(args.out).resolve() if args.out else HERE / ("runs/bench-quick" if args.quick else "results")
+    args.results_md = (
+        Path(args.results_md).resolve() if args.results_md else (HERE / "RESULTS.md" if committed else None)
+    )
     for flag in ("jobs", "seeds", "iterations", "prompts_per_iter"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give at least 1")
@@ -1962,10 +2342,23 @@ def main(argv=None):
         exp,
         **{k: getattr(args, k) for k in ("seeds", "iterations", "prompts_per_iter") if getattr(args, k) is not None},
     )
-    exp_dir = Path(args.out) / exp.name
+    exp_dir = args.out / exp.name
     planned = plan_runs(exp, exp_dir)
-    if not args.tables_only:
-        check_world(planned, exp_dir)
+    sizes = [
+        f"--{k.replace('_', '-')} {v}" for k in ("seeds", "iterations", "prompts_per_iter") if (v := getattr(args, k))
+    ]
+    marker, root = exp.name, HERE / "results"
+    if root in args.out.parents:  # e.g. results/world-amp0.3: an earlier world's results
+        sizes.append(f"--out {Path(os.path.relpath(args.out, HERE)).as_posix()}")
+        marker = Path(os.path.relpath(exp_dir, root)).as_posix()  # world-amp0.3/<experiment>
+    if args.results_md is not None:
+        check_results_md(args.results_md, marker)
+    check_writable(exp_dir)
+    if args.tables_only:
+        for path, why in survey_results(planned, exp, exp_dir)[0].items():
+            print(f"warning: {path}: {why}; left where it is and not in the tables", flush=True)
+    else:
+        check_results(planned, exp, exp_dir, args.replace_results)
     failed, reused = {}, reuse_results(planned, exp, exp_dir)
     if reused:
         print(f"{exp.name}: {reused} identical run(s) taken from {exp_dir.parent / exp.reuse / 'runs'}", flush=True)
@@ -1985,22 +2378,22 @@ def main(argv=None):
         )
         exp_dir.mkdir(parents=True, exist_ok=True)
         if exp.report == "report_protocol":  # the gains ReCAST starts from (--gain-init), measured before any run
-            sizes = dict(iterations=2, prompts=1) if args.quick else dict(iterations=PROFILE_ITERATIONS, prompts=8)
-            measure_profiles(exp_dir.parent / PROFILES_DIR, **sizes)
+            profile_sizes = (
+                dict(iterations=2, prompts=1) if args.quick else dict(iterations=PROFILE_ITERATIONS, prompts=8)
+            )
+            measure_profiles(exp_dir.parent / PROFILES_DIR, replace_results=args.replace_results, **profile_sizes)
         failed = execute(planned, args.jobs)
-    text, res = build_report(exp, exp_dir, planned)
-    if args.results_md is not None:
-        sizes = [
-            f"--{k.replace('_', '-')} {v}"
-            for k in ("seeds", "iterations", "prompts_per_iter")
-            if (v := getattr(args, k))
-        ]
-        marker, root = exp.name, Path("results").resolve()
-        if root in Path(args.out).resolve().parents:  # e.g. results/world-amp0.3: an earlier world's results
-            sizes.append(f"--out {Path(os.path.relpath(args.out)).as_posix()}")
-            marker = Path(os.path.relpath(exp_dir.resolve(), root)).as_posix()  # world-amp0.3/<experiment>
-        command = " ".join(["python bench.py", exp.name, *(["--quick"] if args.quick else []), *sizes, "--tables-only"])
-        write_results_md(args.results_md, marker, results_block(text, res.records, exp_dir, args.results_md, command))
+    try:
+        text, res = build_report(exp, exp_dir, planned)
+        if args.results_md is not None:
+            command = " ".join(["python bench.py", exp.name, *(["--quick"] if args.quick else []), *sizes])
+            block = results_block(text, res.records, exp_dir, args.results_md, command + " --tables-only")
+            write_results_md(args.results_md, marker, block)
+    except OSError as err:  # a full disk, a folder made read-only meanwhile: the results themselves are kept
+        raise SystemExit(
+            f"could not write {err.filename or 'the tables'}: {err.strerror or err}; every result is kept in "
+            f"{exp_dir / 'runs'}: fix that, then `--tables-only` rebuilds the tables"
+        ) from None
     print(text)
     if failed:
         raise SystemExit(

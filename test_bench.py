@@ -3,8 +3,16 @@
 pytest -q test_bench.py
 """
 
+import gzip
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -162,7 +170,8 @@ def test_seeds_needed_resolves_the_observed_difference_at_its_sd():
     assert bench.win_rate(scores, {"judge/pref": [0.0, 0.0, 3.0, 1.0]}) == pytest.approx((1 + 0.5 + 0 + 1) / 4)
 
 
-def test_a_result_from_other_settings_is_redone(tmp_path):
+def test_a_result_from_other_settings_is_not_the_runs(tmp_path):
+    """load_result takes only a result of the run's own settings (check_results refuses to replace the others)."""
     exp = bench.quick_version(bench.EXPERIMENTS["nft-steps"])
     run = bench.plan_runs(exp, tmp_path)[0]
     run.result.parent.mkdir(parents=True)
@@ -265,15 +274,23 @@ def test_bench_refuses_to_mix_results_of_two_worlds(tmp_path, capsys):
     exp = bench.quick_version(bench.EXPERIMENTS["nft-steps"])
     runs = bench.plan_runs(exp, tmp_path / exp.name)
     runs[0].result.parent.mkdir(parents=True)
-    record = {"settings": list(runs[0].settings), "rows": [{"iteration": 0}], "world": "0123456789ab"}
+    record = {
+        "run_id": runs[0].run_id,
+        "label": runs[0].cell.label,
+        "group": runs[0].cell.group,
+        "seed": 0,
+        "settings": list(runs[0].settings),
+        "rows": [{"iteration": 0}],
+        "world": "0123456789ab",
+    }
     runs[0].result.write_text(json.dumps(record))
     with pytest.raises(SystemExit, match="another embedded world \\(0123456789ab; assets/ now hold world"):
-        bench.check_world(runs, tmp_path / exp.name)
+        bench.check_results(runs, exp, tmp_path / exp.name)
     runs[0].result.write_text(json.dumps({**record, "world": shapes_world.world_id()}))
-    bench.check_world(runs, tmp_path / exp.name)
+    bench.check_results(runs, exp, tmp_path / exp.name)
     runs[0].result.write_text(json.dumps({k: v for k, v in record.items() if k != "world"}))  # before world ids
     with pytest.raises(SystemExit, match="not recorded"):
-        bench.check_world(runs, tmp_path / exp.name)
+        bench.check_results(runs, exp, tmp_path / exp.name)
 
 
 def test_world_id_names_the_pipeline_bytes(tmp_path):
@@ -361,11 +378,12 @@ def test_rvge_joint_quick_in_parallel_processes_resumes_and_marks_partial(tmp_pa
     def must_not_run(run):
         raise AssertionError(f"{run.run_id} has a result and must be skipped")
 
-    monkeypatch.setattr(bench, "run_in_subprocess", must_not_run)
+    monkeypatch.setattr(bench, "worker_command", must_not_run)
     bench.main(["rvge-joint", "--quick", "--jobs", "2", "--out", str(tmp_path)])  # resume: nothing left to run
     (out / "runs" / "joint_rvge-seed0.json.gz").unlink()  # as if killed before this run finished
     partial = bench.main(["rvge-joint", "--quick", "--tables-only", "--out", str(tmp_path)])
     assert partial.missing == ["joint_rvge-seed0"] and "PARTIAL: 1 run(s) missing" in (out / "table.md").read_text()
+    monkeypatch.setattr(bench, "worker_command", lambda run: [sys.executable, "-c", "raise SystemExit(3)"])
     with pytest.raises(
         SystemExit, match="1 run\\(s\\) failed"
     ):  # a failing run is reported; the others' tables still come
@@ -443,3 +461,353 @@ def test_nft_steps_quick(tmp_path):
     md.write_text("# Results\n")  # no block yet: appended at the end
     bench.main(argv)
     assert md.read_text() == "# Results\n\n" + once[len(head) : -len(tail)] + "\n"
+
+
+# -----------------------------------------------------------------------------
+# Results are data: faults injected, the files compared before and after (no training: a fake worker process)
+# -----------------------------------------------------------------------------
+
+FAKE_WORKER = """
+import json, os, subprocess, sys, time
+work, wait = sys.argv[sys.argv.index("--out") + 1], float(sys.argv[1])
+os.makedirs(work, exist_ok=True)
+with open(os.path.join(work, "seen.json"), "w") as f:
+    json.dump({"cwd": os.getcwd(), "argv": sys.argv[2:]}, f)
+if wait:  # a run still training: a child of its own (its process group's) and its pids on disk
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with open(os.path.join(work, "pids"), "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    time.sleep(wait)
+rows = [{"iteration": i, "eval/weighted": 0.1 * i, "time/rollout": 1.0} for i in range(2)]
+with open(os.path.join(work, "metrics.jsonl"), "w") as f:
+    f.write("".join(json.dumps(m) + "\\n" for m in rows))
+"""
+
+
+def fake_worker(slow=()):
+    """worker_command for bench.execute: a process that writes a run's metrics at once (or, for run ids in `slow`,
+    sleeps 60 s with a child process), and records the folder it ran in and its flags."""
+    return lambda run: [sys.executable, "-c", FAKE_WORKER, "60" if run.run_id in slow else "0", *bench.argv_of(run)]
+
+
+def snapshot(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
+def write_record(run, world=None, **changes):
+    record = {
+        "run_id": run.run_id,
+        "label": run.cell.label,
+        "group": run.cell.group,
+        "seed": run.seed,
+        "settings": list(run.settings),
+        "command": f"python {run.cell.script}.py --out {run.work} --overwrite",
+        "world": world or shapes_world.world_id(),
+        "rows": [{"iteration": 0, "eval/weighted": 0.5}],
+        **changes,
+    }
+    run.result.parent.mkdir(parents=True, exist_ok=True)
+    run.result.write_bytes(gzip.compress(json.dumps(record).encode(), mtime=0))
+    return record
+
+
+def test_a_rerun_with_other_settings_or_of_another_world_is_refused_and_replace_moves_them_aside(
+    tmp_path, monkeypatch, capsys
+):
+    """The probe's case: `rvge-single --seeds 1 --iterations 1` on committed results replaced them. Now it is refused
+    before anything runs, naming each result and what differs, and nothing changes; a result of another world at
+    matching settings is refused too; --replace-results moves them (byte for byte) to set-aside/ and runs."""
+    exp = bench.EXPERIMENTS["rvge-single"]
+    exp_dir = tmp_path / "results" / exp.name
+    committed = bench.plan_runs(exp, exp_dir)
+    for run in committed[:4]:  # seed 0 of every cell, at the experiment's settings
+        write_record(run)
+    write_record(committed[5], world="0123456789ab")  # seed 1 of one cell: made on another embedded world
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(bench, "worker_command", fake_worker())
+    monkeypatch.setattr(bench, "report_rvge_single", lambda res, out: res.banner())
+    argv = ["rvge-single", "--out", str(tmp_path / "results"), "--seeds", "1", "--iterations", "1", "--jobs", "2"]
+    with pytest.raises(SystemExit) as err:
+        bench.main(argv)
+    msg = str(err.value.code)
+    assert "holds 5 result(s) that this command would replace or add to" in msg
+    assert f"{committed[0].result.name}: other settings (--iterations 60 there, 1 now; --save-every 60 there" in msg
+    assert "another embedded world (0123456789ab" in msg and "--replace-results" in msg and "--out DIR" in msg
+    assert snapshot(tmp_path) == before
+    with pytest.raises(SystemExit, match=f"{committed[5].result.name}: another embedded world \\(0123456789ab"):
+        bench.main(argv[:3] + ["--jobs", "2"])  # the experiment's own settings: seed 1's other world still refused
+    assert snapshot(tmp_path) == before
+
+    res = bench.main(argv + ["--replace-results"])
+    assert not res.missing and len(res.records) == 4
+    aside = next((exp_dir / "set-aside").iterdir())
+    assert aside.name.endswith("-replaced") and "0123456789ab" in (aside / "WHY.txt").read_text()
+    moved = {f"results/{exp.name}/set-aside/{aside.name}/{k.rsplit('/', 1)[1]}": v for k, v in before.items()}
+    assert {k: v for k, v in snapshot(tmp_path).items() if k in moved} == moved  # every old result kept, unchanged
+    now = bench.plan_runs(bench.replace(exp, seeds=1, iterations=1), exp_dir)
+    assert all(bench.flag_value(bench.load_result(r)["settings"], "--iterations") == "1" for r in now)
+    assert "moved 5 result(s) made differently" in capsys.readouterr().out
+
+
+def test_a_higher_seed_of_the_same_settings_is_not_a_conflict(tmp_path):
+    exp = bench.EXPERIMENTS["rvge-single"]
+    for run in bench.plan_runs(exp, tmp_path / exp.name):
+        write_record(run)
+    fewer = bench.replace(exp, seeds=1)
+    assert bench.survey_results(bench.plan_runs(fewer, tmp_path / exp.name), fewer, tmp_path / exp.name) == ({}, {})
+
+
+def test_jobs_from_another_folder_keeps_every_result(tmp_path, monkeypatch):
+    """--jobs N started elsewhere with a relative --out: the workers (run in the project folder) get absolute paths,
+    and every result lands in the --out the caller meant; nothing is written in the project folder."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(bench, "worker_command", fake_worker())
+    monkeypatch.setattr(bench, "report_rvge_joint", lambda res, out: res.banner())
+    res = bench.main(["rvge-joint", "--quick", "--jobs", "2", "--out", "res"])
+    exp_dir = elsewhere / "res" / "rvge-joint"
+    assert not res.missing and len(res.records) == 6 and len(list((exp_dir / "runs").glob("*.json.gz"))) == 6
+    seen = json.loads((exp_dir / "work" / "joint_nft-seed0" / "seen.json").read_text())
+    assert seen["cwd"] == str(bench.HERE) and seen["argv"][seen["argv"].index("--out") + 1] == str(
+        exp_dir / "work" / "joint_nft-seed0"
+    )
+    assert not (bench.HERE / "res").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_launches_nothing_more_ends_the_runs_in_flight_and_keeps_every_result(
+    sig, tmp_path, monkeypatch, capsys
+):
+    """Ctrl-C (or SIGTERM) while --jobs 2 has two runs in flight and seven queued: nothing more starts, both runs and
+    their children end, the two finished results and the one from before are kept unchanged, one line and exit
+    128 + signal, no traceback."""
+    exp = bench.quick_version(bench.EXPERIMENTS["rvge-joint"])
+    exp_dir = tmp_path / exp.name
+    runs = bench.plan_runs(bench.replace(exp, seeds=2), exp_dir)  # 12 runs, seed by seed
+    write_record(runs[6])  # finished before: kept, not rerun
+    before = snapshot(tmp_path)
+    slow = {r.run_id for r in runs[2:]}
+    monkeypatch.setattr(bench, "worker_command", fake_worker(slow))
+    in_flight = [runs[2].work / "pids", runs[3].work / "pids"]
+    handler = signal.getsignal(sig)
+
+    def stop_when_both_run():
+        deadline = time.monotonic() + 60
+        while not all(p.is_file() and len(p.read_text().split()) == 2 for p in in_flight):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=stop_when_both_run, daemon=True).start()
+    with pytest.raises(SystemExit) as err:
+        bench.main(["rvge-joint", "--quick", "--seeds", "2", "--jobs", "2", "--out", str(tmp_path)])
+    assert err.value.code == 128 + sig
+    line = capsys.readouterr().err
+    assert f"stopped by {signal.Signals(sig).name}: 3 finished result(s) kept" in line and "7 not started" in line
+    assert "Traceback" not in line and runs[2].run_id in line and runs[3].run_id in line
+    pids = [int(x) for p in in_flight for x in p.read_text().split()]
+    time.sleep(0.3)
+    assert not any(alive(pid) for pid in pids), "a run or its child outlived the stop"
+    assert all(not r.work.exists() for r in runs[4:] if r is not runs[6]), "a queued run was launched after the stop"
+    after = snapshot(tmp_path)
+    assert {k: after[k] for k in before} == before  # the result from before, unchanged
+    assert [r.run_id for r in runs if r.result.exists()] == [runs[0].run_id, runs[1].run_id, runs[6].run_id]
+    assert signal.getsignal(sig) is handler  # bench.py's handler is gone again
+
+
+def test_a_stop_in_the_single_process_mode(tmp_path, monkeypatch, capsys):
+    """--jobs 1 trains in this process: Ctrl-C there ends that run, starts no other and keeps the finished ones."""
+    exp = bench.quick_version(bench.EXPERIMENTS["rvge-joint"])
+    runs = bench.plan_runs(exp, tmp_path / exp.name)
+    started = []
+
+    def fake_run_in_process(run):
+        started.append(run.run_id)
+        if len(started) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)  # interrupted
+        write_record(run)
+
+    monkeypatch.setattr(bench, "run_in_process", fake_run_in_process)
+    with pytest.raises(SystemExit) as err:
+        bench.execute(runs, 1)
+    assert err.value.code == 130 and started == [runs[0].run_id, runs[1].run_id]
+    assert "stopped by SIGINT: 1 finished result(s) kept" in capsys.readouterr().err
+    assert runs[0].result.exists() and not runs[1].result.exists()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "# Results\n\n<!-- BEGIN nft-steps -->\nold table\n\n## My notes\n\nkeep me\n",  # END deleted
+        "<!-- BEGIN nft-steps -->\na\n<!-- END nft-steps -->\nmine\n<!-- BEGIN nft-steps -->\nb\n",  # two BEGINs
+        "<!-- END nft-steps -->\nmine\n<!-- BEGIN nft-steps -->\nb\n",  # END before BEGIN
+    ],
+)
+def test_results_md_markers_that_do_not_pair_up_are_refused(text, tmp_path):
+    """A BEGIN whose END was deleted: the first rebuild appended a block, the second deleted the user's text after
+    the orphan BEGIN. Now both refuse, naming the file and the marker, and the file is unchanged."""
+    md = tmp_path / "RESULTS.md"
+    md.write_text(text)
+    for _ in range(2):
+        with pytest.raises(SystemExit, match=f"{md}: the section's markers do not pair up \\(<!-- BEGIN nft-steps -->"):
+            bench.write_results_md(md, "nft-steps", "new table")
+        assert md.read_text() == text
+    with pytest.raises(SystemExit, match="do not pair up"):  # and before any run
+        bench.main(["nft-steps", "--tables-only", "--out", str(tmp_path / "res"), "--results-md", str(md)])
+    assert md.read_text() == text
+
+
+def test_a_results_md_that_is_a_folder_or_a_read_only_results_folder_is_refused_clearly(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit, match="--results-md .* is a folder: name a Markdown file"):
+        bench.main(["nft-steps", "--tables-only", "--out", str(tmp_path / "res"), "--results-md", str(tmp_path)])
+    with pytest.raises(SystemExit, match="its folder .*missing does not exist"):
+        bench.main(
+            ["nft-steps", "--tables-only", "--out", str(tmp_path), "--results-md", str(tmp_path / "missing/R.md")]
+        )
+    exp_dir = tmp_path / "ro" / "nft-steps"
+    write_record(bench.plan_runs(bench.EXPERIMENTS["nft-steps"], exp_dir)[0])
+    before = snapshot(tmp_path / "ro")
+    exp_dir.chmod(0o555)
+    real_access = os.access  # root writes anyway: answer as the user would be answered
+    monkeypatch.setattr(bench.os, "access", lambda p, mode: real_access(p, mode) and Path(p) != exp_dir)
+    try:
+        for extra in ([], ["--tables-only"]):
+            with pytest.raises(SystemExit, match=f"{exp_dir} is not writable: .*chmod -R u\\+w .*or pass --out DIR"):
+                bench.main(["nft-steps", "--out", str(tmp_path / "ro"), *extra])
+    finally:
+        exp_dir.chmod(0o755)
+    assert snapshot(tmp_path / "ro") == before
+    (tmp_path / "file" / "nft-steps").mkdir(parents=True)
+    (tmp_path / "file" / "nft-steps" / "runs").write_text("not a folder")
+    with pytest.raises(SystemExit, match="runs is not a folder"):
+        bench.main(["nft-steps", "--out", str(tmp_path / "file")])
+
+
+def test_a_damaged_or_older_result_is_named_and_the_rest_carry_on(tmp_path, monkeypatch, capsys):
+    """One damaged or older-format result used to stop both --tables-only and the experiment with a traceback naming
+    no file. Now --tables-only names each file and what is wrong, leaves it where it is and builds the tables from
+    the rest; a run moves the damaged ones, byte for byte, to set-aside/ and redoes only those runs."""
+    exp_dir = tmp_path / "rvge-single"
+    shutil.copytree(bench.HERE / "results" / "rvge-single" / "runs", exp_dir / "runs")  # the committed results
+    folder = exp_dir / "runs"
+
+    def older(data):  # a record from before `settings` was kept
+        record = json.loads(gzip.decompress(data))
+        return gzip.compress(json.dumps({k: v for k, v in record.items() if k != "settings"}).encode())
+
+    faults = {
+        "grain_nft-seed0.json.gz": (lambda b: b[: len(b) // 2], "not an intact gzip file"),  # a write cut short
+        "grain_rvge-seed1.json.gz": (lambda b: b[:12] + bytes(len(b) - 12), "not an intact gzip file"),  # zeroed
+        "texture_nft-seed2.json.gz": (lambda b: b"[1, 2, 3]", "a JSON list, not a result record"),
+        "texture_rvge-seed3.json.gz": (older, "lacks settings (an older format"),
+    }
+    for name, (fault, _) in faults.items():
+        (folder / name).write_bytes(fault((folder / name).read_bytes()))
+    before = snapshot(tmp_path)
+    res = bench.main(["rvge-single", "--tables-only", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    for name, (_, why) in faults.items():
+        assert f"warning: {folder / name}: {why}" in out
+    assert len(res.records) == 16 and sorted(res.missing) == sorted(n.removesuffix(".json.gz") for n in faults)
+    assert "PARTIAL: 4 run(s) missing" in (exp_dir / "table.md").read_text()
+    assert {k: v for k, v in snapshot(tmp_path).items() if k in before} == before  # tables-only moved nothing
+
+    # rows without a metric the report needs (an older format): that result is left out, named, the rest reported
+    def report_needing_eval(res, out):
+        return res.banner() + [str(sum(rows[-1]["eval/weighted"] for rows in res.runs["grain"]["nft"].values()))]
+
+    monkeypatch.setattr(bench, "report_rvge_single", report_needing_eval)
+    path = folder / "grain_nft-seed1.json.gz"
+    record = json.loads(gzip.decompress(path.read_bytes()))
+    record["rows"] = [{k: v for k, v in m.items() if k != "eval/weighted"} for m in record["rows"]]
+    path.write_bytes(gzip.compress(json.dumps(record).encode()))
+    res = bench.main(["rvge-single", "--tables-only", "--out", str(tmp_path)])
+    assert f"warning: {path}: its rows lack 'eval/weighted'" in capsys.readouterr().out and len(res.records) == 15
+
+    # the experiment itself: the four damaged results set aside unchanged, only their runs redone
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(bench, "worker_command", fake_worker())
+    monkeypatch.setattr(bench, "report_rvge_single", lambda res, out: res.banner())
+    res = bench.main(["rvge-single", "--out", str(tmp_path), "--jobs", "2"])
+    out = capsys.readouterr().out
+    aside = next((exp_dir / "set-aside").iterdir())
+    assert aside.name.endswith("-damaged") and not res.missing
+    for name, (_, why) in faults.items():
+        assert (aside / name).read_bytes() == before[f"rvge-single/runs/{name}"] and why in (
+            aside / "WHY.txt"
+        ).read_text()
+        assert f"{folder / name}: {why}" in out and "the run will be redone" in out
+        assert bench.load_result(next(r for r in bench.plan_runs(res.exp, exp_dir) if r.result.name == name))
+    after = snapshot(tmp_path)
+    kept = [k for k in before if k.startswith("rvge-single/runs/") and k.rsplit("/", 1)[1] not in faults]
+    assert len(kept) == 16 and all(after[k] == before[k] for k in kept)
+
+
+def test_profiles_and_final_evaluations_are_never_replaced_silently(tmp_path, capsys):
+    """profiles.json measured with other sizes (or on another world) is refused, not re-measured over; a damaged
+    final evaluation is named and, with no checkpoint to evaluate again, left as it is and out of the tables (with
+    one, it is moved to set-aside/ and evaluated anew)."""
+    path = tmp_path / "profiles.json"
+    path.write_text(
+        json.dumps({"names": list(bench.PROFILE_CANDIDATES), "iterations": 192, "prompts": 8, "world": "x"})
+    )
+    before = snapshot(tmp_path)
+    with pytest.raises(
+        SystemExit, match="profiles.json holds profiles measured differently \\(iterations 192 there, 2"
+    ):
+        bench.measure_profiles(tmp_path, iterations=2, prompts=1)
+    assert snapshot(tmp_path) == before
+    exp = bench.quick_version(bench.EXPERIMENTS["recast-protocol"])
+    run = bench.plan_runs(exp, tmp_path)[0]
+    write_record(run)
+    final_eval = run.result.with_name(run.run_id + ".final.json")
+    final_eval.write_text('{"checkpoint": "iter_000001", "n": 1')  # a write cut short
+    n = len(shapes_world.splits()["heldout"]) * exp.final_noises
+    pretrained = {"checkpoint": "pretrained", "n": n, "scores": {"1": {}}}
+    (tmp_path / "runs" / "pretrained.final.json").write_text(json.dumps(pretrained))
+    before = snapshot(tmp_path)
+    assert bench.final_evals([run], tmp_path, exp.final_noises) == {"pretrained": {"1": {}}}
+    assert f"warning: {final_eval}: not JSON" in capsys.readouterr().out
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the runs are told to end with bench.py on Linux")
+def test_killing_bench_outright_leaves_no_run_behind(tmp_path):
+    """SIGKILL cannot be caught: the runs of --jobs N are told to end when bench.py dies, so none is orphaned."""
+    script = tmp_path / "bench_with_fake_runs.py"
+    script.write_text(
+        "import sys\nfrom pathlib import Path\nimport bench\n"
+        f"fake = {FAKE_WORKER!r}\n"
+        "bench.worker_command = lambda run: [sys.executable, '-c', fake, '60', *bench.argv_of(run)]\n"
+        "exp = bench.quick_version(bench.EXPERIMENTS['rvge-joint'])\n"
+        "bench.execute(bench.plan_runs(exp, Path(sys.argv[1])), 2)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(bench.HERE)}
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "exp")], cwd=bench.HERE, env=env)
+    pid_files = [tmp_path / "exp" / "work" / name / "pids" for name in ("joint_nft-seed0", "joint_rvge-seed0")]
+    deadline = time.monotonic() + 120
+    while not all(p.is_file() and len(p.read_text().split()) == 2 for p in pid_files):
+        assert time.monotonic() < deadline and proc.poll() is None, "the fake runs did not start"
+        time.sleep(0.05)
+    pids = [int(x) for p in pid_files for x in p.read_text().split()]
+    assert all(alive(pid) for pid in pids)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    runs_alive = [pid for pid in pids[::2] if alive(pid)]
+    for pid in pids:  # what is left (the fake runs' own children: the README's limit) is this test's to end
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert not runs_alive, "a run outlived bench.py"
