@@ -1866,6 +1866,13 @@ def train_batch(plan: ArmPlan, cfg: TrainConfig, P, corr, log=print):
 # --- the analysis: equal-KL comparisons, paired by seed, Holm-corrected; thresholds with censoring -------------------
 
 
+def nan_mean(values):
+    """Mean of the finite values, NaN (without numpy's warning) when there are none."""
+    v = np.asarray(values, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    return float(v.mean()) if len(v) else np.nan
+
+
 def value_at_level(x, y, level):
     """y where the curve x first reaches `level` (linear between the evaluations around the crossing), NaN when it
     never does. x, y (E,) along training (x = KL or iteration)."""
@@ -1998,7 +2005,7 @@ def analyse_recast(records, groups_list):
             for a in RECAST_ARMS:
                 vals = np.array(list(at[a].values()))
                 ck = {
-                    k: np.nanmean([value_at_level(kl, y, level) for _, kl, y in per_rew[(a, k)].values()])
+                    k: nan_mean([value_at_level(kl, y, level) for _, kl, y in per_rew[(a, k)].values()])
                     for k in ("coarse", "fine")
                 }
                 per_arm.append(
@@ -2007,7 +2014,7 @@ def analyse_recast(records, groups_list):
                         kl_fraction=frac,
                         kl_level=level,
                         arm=a,
-                        weighted_gain=float(np.nanmean(vals)),
+                        weighted_gain=float(nan_mean(vals)),
                         coarse_gain=float(ck["coarse"]),
                         fine_gain=float(ck["fine"]),
                         reached=int(np.isfinite(vals).sum()),
@@ -2018,7 +2025,7 @@ def analyse_recast(records, groups_list):
             for a, b in RECAST_COMPARISONS:
                 seeds = sorted(set(at[a]) & set(at[b]))
                 st = paired_stats([at[a][s] - at[b][s] for s in seeds])
-                base = np.nanmean(list(at["uniform"].values()))
+                base = nan_mean(list(at["uniform"].values()))
                 rows.append(dict(groups=P, kl_fraction=frac, kl_level=level, a=a, b=b, uniform_gain=float(base), **st))
     primary = [i for i, r in enumerate(rows) if r["kl_fraction"] == 0.5]
     adj = holm([rows[i]["p"] for i in primary])
@@ -2207,7 +2214,7 @@ def plot_reward_vs_kl(path, records, groups_list):
 
     def curve(cur, top, n=25):
         levels = np.linspace(0, top, n)
-        return levels, [np.nanmean([value_at_level(kl, y, lv) for _, kl, y in cur.values()]) for lv in levels]
+        return levels, [nan_mean([value_at_level(kl, y, lv) for _, kl, y in cur.values()]) for lv in levels]
 
     def median_final(cur):
         return float(np.median([kl[-1] for _, kl, _ in cur.values()]))
@@ -2222,7 +2229,7 @@ def plot_reward_vs_kl(path, records, groups_list):
             top = min(median_final(cur[m]), median_final(cur["uniform"]))
             levels = np.linspace(0, top, 25)
             diff = [
-                np.nanmean(
+                nan_mean(
                     [value_at_level(*cur[m][s][1:], lv) - value_at_level(*cur["uniform"][s][1:], lv) for s in cur[m]]
                 )
                 for lv in levels
