@@ -7,6 +7,11 @@ never re-implements them). `python toy_gaussian.py` runs all checks, prints a
 table (check, measured, threshold, PASS/FAIL), writes PNG figures to --out and
 exits non-zero if a check fails; --quick runs the same checks on smaller samples.
 
+`python toy_gaussian.py --train` is the trainable toy instead: the exact mixture velocity is the pretrained model, a
+correction of it is fine-tuned with the scripts' own losses and credit (ReCAST arms: nft, uniform, exact-profile,
+time-reversed, online and gradient-unit W; RVGE vs NFT with permuted controls), every arm x seed at once, and the arms
+are compared at equal KL to the pretrained model (results/toy-train; --train --quick in the tests).
+
 Notation map (code name -> symbol)
     x0, xt   (n, d)    clean sample, noisy sample x_t = (1 - t) x0 + t eps (t = 1 is noise)
     resp     (n, C)    posterior component probabilities rho_c(x_t) = P(c | x_t)
@@ -1752,7 +1757,8 @@ def train_batch(plan: ArmPlan, cfg: TrainConfig, P, corr, log=print):
     rvge.rvge_loss (+ base_reg |dv|^2); one AdamW step with per-run clipping; old <- decay old + (1 - decay) new
     (recast.old_decay type 1). Online W: recast.level_observations accumulated at recast.Args' gain_ema ->
     level_curves -> credit_profiles -> solve_W, per run. Evaluations every cfg.eval_every iterations: rewards of
-    n_eval samples and the path KL to the exact model (`sample_chain`). Returns (records, online Ws)."""
+    n_eval samples and the path KL to the exact model (`sample_chain`). Returns (records, the online arm's final
+    W, evidence weights and measured D_2 curves, summarised over seeds, or None)."""
     import torch
 
     gm, d, T = TRAIN_MIX, TRAIN_MIX.d, cfg.steps
@@ -1765,7 +1771,7 @@ def train_batch(plan: ArmPlan, cfg: TrainConfig, P, corr, log=print):
     A_old = torch.zeros((S, *corr.shape))
     opt = torch.optim.AdamW([A], lr=cfg.lr, weight_decay=1e-4)
     defaults = recast.Args()
-    stats = [None] * S
+    stats, last = [None] * S, {}
     W = torch.as_tensor(plan.W, dtype=torch.float32) if plan.family == "recast" else None
     W_np = None if plan.family != "recast" else plan.W.copy()
     tile = lambda z: z.repeat(n_arms, *[1] * (z.dim() - 1))  # noqa: E731  (seeds,) -> (arms * seeds,): paired noise
@@ -1809,8 +1815,9 @@ def train_batch(plan: ArmPlan, cfg: TrainConfig, P, corr, log=print):
                     new = recast.level_observations(r[i], groups, anc, layouts, T)
                     stats[i] = accumulate(stats[i], new, defaults.gain_ema)
                     D, se = recast.level_curves(*stats[i])
-                    P_i = recast.credit_profiles(D, se, sig, stats[i][0], defaults.evidence)[2]
+                    _, _, P_i, rho = recast.credit_profiles(D, se, sig, stats[i][0], defaults.evidence)
                     W_np[i] = recast.solve_W(TRAIN_LAM, P_i, defaults.tau, defaults.eps)
+                    last[i] = (D, rho, stats[i][0])
             W = torch.as_tensor(W_np, dtype=torch.float32)
             W_big, r_t = stack_columns(W), torch.as_tensor(r, dtype=torch.float32).reshape(S * N, 2)
             omega = torch.as_tensor(plan.omega, dtype=torch.float32)
@@ -1859,7 +1866,18 @@ def train_batch(plan: ArmPlan, cfg: TrainConfig, P, corr, log=print):
         decay = recast.old_decay(it + 1, 1)
         with torch.no_grad():
             A_old.mul_(decay).add_((1 - decay) * A.detach())
-    online = W_np[plan.online] if plan.family == "recast" else None
+    online = None
+    if plan.family == "recast" and last:
+        D_on, rho_on, n_on = (np.stack([last[i][k] for i in sorted(last)]) for k in range(3))
+        online = dict(
+            W=W_np[plan.online].mean(0).tolist(),  # mean over seeds
+            rho_mean=rho_on.mean(0).tolist(),  # evidence weight per reward (credit_profiles), mean / max over seeds
+            rho_max=rho_on.max(0).tolist(),
+            D=[
+                [nan_mean(D_on[:, k, j]) for j in range(T + 1)] for k in range(D_on.shape[1])
+            ],  # measured D_2, per level
+            n=n_on.mean(0).tolist(),  # discounted observations per level
+        )
     return records, online
 
 
@@ -2112,14 +2130,32 @@ def write_tables(path, cfg, profiles_info, recast_rows, per_arm, speed, controls
         L.append(
             f"| W {arm}: column sum x T / Lam | " + " | ".join(f"{c:.2f}" for c in W.sum(0) * W.shape[1] / 2) + " | |"
         )
-    if profiles_info.get("online") is not None:
-        for P, W in profiles_info["online"].items():
-            W = np.asarray(W)
-            L.append(
-                f"| W online (mean of seeds, groups {P}): coarse share | "
-                + " | ".join(f"{c:.2f}" for c in W[0] / W.sum(0))
-                + " | |"
-            )
+    for P, on in (profiles_info.get("online") or {}).items():
+        W = np.asarray(on["W"])
+        L.append(
+            f"| W online (mean of seeds, groups {P}): coarse share | "
+            + " | ".join(f"{c:.2f}" for c in W[0] / W.sum(0))
+            + " | |"
+        )
+    if profiles_info.get("online"):
+        L.append(
+            "\nOnline W's evidence: the exact D_2 of each reward at the grid levels s_1 ... s_T = 0 against the pairs"
+        )
+        L.append("estimate at the end of training (mean over seeds) and the evidence weight rho of `credit_profiles`")
+        L.append("(0: the profile is shrunk to the rewards' common one, so W stays uniform).\n")
+        L += table_header("curve", *[f"{s:.3f}" for s in sig[1:]], "rho mean / max")
+        for k, name in enumerate(("coarse", "fine")):
+            D_x = np.asarray(profiles_info["D"])[k]
+            L.append(f"| exact D {name} | " + " | ".join(f"{d:.4f}" for d in D_x[1:]) + " | |")
+            for P, on in profiles_info["online"].items():
+                D_m = np.asarray(on["D"])[k]
+                L.append(
+                    f"| pairs D {name}, groups {P} | "
+                    + " | ".join(f"{d:.4f}" for d in D_m[1:])
+                    + f" | {on['rho_mean'][k]:.2f} / {on['rho_max'][k]:.2f} |"
+                )
+        for P, on in profiles_info["online"].items():
+            L.append(f"| observations per level, groups {P} | " + " | ".join(f"{n:.0f}" for n in on["n"][1:]) + " | |")
     L.append("\n## ReCAST arms: gain of the weighted reward (coarse + fine) / 2 at equal KL\n")
     L.append(
         "Gain = the run's value minus its seed's value at iteration 0 (the exact model); each run is read where its"
@@ -2350,9 +2386,8 @@ def train_main(quick, out, cfg=None):
         for n_groups in cfg.groups:
             t0 = time.time()
             plan, Ws = recast_plan(RECAST_ARMS, seeds, sig, P)
-            rec, W_on = train_batch(plan, cfg, n_groups, corr)
+            rec, online[n_groups] = train_batch(plan, cfg, n_groups, corr)
             records += rec
-            online[n_groups] = W_on.mean(0).tolist()
             t1 = time.time()
             rec, _ = train_batch(rvge_plan(RVGE_ARMS, seeds), cfg, n_groups, corr)
             records += rec
