@@ -397,7 +397,7 @@ def credit_profiles(D, se, sigmas, n, c=2.0):
 # =============================================================================
 
 
-def solve_W(budgets, profile, tau=1.0, eps=1e-3, tol=1e-12, max_iter=20000):
+def solve_W(budgets, profile, tau=1.0, eps=1e-3, tol=1e-12, max_iter=20000, col_sums=None):
     """Credit matrix W (K, T): the KL (I-)projection of K_kj = lambda_k P~_kj^tau onto
     {row sums = lambda, column sums = Lam / T}, with P~ = (1 - eps) P + eps / T.
 
@@ -406,6 +406,8 @@ def solve_W(budgets, profile, tau=1.0, eps=1e-3, tol=1e-12, max_iter=20000):
     get a zero row. eps > 0 keeps K positive so a unique solution exists; eps = 0
     is allowed when the profile is strictly positive. tau = 0 gives the uniform
     W_kj = lambda_k / T; identical profiles give it too.
+    col_sums (T,): other column sums than the equal Lam / T (positive, summing to Lam), e.g. columns equal in
+    gradient units (toy_gaussian.py --train, derivations.ipynb §11); None (the default) is the equal Lam / T.
     """
     lam = np.asarray(budgets, dtype=np.float64)
     P = np.asarray(profile, dtype=np.float64)
@@ -424,6 +426,11 @@ def solve_W(budgets, profile, tau=1.0, eps=1e-3, tol=1e-12, max_iter=20000):
         raise ValueError("profile has zeros: use eps > 0 so that a solution with these marginals exists")
     logK = np.log(lam[active])[:, None] + tau * np.log(np.where(P_tilde[active] > 0, P_tilde[active], 1.0))
     log_row, log_col = np.log(lam[active]), np.full(T, np.log(lam.sum() / T))
+    if col_sums is not None:
+        col = np.asarray(col_sums, dtype=np.float64)
+        if col.shape != (T,) or not (col > 0).all() or not np.isclose(col.sum(), lam.sum(), rtol=1e-9, atol=0):
+            raise ValueError(f"col_sums must be {T} positive numbers summing to sum(budgets) = {lam.sum()}, got {col}")
+        log_col = np.log(col)
     f, g = np.zeros(active.sum()), np.zeros(T)
     from scipy.special import logsumexp
 

@@ -309,6 +309,28 @@ def test_W_zero_budget_and_eps_zero():
     assert np.abs(Wexact.sum(1) - lam).max() < 1e-9
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_W_col_sums_other_marginals_default_unchanged(seed):
+    lam, P = random_instance(seed + 30)
+    T = P.shape[1]
+    # default and the explicit equal columns give the same W, bit for bit
+    assert np.array_equal(recast.solve_W(lam, P), recast.solve_W(lam, P, col_sums=None))
+    assert np.allclose(recast.solve_W(lam, P, col_sums=np.full(T, lam.sum() / T)), recast.solve_W(lam, P), atol=1e-12)
+    cols = lam.sum() * np.geomspace(1, 4, T) / np.geomspace(1, 4, T).sum()
+    W = recast.solve_W(lam, P, tau=1.5, col_sums=cols)
+    assert np.abs(W.sum(1) - lam).max() < 1e-9 and np.abs(W.sum(0) - cols).max() < 1e-9 and (W > 0).all()
+    # uniform profiles: the rank-one lambda_k c_j / Lam
+    assert np.allclose(recast.solve_W(lam, np.full_like(P, 1 / T), col_sums=cols), np.outer(lam, cols) / lam.sum())
+    # still the KL projection: W / K has the product form a_k b_j
+    Kmat = lam[:, None] * ((1 - 1e-3) * P + 1e-3 / T) ** 1.5
+    logratio = np.log(W / Kmat)
+    assert np.abs(logratio - logratio[:, :1] - logratio[:1, :] + logratio[0, 0]).max() < 1e-9
+    with pytest.raises(ValueError, match="col_sums"):
+        recast.solve_W(lam, P, col_sums=cols[:-1])
+    with pytest.raises(ValueError, match="col_sums"):
+        recast.solve_W(lam, P, col_sums=2 * cols)
+
+
 def test_W_input_errors():
     lam, P = random_instance(10)
     with pytest.raises(ValueError, match="shape"):

@@ -15,3 +15,193 @@ def test_toy_gaussian_quick_passes_every_check(tmp_path, capsys):
     passed = re.search(r"(\d+)/(\d+) passed", table)
     assert "FAIL" not in table and passed and passed.group(1) == passed.group(2) and int(passed.group(2)) >= 40
     assert len(list(tmp_path.glob("*.png"))) >= 5
+
+
+# -----------------------------------------------------------------------------
+# --train: the trainable toy (every arm runs, quantities finite and paired), and its pure functions
+# -----------------------------------------------------------------------------
+
+
+def test_train_quick_runs_every_arm_paired(tmp_path):
+    import csv
+    import json
+
+    import numpy as np
+
+    import toy_gaussian as tg
+
+    assert tg.main(["--train", "--quick", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "runs.csv") as f:
+        rows = list(csv.DictReader(f))
+    cfg = tg.QUICK_TRAIN
+    cells = {}
+    for r in rows:
+        for k in ("kl", "coarse", "fine", "discrete"):
+            assert np.isfinite(float(r[k])), r
+        cells.setdefault((r["family"], int(r["groups"]), r["arm"]), {}).setdefault(int(r["seed"]), []).append(r)
+    expected = {
+        (f, P, a) for P in cfg.groups for f, arms in (("recast", tg.RECAST_ARMS), ("rvge", tg.RVGE_ARMS)) for a in arms
+    }
+    assert set(cells) == expected
+    seeds = set(range(cfg.seed0, cfg.seed0 + cfg.seeds))
+    n_evals = len(range(0, cfg.iterations + 1, cfg.eval_every)) + (cfg.iterations % cfg.eval_every != 0)
+    for key, per_seed in cells.items():
+        assert set(per_seed) == seeds, key  # the same seeds in every arm
+        assert all(len(v) == n_evals for v in per_seed.values()), key
+    # paired: at iteration 0 every arm of a seed is the exact model on the same evaluation noise -> identical numbers
+    for (family, P, _), per_seed in cells.items():
+        for seed, evals in per_seed.items():
+            first = next(e for e in evals if e["iteration"] == "0")
+            ref = next(
+                e
+                for e in cells[(family, P, tg.RECAST_ARMS[0] if family == "recast" else tg.RVGE_ARMS[0])][seed]
+                if e["iteration"] == "0"
+            )
+            assert first["coarse"] == ref["coarse"] and first["fine"] == ref["fine"] and float(first["kl"]) == 0.0
+    # training moved every run away from the exact model (KL > 0 at the end)
+    assert all(
+        float(e["kl"]) > 0 for v in cells.values() for evals in v.values() for e in evals if e["iteration"] != "0"
+    )
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert {"recast", "rvge", "rvge_controls", "power", "profiles"} <= set(summary)
+    assert (tmp_path / "tables.md").exists() and (tmp_path / "reward_vs_kl.png").exists()
+    # the tables regenerate from the committed files alone
+    tables = (tmp_path / "tables.md").read_text()
+    assert tg.main(["--train", "--tables-only", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "tables.md").read_text() == tables
+
+
+def test_stacked_W_mix_optimality_equals_per_run_calls():
+    import numpy as np
+    import torch
+
+    import recast
+    import toy_gaussian as tg
+
+    rng = np.random.default_rng(0)
+    S, K, T, N = 4, 2, 10, 7
+    lam = np.array([0.7, 1.3])
+    W = np.stack([recast.solve_W(lam, recast.profiles(rng.random((K, T)) ** 3)) for _ in range(S)])
+    r = torch.as_tensor(rng.random((S, N, K)))
+    step = torch.as_tensor(rng.integers(0, T, (S, N)))
+    W_t = torch.as_tensor(W)
+    stacked = recast.mix_optimality(
+        r.reshape(S * N, K), tg.stack_columns(W_t), (torch.arange(S)[:, None] * T + step).ravel()
+    )
+    per_run = torch.stack([recast.mix_optimality(r[i], W_t[i], step[i]) for i in range(S)])
+    assert torch.allclose(stacked.reshape(S, N), per_run, rtol=0, atol=1e-14)
+
+
+def test_batched_rvge_targets_equal_per_run_calls():
+    import numpy as np
+    import torch
+
+    import rvge
+
+    rng = np.random.default_rng(1)
+    S, N, d, P = 3, 16, 2, 2
+    x0 = torch.as_tensor(rng.standard_normal((S, N, d)))
+    A = torch.as_tensor(rng.standard_normal((S, N)))
+    groups = np.repeat(np.arange(P), N // P)
+    ids = (np.arange(S)[:, None] * P + groups[None]).ravel()
+    d_all = rvge.group_directions(x0.reshape(S * N, d), A.reshape(-1), ids, None, 0.2).reshape(S, N, d)
+    d_each = torch.stack([rvge.group_directions(x0[i], A[i], groups, None, 0.2) for i in range(S)])
+    assert torch.allclose(d_all, d_each, rtol=0, atol=1e-14)
+    s2 = np.array([np.divide(*rvge.group_variance(x0[i], groups)) for i in range(S)])
+    t = torch.as_tensor(rng.uniform(0.05, 1, S * N))
+    v_old = torch.as_tensor(rng.standard_normal((S * N, d)))
+    s2_t = torch.as_tensor(np.repeat(s2, N))
+    batched = rvge.target_velocity(v_old, d_all.reshape(S * N, d), t, 1.0, s2_t)
+    qw = rvge.query_weight(t, 1.0, s2_t)
+    for i in range(S):
+        rows = slice(i * N, (i + 1) * N)
+        one = rvge.target_velocity(v_old[rows], d_each[i], t[rows], 1.0, float(s2[i]))
+        assert torch.allclose(batched[rows], one, rtol=0, atol=1e-12)
+        assert torch.allclose(qw[rows], rvge.query_weight(t[rows], 1.0, float(s2[i])), rtol=0, atol=1e-14)
+
+
+def test_reversed_W_has_the_same_marginals_and_is_the_flipped_W():
+    import numpy as np
+
+    import recast
+    import toy_gaussian as tg
+
+    rng = np.random.default_rng(2)
+    lam, T = np.array([0.5, 1.0, 1.5]), 10
+    P = recast.profiles(rng.random((3, T)) ** 4)
+    W, W_rev = recast.solve_W(lam, P), tg.reversed_W(lam, P)
+    assert np.allclose(W_rev.sum(1), lam, atol=1e-9) and np.allclose(W_rev.sum(0), lam.sum() / T, atol=1e-9)
+    assert np.allclose(W_rev, W[:, ::-1], atol=1e-9)
+    assert np.abs(W_rev - W).max() > 0.01  # a real control: it differs from W
+
+
+def test_gradient_unit_W_columns_are_proportional_to_one_over_g_and_equal_columns_split_the_loss():
+    import numpy as np
+    import torch
+
+    import recast
+    import toy_gaussian as tg
+
+    rng = np.random.default_rng(3)
+    sig, lam = recast.shifted_sigmas(10, 3.0), np.array([1.0, 2.0])
+    cols = tg.gradient_unit_columns(sig, lam)
+    W = recast.solve_W(lam, recast.profiles(rng.random((2, 10)) ** 3), col_sums=cols)
+    g = sig[:-1]  # velocity-space gradient size per unit weight, derivations.ipynb §11
+    assert np.allclose(W.sum(1), lam, atol=1e-9)
+    assert np.allclose(W.sum(0) * g / (W.sum(0) * g).mean(), 1.0, atol=1e-9)  # column sums propto 1 / g_j
+    # omega_j L(r~_j) with the equal-column W' is the W-weighted sum of per-reward NFT losses
+    omega, W_eq = tg.equal_columns(W)
+    assert np.allclose(W_eq.sum(0), lam.sum() / 10, atol=1e-12) and np.allclose(omega.mean(), 1.0)
+    N, d = 40, 3
+    step = torch.as_tensor(rng.integers(0, 10, N))
+    s = torch.as_tensor(sig[:-1])[step]
+    r = torch.as_tensor(rng.random((N, 2)))
+    v, v_old, x0, xt = (torch.as_tensor(rng.standard_normal((N, d))) for _ in range(4))
+    lhs = torch.as_tensor(omega)[step] * recast.nft_loss(
+        v, v_old, xt, x0, s, recast.mix_optimality(r, torch.as_tensor(W_eq), step)
+    )
+    rhs = sum(
+        10 / lam.sum() * torch.as_tensor(W)[k, step] * recast.nft_loss(v, v_old, xt, x0, s, r[:, k]) for k in range(2)
+    )
+    assert torch.allclose(lhs, rhs, rtol=1e-12, atol=1e-12)
+
+
+def test_per_run_clip_matches_clip_grad_norm_run_by_run():
+    import torch
+
+    import toy_gaussian as tg
+
+    g = torch.randn(5, 3, 4, 2, generator=torch.Generator().manual_seed(0)) * torch.tensor(
+        [0.1, 1, 5, 20, 0.5]
+    ).reshape(-1, 1, 1, 1)
+    ref = []
+    for i in range(5):
+        p = torch.nn.Parameter(torch.zeros(3, 4, 2))
+        p.grad = g[i].clone()
+        torch.nn.utils.clip_grad_norm_([p], 1.0)
+        ref.append(p.grad)
+    tg.per_run_clip(g, 1.0)
+    assert torch.allclose(g, torch.stack(ref), rtol=1e-5, atol=1e-7)
+
+
+def test_analysis_helpers_on_hand_cases():
+    import numpy as np
+
+    import toy_gaussian as tg
+
+    x, y = np.array([0.0, 1.0, 2.0, 4.0]), np.array([0.0, 0.1, 0.3, 0.5])
+    assert np.isclose(tg.value_at_level(x, y, 3.0), 0.4) and np.isnan(tg.value_at_level(x, y, 5.0))
+    assert tg.first_crossing(x, y, 0.2) == (1.5, True) and tg.first_crossing(x, y, 0.9) == (4.0, False)
+    # a reached at 1, b censored at 3: a wins; a censored at 2, b reached at 3: not comparable (tie);
+    # both censored: tie; b reached first: a loss
+    w, lo, ties, _ = tg.paired_censored(
+        [1.0, 2.0, 5.0, 2.0], [True, False, False, True], [3.0, 3.0, 5.0, 1.0], [False, True, False, True]
+    )
+    assert (w, lo, ties) == (1, 1, 2)
+    assert np.allclose(tg.holm([0.01, 0.04, 0.03, np.nan]), [0.03, 0.06, 0.06, np.nan], equal_nan=True)
+    # power: large effect needs few seeds, the normal approximation ((z_a + z_b) sd / delta)^2 bounds it below
+    from scipy.stats import norm
+
+    n = tg.seeds_for_power(1.0, 0.5, 12)
+    approx = ((norm.ppf(1 - 0.05 / 24) + norm.ppf(0.8)) / 0.5) ** 2
+    assert approx <= n <= 1.15 * approx + 2  # the t tails add a few seeds at alpha / 12
