@@ -538,10 +538,12 @@ def check_flags(runs):
     """Parse every cell's flags with its script's own parser before anything runs."""
     import importlib
 
+    import run_kit
+
     for run in {r.cell: r for r in runs}.values():
         module = importlib.import_module(run.cell.script)
         try:
-            module.check_ranges(module.parse_args(list(run.settings)))
+            run_kit.check_ranges(module.parse_args(list(run.settings)))
         except SystemExit as err:
             raise SystemExit(
                 f"cell {run.cell.label} ({run.cell.group}): {run.cell.script}.py refuses {' '.join(run.settings)}"
@@ -1648,6 +1650,7 @@ def final_eval_images(pipe, transformer_state, prompts, seed, steps=10):
     from peft.utils import set_peft_model_state_dict
 
     import recast
+    import run_kit
 
     tr = pipe.transformer
     if transformer_state is None:
@@ -1663,7 +1666,7 @@ def final_eval_images(pipe, transformer_state, prompts, seed, steps=10):
         shapes_world.RES // pipe.vae_scale_factor,
     )
     with torch.no_grad():
-        latents = recast.ode_sample(tr, emb, pooled, recast.scheduler_sigmas(pipe, steps), shape, seed)
+        latents = recast.ode_sample(tr, emb, pooled, run_kit.scheduler_sigmas(pipe, steps), shape, seed)
     tr.enable_adapters()
     return recast.decode(pipe, latents)
 
@@ -1687,6 +1690,7 @@ def final_evals(runs: list[Run], exp_dir: Path, noises: int):
     import torch
 
     import recast
+    import run_kit
 
     prompts = [c for c in shapes_world.splits()["heldout"] for _ in range(noises)]
     out, pipe = {}, None
@@ -1721,7 +1725,7 @@ def final_evals(runs: list[Run], exp_dir: Path, noises: int):
         if pipe is None:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
-            pipe = recast.load_pipeline(recast.parse_args([]), "cpu", torch.float32)
+            pipe = run_kit.load_pipeline(recast.parse_args([]), "cpu", torch.float32)
         state = torch.load(latest / "state.pt", weights_only=False)["lora"]["default"] if latest else None
         scores = {
             str(seed): final_scores(final_eval_images(pipe, state, prompts, seed), prompts) for seed in EVAL_SEEDS

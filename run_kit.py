@@ -1,11 +1,12 @@
 """run_kit: the run machinery recast.py and rvge.py share, in one module, named for what it holds: the kit a run is
 set up, kept and logged with (as diffusers' training examples import `diffusers.training_utils`).
 
-Flags (a script's Args dataclass -> argparse with --help sections; --resume's saved config), the input checks both
-scripts make, model loading, text encoding, decoding and scoring, what a run holds (`Run`), run folders, locks,
-resume, atomic checkpoints, trackers, figures and --dry-run. The method and the DiffusionNFT training core it acts on
-(optimality, schedules, sampler steps, tree rollouts, the update loop, the evaluation) stay in each script, which
-passes in what is its own: its Args class and --help sections, its checks, its default run name, its evaluation.
+Flags (RunArgs: the evaluation, I/O and reward-model flags each script's Args inherits; Args -> argparse with --help
+sections; --resume's saved config), the input checks both scripts make, model loading, text encoding, decoding and
+scoring, what a run holds (`Run`), run folders, locks, resume, atomic checkpoints, trackers, figures and --dry-run. The
+method and the DiffusionNFT training core it acts on (optimality, schedules, sampler steps, tree rollouts, the update
+loop, the evaluation) stay in each script, which passes in what is its own: its Args class and --help sections, its
+checks, its default run name, its evaluation.
 diffusers, transformers, peft, accelerate and matplotlib are imported where first used, so that importing a script
 for its math (the toy, the notebook, the tests) does not load them.
 """
@@ -35,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 import shapes_world
-from reward_models import REWARD_MODELS, build_rewards, ocr_target
+from reward_models import DEFAULTS, REWARD_MODELS, build_rewards, ocr_target
 
 if TYPE_CHECKING:  # the types Run's fields name; diffusers and accelerate load when a run starts (`load_run`)
     from accelerate import Accelerator
@@ -58,14 +59,85 @@ def flag(default, group, **checks):
 
 
 def field_docs(cls):
-    """{field name: the string literal written under it} from cls's source: per-field docstrings (CleanRL's habit)
-    that become the --help lines, whitespace collapsed."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    return {
-        a.target.id: " ".join(b.value.value.split())
-        for a, b in zip(body, body[1:])
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
-    }
+    """{field name: the string literal written under it} from the source of cls and of the dataclasses it inherits
+    from (base first, so a field a subclass redefines takes its own): per-field docstrings (CleanRL's habit) that
+    become the --help lines, whitespace collapsed."""
+    docs = {}
+    for c in reversed(cls.__mro__):
+        if "__dataclass_fields__" not in vars(c):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(c))).body[0].body
+        docs.update(
+            (a.target.id, " ".join(b.value.value.split()))
+            for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
+        )
+    return docs
+
+
+RUN_ARG_GROUPS = {  # the --help sections of RunArgs's flags, after each script's own (method, rollout, optimisation)
+    "evaluation": "held-out evaluation",
+    "I/O": "model, prompts, run folder, device and logging",
+    "reward models": "weights and servers of the real reward models (defaults in reward_models.DEFAULTS)",
+}
+
+
+@dataclass
+class RunArgs:
+    """The flags both scripts take, in RUN_ARG_GROUPS's sections; each script's Args inherits them and adds its own
+    (method, rollout, optimisation)."""
+
+    # evaluation
+    eval_every: int = flag(20, "evaluation", min=0)
+    """evaluate every N iterations (and at start and end); 0: never"""
+    eval_steps: int = flag(0, "evaluation", min=0)
+    """Euler steps of the evaluation sampler (0: --steps; DiffusionNFT evaluates with 40)"""
+    eval_prompts: str = flag("", "evaluation")
+    """file with evaluation prompts, one per line (embedded model: its held-out prompts)"""
+    # I/O
+    model: str = flag(EMBEDDED_MODEL, "I/O")
+    """diffusers folder or hub id (e.g. stabilityai/stable-diffusion-3.5-medium); default: the embedded tiny shapes
+    model"""
+    train_prompts: str = flag("", "I/O")
+    """file with training prompts, one per line (embedded model: its train split)"""
+    out: str = flag("", "I/O")
+    """run folder (default runs/<name>)"""
+    name: str = flag("", "I/O")
+    """run name (default <script>-<credit>-<seed>: recast-recast-0, rvge-budgets-0, ...)"""
+    seed: int = flag(0, "I/O", min=0, max=2**31 - 1)
+    """seed for prompts, noise and LoRA init"""
+    save_every: int = flag(10, "I/O", min=1)
+    """checkpoint every N iterations (and at the end)"""
+    resume: str = flag("", "I/O")
+    """run folder to continue in place from its newest intact checkpoint (its config.json gives the settings; flags
+    given now override those that may change)"""
+    overwrite: bool = flag(False, "I/O")
+    """let --out replace a run folder that already holds a run (its metrics, checkpoints and figures are deleted)"""
+    device: str = flag("", "I/O")
+    """cpu or cuda (default: cuda if available)"""
+    dtype: str = flag("", "I/O", choices=["", "float32", "bfloat16", "float16"])
+    """frozen weights' dtype (default: bfloat16 on cuda, float32 on cpu)"""
+    dry_run: bool = flag(False, "I/O")
+    """build SD3.5-Medium's transformer on the meta device, attach the LoRA, print trainable parameters and a memory
+    plan, exit"""
+    report_to: str = flag("none", "I/O", choices=["none", "tensorboard", "wandb"])
+    """also log the metrics' numbers and strings, under the same keys, through accelerate's trackers: TensorBoard
+    (event files in <run>/tensorboard, W as an image) or Weights & Biases (project <script>); needs that package"""
+    # reward models
+    pickscore_model: str = flag(DEFAULTS["pickscore_model"], "reward models")
+    """PickScore weights"""
+    pickscore_processor: str = flag(DEFAULTS["pickscore_processor"], "reward models")
+    """PickScore processor"""
+    clip_model: str = flag(DEFAULTS["clip_model"], "reward models")
+    """CLIP for clipscore and the aesthetic predictor"""
+    aesthetic_mlp: str = flag(DEFAULTS["aesthetic_mlp"] or "", "reward models")
+    """aesthetic MLP weights file (LAION improved aesthetic predictor)"""
+    geneval_url: str = flag(DEFAULTS["geneval_url"], "reward models")
+    """GenEval reward server address (FlowGRPO's reward-server protocol)"""
+    geneval_metadata: str = flag(DEFAULTS["geneval_metadata"] or "", "reward models")
+    """JSONL of GenEval metadata per prompt (FlowGRPO's dataset/geneval format)"""
+    geneval_key: str = flag(DEFAULTS["geneval_key"], "reward models")
+    """GenEval reply field used as the reward: scores (partial credit), strict_rewards (0/1)"""
 
 
 def make_parser(Args, groups, doc, suppress=False):
@@ -77,7 +149,7 @@ def make_parser(Args, groups, doc, suppress=False):
     )
     sections = {title: parser.add_argument_group(title, text) for title, text in groups.items()}
     docs = field_docs(Args)
-    for f in fields(Args):
+    for f in sorted(fields(Args), key=lambda f: list(groups).index(f.metadata["group"])):  # the usage line, by section
         name, section = "--" + f.name.replace("_", "-"), sections[f.metadata["group"]]
         extra = {} if suppress else {"default": f.default}
         if f.type in (bool, "bool"):

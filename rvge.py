@@ -27,7 +27,8 @@ Conventions: x_t = (1 - t) x0 + t eps; dv = -dx0_hat / t; all losses are means o
 dimensions, then over the batch; numpy math is float64.
 
 Where to change what (run_kit.x: in run_kit.py)
-    flags       Args (a field, its --help section in ARG_GROUPS, its checks), validate; run_kit.check_common
+    flags       Args (a field, its --help section in ARG_GROUPS, its checks), validate; run_kit.check_common;
+                the evaluation, I/O and reward-model flags: run_kit.RunArgs
     sampler     tree_rollout (trees; sde_step / sde_continue after a branch, ode_step or dpm2_step before),
                 rollout_and_score (which adapter samples, what is decoded and scored; probes for --coords noisy)
     rewards     reward_models.py (REWARD_MODELS, build_rewards; README "Add a reward"), run_kit.score,
@@ -56,15 +57,14 @@ import torch
 from tqdm import tqdm
 
 from recast import CreditSettings, combine_raw, credit
-from reward_models import DEFAULTS
 from run_kit import (
-    EMBEDDED_MODEL,
+    RUN_ARG_GROUPS,
     Run,
+    RunArgs,
     budget_mean,
     check_common,
     check_files,
     check_finite,
-    check_ranges,  # noqa: F401 (bench.py checks each script's flags with it: recast.check_ranges)
     copy_adapter,
     decode,
     dry_run,
@@ -72,7 +72,6 @@ from run_kit import (
     finish_iteration,
     flag,
     iteration_generator,
-    load_pipeline,  # noqa: F401 (bench.py: recast.load_pipeline)
     load_run,
     lora_params,
     parse_flags,
@@ -80,7 +79,6 @@ from run_kit import (
     reward_metrics,
     run_folder,
     save_grid,
-    scheduler_sigmas,  # noqa: F401 (bench.py: recast.scheduler_sigmas)
     score,
     start_or_resume,
     stop_if_a_reward_failed,
@@ -475,14 +473,14 @@ ARG_GROUPS = {  # --help sections, in this order: title -> what the flags set
     "recast credit": "ReCAST's W, with --credit recast (the math is recast.py's)",
     "rollout": "prompts per iteration, trees and the sampler",
     "optimisation": "the regression loss, its timesteps, AdamW, the old policy and the LoRA",
-    "evaluation": "held-out evaluation",
-    "I/O": "model, prompts, run folder, device and logging",
-    "reward models": "weights and servers of the real reward models (defaults in reward_models.DEFAULTS)",
+    **RUN_ARG_GROUPS,  # evaluation, I/O, reward models: the flags of run_kit.RunArgs
 }
 
 
 @dataclass
-class Args:
+class Args(RunArgs):
+    """This method's flags; the evaluation, I/O and reward-model flags are run_kit.RunArgs's."""
+
     # method
     rewards: str = flag("", "method")
     """comma-separated reward names, in budget order (default for the embedded model: its four default rewards)"""
@@ -563,7 +561,7 @@ class Args:
     train_steps_per_leaf: int = flag(4, "optimisation", min=1)
     """training timesteps drawn (without replacement) from the T grid steps per leaf and iteration"""
     train_batch: int = flag(32, "optimisation", min=1)
-    """micro-batch of (leaf, timestep) samples per optimizer step"""
+    """micro-batch of (leaf, timestep) samples per forward/backward"""
     frozen_batch: int = flag(0, "optimisation", min=0)
     """compute the no-grad v_old / v_base forwards of each optimizer step ahead, in batches of this size (0: with each
     gradient micro-batch); same numbers, unmeasured on GPU"""
@@ -590,57 +588,6 @@ class Args:
     """LoRA rank"""
     lora_alpha: int = flag(64, "optimisation", min=1)
     """LoRA alpha"""
-    # evaluation
-    eval_every: int = flag(20, "evaluation", min=0)
-    """evaluate every N iterations (and at start and end); 0: never"""
-    eval_steps: int = flag(0, "evaluation", min=0)
-    """Euler steps of the evaluation sampler (0: --steps; DiffusionNFT evaluates with 40)"""
-    eval_prompts: str = flag("", "evaluation")
-    """file with evaluation prompts, one per line (embedded model: its held-out prompts)"""
-    # I/O
-    model: str = flag(EMBEDDED_MODEL, "I/O")
-    """diffusers folder or hub id (e.g. stabilityai/stable-diffusion-3.5-medium); default: the embedded tiny shapes
-    model"""
-    train_prompts: str = flag("", "I/O")
-    """file with training prompts, one per line (embedded model: its train split)"""
-    out: str = flag("", "I/O")
-    """run folder (default runs/<name>)"""
-    name: str = flag("", "I/O")
-    """run name (default rvge-<credit>-<seed>)"""
-    seed: int = flag(0, "I/O", min=0, max=2**31 - 1)
-    """seed for prompts, noise and LoRA init"""
-    save_every: int = flag(10, "I/O", min=1)
-    """checkpoint every N iterations (and at the end)"""
-    resume: str = flag("", "I/O")
-    """run folder to continue in place from its newest intact checkpoint (its config.json gives the settings; flags
-    given now override those that may change)"""
-    overwrite: bool = flag(False, "I/O")
-    """let --out replace a run folder that already holds a run (its metrics, checkpoints and figures are deleted)"""
-    device: str = flag("", "I/O")
-    """cpu or cuda (default: cuda if available)"""
-    dtype: str = flag("", "I/O", choices=["", "float32", "bfloat16", "float16"])
-    """frozen weights' dtype (default: bfloat16 on cuda, float32 on cpu)"""
-    dry_run: bool = flag(False, "I/O")
-    """build SD3.5-Medium's transformer on the meta device, attach the LoRA, print trainable parameters and a memory
-    plan, exit"""
-    report_to: str = flag("none", "I/O", choices=["none", "tensorboard", "wandb"])
-    """also log the metrics' numbers and strings, under the same keys, through accelerate's trackers: TensorBoard
-    (event files in <run>/tensorboard, W as an image) or Weights & Biases (project <script>); needs that package"""
-    # reward models
-    pickscore_model: str = flag(DEFAULTS["pickscore_model"], "reward models")
-    """PickScore weights"""
-    pickscore_processor: str = flag(DEFAULTS["pickscore_processor"], "reward models")
-    """PickScore processor"""
-    clip_model: str = flag(DEFAULTS["clip_model"], "reward models")
-    """CLIP for clipscore and the aesthetic predictor"""
-    aesthetic_mlp: str = flag(DEFAULTS["aesthetic_mlp"] or "", "reward models")
-    """aesthetic MLP weights file (LAION improved aesthetic predictor)"""
-    geneval_url: str = flag(DEFAULTS["geneval_url"], "reward models")
-    """GenEval reward server address (FlowGRPO's reward-server protocol)"""
-    geneval_metadata: str = flag(DEFAULTS["geneval_metadata"] or "", "reward models")
-    """JSONL of GenEval metadata per prompt (FlowGRPO's dataset/geneval format)"""
-    geneval_key: str = flag(DEFAULTS["geneval_key"], "reward models")
-    """GenEval reply field used as the reward: scores (partial credit), strict_rewards (0/1)"""
 
 
 def validate(args: Args, extra_rewards=None):
@@ -698,6 +645,7 @@ def parse_bandwidths(text, K):
 
 
 def default_name(args):
+    """--name's default."""
     return f"rvge-{args.credit}-{args.seed}"
 
 
@@ -1040,7 +988,6 @@ def evaluate(run: Run, args: Args):
     """Held-out evaluation of the trained adapter (its EMA with --ema, as DiffusionNFT evaluates):
     Euler ODE sampling with --eval-steps on fixed prompts and seeds, training rewards and held-out
     judges. Returns (metrics, images)."""
-
     emb, pooled = encode(run.pipe, run.eval_prompts, run.max_len, run.acc.device)
     run.transformer.set_adapter("ema" if args.ema else "default")
     latents = ode_sample(run.transformer, emb, pooled, run.eval_sigmas, run.shape, seed=12345, chunk=args.rollout_batch)

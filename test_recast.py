@@ -926,7 +926,7 @@ def test_rvge_direction_follows_a_linear_latent_reward_on_the_embedded_model():
     import shapes_world
 
     cos = linear_latent_cosines(
-        recast.EMBEDDED_MODEL,
+        run_kit.EMBEDDED_MODEL,
         shapes_world.sample_prompts(6, "train", 0),
         shapes_world.GEN_KWARGS["max_sequence_length"],
     )

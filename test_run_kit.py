@@ -11,7 +11,7 @@ import json
 import re
 import subprocess
 import sys
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -621,6 +621,37 @@ def test_help_reads_as_sections_with_every_flag_in_its_own(module, capsys):
         assert text.index(f"\n{f.metadata['group']}:\n") < at < ends[f.metadata["group"]], f.name
     for name in ("pickscore_model", "pickscore_processor", "clip_model", "geneval_url", "geneval_key"):
         assert getattr(script.Args(), name) == reward_models.DEFAULTS[name]
+
+
+@dataclass
+class BaseFlags:
+    out: str = run_kit.flag("", "I/O")
+    """the base's help for --out"""
+    name: str = run_kit.flag("", "I/O")
+    """the base's help for --name"""
+
+
+@dataclass
+class ScriptFlags(BaseFlags):
+    lr: float = run_kit.flag(1.0, "method", gt=0)
+    """the script's help for --lr"""
+    name: str = run_kit.flag("mine", "I/O")
+    """the script's help for --name"""
+
+
+def test_inherited_flags_keep_their_help_and_the_usage_line_follows_the_sections(capsys):
+    """field_docs walks the base classes (RunArgs's fields sit in run_kit.py, not in the script), a field the
+    subclass redefines takes its own help and default, and --help's usage line lists the flags section by section
+    (the base's fields come first in dataclass order)."""
+    assert run_kit.field_docs(ScriptFlags) == {
+        "out": "the base's help for --out",
+        "name": "the script's help for --name",
+        "lr": "the script's help for --lr",
+    }
+    parser = run_kit.make_parser(ScriptFlags, {"method": "m", "I/O": "io"}, "doc")
+    assert [a.dest for a in parser._actions] == ["help", "lr", "out", "name"]
+    assert parser.parse_args([]).name == "mine"
+    assert set(run_kit.field_docs(run_kit.RunArgs)) == {f.name for f in fields(run_kit.RunArgs)}
 
 
 @pytest.mark.parametrize("module", ["recast", "rvge"])
