@@ -591,13 +591,13 @@ def load_run(args, names, budgets, branch, script, extra_rewards=None, judges=No
     """Everything one run needs, loaded, after the script's checks (its `validate` gave names, budgets and branch):
     the run folder locked, processes and device, seeds, the pipeline with its LoRA adapters, rewards, judges, the
     optimizer, prompts. Returns the Run."""
-    from accelerate import Accelerator, PartialState
+    from accelerate import Accelerator
     from accelerate.utils import broadcast_object_list
 
     quiet_start_up()
-    lock = lock_run(args.out) if is_first_process() else None
+    lock = lock_run(args.out) if is_first_process(args) else None
     device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if PartialState(cpu=device_name == "cpu").num_processes > 1:  # the first process chose the run folder
+    if process_state(args).num_processes > 1:  # the first process chose the run folder
         args.out = broadcast_object_list([args.out], from_process=0)[0]
     trackers = {} if args.report_to == "none" else {"log_with": args.report_to, "project_dir": args.out}
     acc = Accelerator(cpu=device_name == "cpu", **trackers)
@@ -656,13 +656,15 @@ def iteration_generator(seed, iteration):
 
 def stop_if_a_reward_failed(run: Run, it, n_valid, state):
     """Stop the run when a reward returned NaN/inf for every image of iteration `it` (all processes): the state
-    before it is checkpointed, and the message names the reward(s) and how to continue. n_valid (K,)."""
+    after iteration it - 1 is checkpointed (at iteration 0 nothing was trained and nothing is saved, so that a
+    resume trains iteration 0), and the message names the reward(s) and how to continue. n_valid (K,)."""
     if (n_valid == 0).any():
-        if run.acc.is_main_process:
-            save_checkpoint(run.out, max(it - 1, 0), run.transformer, run.opt, state)
+        if run.acc.is_main_process and it > 0:
+            save_checkpoint(run.out, it - 1, run.transformer, run.opt, state)
         bad = [n for n, c in zip(run.names, n_valid) if c == 0]
+        done = f"the state after iteration {it - 1} is saved in {run.out}" if it else "nothing was trained"
         raise SystemExit(
-            f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; checkpoint saved in {run.out}. "
+            f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; {done}. "
             f"Fix the reward, then continue with --resume {run.out}"
         )
 
@@ -700,12 +702,24 @@ def finish_iteration(run: Run, args, it, metrics, state, before, evaluate):
             metrics.update(metrics_eval)
             if last:
                 save_grid(images, run.out / "samples_after.png", prompts=run.eval_prompts)
-        with open(run.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        append_metrics(run.out, metrics)
         log_to_trackers(run.acc, metrics, step=it)
         if (it + 1) % args.save_every == 0 or last:
             save_checkpoint(run.out, it, run.transformer, run.opt, state)
     run.acc.wait_for_everyone()
+
+
+def append_metrics(out, metrics):
+    """One line of out/metrics.jsonl. A failed write (a full disk) stops the run with the fix: the lines before are
+    kept, a cut-short last line is dropped by the resume, which redoes the iterations after the last checkpoint."""
+    try:
+        with open(out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+    except OSError as err:
+        raise SystemExit(
+            f"cannot append iteration {metrics['iteration']}'s metrics to {out}/metrics.jsonl ({err.strerror}): is the "
+            f"disk full? The earlier lines and the last checkpoint are kept; free space, then --resume {out}"
+        ) from None
 
 
 def check_finite(values):
@@ -736,10 +750,12 @@ def is_run(folder):
 
 
 def is_unused(folder):
-    """True when nothing is at the path, or it is a folder holding nothing but a run's lock file (a start that
-    stopped before it wrote its config)."""
+    """True when nothing is at the path, or it is a folder holding nothing but a run's lock file and a half-written
+    config.json.tmp (a start that stopped before it wrote its config; the start removes the .tmp)."""
     folder = Path(folder)
-    return not folder.exists() or (folder.is_dir() and all(p.name == ".lock" for p in folder.iterdir()))
+    return not folder.exists() or (
+        folder.is_dir() and all(p.name in (".lock", "config.json.tmp") for p in folder.iterdir())
+    )
 
 
 def run_folder(args, default_name):
@@ -750,10 +766,13 @@ def run_folder(args, default_name):
     runs. Creates the folder; changes nothing inside it. Under a multi-process launch only the first process decides
     (the others would see its files as another run's); load_run hands its choice to the rest. Returns the folder as a
     string, or, in the other processes, args.out as given."""
-    if not is_first_process():
+    if not is_first_process(args):
         return args.out
+    for flag, path in (("--resume", args.resume), ("--out", args.out), ("--name", args.name)):
+        check_path_length(path, flag)
     if args.resume:
         out = Path(args.resume)
+        check_checkpoints_are_there(out)
     elif args.out:
         out = Path(args.out)
         holds_a_run = is_run(out)
@@ -789,12 +808,63 @@ def run_folder(args, default_name):
         probe.unlink()
     except OSError as err:
         raise SystemExit(f"cannot write to the run folder {out} ({err.strerror}): choose another with --out") from None
+    if args.report_to == "tensorboard" or args.overwrite:
+        check_tensorboard_folder(out / "tensorboard", args.report_to)
     return str(out)
 
 
-def is_first_process():
-    """True in a single process and in rank 0 of an `accelerate launch` (which sets RANK before Python starts)."""
-    return int(os.environ.get("RANK", 0)) == 0
+def check_path_length(path, flag):
+    """A run folder path the file system can hold: no name longer than its NAME_MAX bytes (255 on Linux file
+    systems), the whole within PATH_MAX; else SystemExit naming the flag and the fix."""
+    if not path:
+        return
+    name_max, path_max = 255, 4096
+    try:
+        name_max, path_max = os.pathconf(".", "PC_NAME_MAX"), os.pathconf(".", "PC_PATH_MAX")
+    except (OSError, ValueError):
+        pass
+    long = next((part for part in Path(path).parts if len(os.fsencode(part)) > name_max), None)
+    if long is not None or len(os.fsencode(os.path.abspath(path))) > path_max - 100:  # 100: the run's own names
+        what = f"the name {long[:30]}... has {len(os.fsencode(long))} bytes" if long else "the path is too long"
+        raise SystemExit(
+            f"{flag} {str(path)[:60]}...: {what}; this file system allows {name_max} bytes a name and {path_max} a "
+            f"path. Choose a shorter {flag}"
+        )
+
+
+def check_tensorboard_folder(folder, report_to):
+    """<run>/tensorboard, where --report-to tensorboard writes its events and --overwrite clears: nothing yet, or a
+    folder this process can write to. Checked before the model loads (a tracker fails only once it starts)."""
+    if folder.is_symlink() and not folder.exists() or folder.exists() and not folder.is_dir():
+        raise SystemExit(
+            f"{folder} is a file, not the run's TensorBoard folder, and a run writes its events there (--overwrite "
+            "would delete it): move that file away, then run the command again"
+        )
+    if folder.is_dir():
+        probe = folder / f".write_test.{os.getpid()}"
+        try:
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as err:
+            fix = "or leave --report-to at none" if report_to == "tensorboard" else "or choose another --out"
+            raise SystemExit(
+                f"cannot write to {folder} ({err.strerror}): make it writable (chmod -R u+w {folder}), {fix}"
+            ) from None
+
+
+def process_state(args):
+    """accelerate's PartialState of this process (started here if no one has yet: under `accelerate launch` this
+    joins the process group), on the device --device names, else CUDA when there is one."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=(args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu")
+
+
+def is_first_process(args):
+    """True in a single process and in the first process of an `accelerate launch`, as accelerate itself counts
+    them (process index 0). Never an environment variable alone: a RANK left over from a launcher in a plain shell
+    must not switch off the run-folder checks and the lock of a single-process run."""
+    return process_state(args).process_index == 0
 
 
 def lock_run(out):
@@ -835,16 +905,27 @@ def start_or_resume(run: Run, args):
         for leftover in leftovers(run.out):
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
         config = {"args": asdict(args), "script": run.script, "rewards": run.names, "git_sha": git_sha()}
-        write_atomic(run.out / "config.json", json.dumps(config, indent=2))
-        keep_metrics_until(run.out / "metrics.jsonl", start)
+        try:
+            write_atomic(run.out / "config.json", json.dumps(config, indent=2))
+            keep_metrics_until(run.out / "metrics.jsonl", start)
+        except OSError as err:
+            raise SystemExit(
+                f"cannot write {run.out}/config.json or metrics.jsonl ({err.strerror}): is the disk full? No "
+                "half-written file is left and no run data was lost; free space, then run the same command again"
+            ) from None
     start_trackers(run, args)
     return start, {"opt_steps": 0, "level_stats": None, **(state or {})}
 
 
 def write_atomic(path, text):
+    """path holds `text`, or, when the write fails (OSError: a full disk), what it held before and no .tmp file."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def leftovers(out):
@@ -937,6 +1018,36 @@ def save_checkpoint(out, iteration, transformer, opt, state):
     for old in root.glob("iter_??????"):
         if old not in (final, previous):
             shutil.rmtree(old, ignore_errors=True)
+
+
+def check_checkpoints_are_there(out):
+    """--resume, before anything loads: refuse (nothing changed) when out/checkpoints is a link to nothing or not a
+    folder, or holds no checkpoint although metrics.jsonl shows one was written (a line of an iteration that saved,
+    by config.json's --save-every, followed by a later line): starting over at iteration 0 would replace those
+    metrics. A run stopped before its first checkpoint still starts at iteration 0."""
+    root = out / "checkpoints"
+    if root.is_symlink() and not root.exists():
+        raise SystemExit(
+            f"--resume {out}: {root} is a link to {os.readlink(root)}, which does not exist (moved or unmounted?). "
+            "Make the link point at the run's checkpoints, then --resume again; nothing was changed"
+        )
+    if root.exists() and not root.is_dir():
+        raise SystemExit(f"--resume {out}: {root} is not a folder; move that file away, then --resume again")
+    if root.is_dir() and any(root.glob("iter_??????")):
+        return
+    try:
+        save_every = int(json.loads((out / "config.json").read_text())["args"]["save_every"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no readable record: parse_flags has already named the problem
+    its = [it for it, _ in metrics_lines(out / "metrics.jsonl")]
+    saved = [it for it in its if (it + 1) % max(save_every, 1) == 0 and it < max(its)]
+    if saved:
+        raise SystemExit(
+            f"--resume {out}: metrics.jsonl records iterations up to {max(its)} and a checkpoint written at iteration "
+            f"{saved[-1]}, but {root} holds no checkpoint (moved or deleted?). Put the run's checkpoints back in "
+            f"{root}, then --resume again; nothing was changed. To train from the start instead, start a new run "
+            "with --out"
+        )
 
 
 def load_checkpoint(out, transformer, opt, lr, weight_decay):
