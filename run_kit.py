@@ -113,6 +113,7 @@ def parse_flags(argv, Args, groups, doc, script):
             f"--resume {args.resume}: that run was trained by {saved_config['script']}.py; resume it with that script"
         )
     given = vars(make_parser(Args, groups, doc, suppress=True).parse_args(argv))
+    saved = model_after_a_move(saved, given, args.resume)
     for k in NOT_ON_RESUME:
         if k in given:
             raise SystemExit(
@@ -298,7 +299,7 @@ def check_files(args, names):
         if "ocr" in names and unquoted:
             raise SystemExit(
                 f"--train-prompts {args.train_prompts}: the ocr reward scores the text between double quotes, and "
-                f"{len(unquoted)} prompt(s) quote nothing, the first: {unquoted[0]!r}. Quote the text to render"
+                f"{len(unquoted)} prompt(s) quote nothing, the first: {clip(unquoted[0])}. Quote the text to render"
             )
     if args.eval_prompts:
         prompts = read_prompts(args.eval_prompts, "--eval-prompts")
@@ -312,12 +313,17 @@ def check_files(args, names):
                     shapes_world.parse_prompt(prompt)
                 except ValueError:
                     raise SystemExit(
-                        f"--eval-prompts {args.eval_prompts}: line {number}, {prompt!r}, is outside the embedded "
+                        f"--eval-prompts {args.eval_prompts}: line {number}, {clip(prompt)}, is outside the embedded "
                         "world's captions (e.g. 'two red circles', 'a blue square on the left'); the world's "
                         "rewards cannot score it. Fix the line, or give --model"
                     ) from None
     if args.resume:
         metrics_lines(Path(args.resume) / "metrics.jsonl")
+
+
+def clip(text, n=80):
+    """repr of text for a message, cut to its first n characters (a 6 kB line is not echoed in full)."""
+    return repr(text) if len(text) <= n else f"{text[:n]!r}... ({len(text)} characters)"
 
 
 def parse_branch_steps(text, T):
@@ -341,7 +347,7 @@ def read_prompts(path, flag="prompts"):
     """Prompts of a UTF-8 text file, one per line; SystemExit naming the flag when the file is missing,
     binary, not UTF-8 or empty."""
     try:
-        text = Path(path).read_bytes().decode("utf-8")
+        text = Path(path).read_bytes().decode("utf-8-sig")  # -sig: a byte-order mark some editors write is dropped
     except OSError as err:
         raise SystemExit(
             f"{flag} {path}: cannot read it ({err.strerror}); give a text file with one prompt per line"
@@ -773,6 +779,7 @@ def run_folder(args, default_name):
     if args.resume:
         out = Path(args.resume)
         check_checkpoints_are_there(out)
+        check_process_count(out, args)
     elif args.out:
         out = Path(args.out)
         holds_a_run = is_run(out)
@@ -811,6 +818,24 @@ def run_folder(args, default_name):
     if args.report_to == "tensorboard" or args.overwrite:
         check_tensorboard_folder(out / "tensorboard", args.report_to)
     return str(out)
+
+
+def check_process_count(out, args):
+    """--resume with the process count the run was trained with (config.json's "processes"; runs that predate it
+    are not checked): each process draws --prompts-per-iter prompt groups, so another count changes the global
+    batch, and with it the prompts and the updates of every later iteration."""
+    try:
+        saved = json.loads((out / "config.json").read_text()).get("processes")
+    except (OSError, ValueError, AttributeError):
+        return  # parse_flags has named the problem
+    now, groups = process_state(args).num_processes, args.prompts_per_iter
+    if saved is not None and saved != now:
+        raise SystemExit(
+            f"--resume {out}: the run was trained with {saved} process(es), this start has {now}; each draws "
+            f"--prompts-per-iter {groups} prompt groups, so the global batch would change from {saved * groups} to "
+            f"{now * groups} groups. Launch with the same count (accelerate launch --num_processes {saved}, or a "
+            "plain python for 1), or start a new run"
+        )
 
 
 def check_path_length(path, flag):
@@ -904,7 +929,13 @@ def start_or_resume(run: Run, args):
                 shutil.rmtree(run.out / name) if (run.out / name).is_dir() else (run.out / name).unlink(missing_ok=True)
         for leftover in leftovers(run.out):
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-        config = {"args": asdict(args), "script": run.script, "rewards": run.names, "git_sha": git_sha()}
+        config = {
+            "args": asdict(args),
+            "script": run.script,
+            "rewards": run.names,
+            "processes": run.acc.num_processes,  # the global batch is processes x --prompts-per-iter groups
+            "git_sha": git_sha(),
+        }
         try:
             write_atomic(run.out / "config.json", json.dumps(config, indent=2))
             keep_metrics_until(run.out / "metrics.jsonl", start)
@@ -929,10 +960,12 @@ def write_atomic(path, text):
 
 
 def leftovers(out):
-    """The half-written files a kill can leave in a run folder: write_atomic's and save_checkpoint's .tmp names
-    (nothing else is ever deleted: a user's own *.tmp files stay)."""
+    """The half-written files a kill can leave in a run folder: write_atomic's, save_atomic's (figures) and
+    save_checkpoint's .tmp names (nothing else is ever deleted: a user's own *.tmp files stay)."""
     out, ckpts = Path(out), Path(out) / "checkpoints"
-    ours = [out / "config.json.tmp", out / "metrics.jsonl.tmp", ckpts / "latest.tmp", *ckpts.glob("iter_??????.tmp")]
+    figures = [out / f"{name}.png.tmp" for name in ("rewards", "credit", "samples_before", "samples_after")]
+    ours = [out / "config.json.tmp", out / "metrics.jsonl.tmp", *figures, ckpts / "latest.tmp"]
+    ours += ckpts.glob("iter_??????.tmp")
     return [p for p in ours if p.exists()]
 
 
@@ -1018,6 +1051,27 @@ def save_checkpoint(out, iteration, transformer, opt, state):
     for old in root.glob("iter_??????"):
         if old not in (final, previous):
             shutil.rmtree(old, ignore_errors=True)
+
+
+def model_after_a_move(saved, given, folder):
+    """--resume: a run's saved --model that is an absolute path no longer there. The embedded model (its folder
+    moved with the project) is the same model at its new place: the run goes on with it, says so, and accepts
+    --model naming it; any other is refused with the fix. Returns the saved args, model updated."""
+    model = saved.get("model") or ""
+    if not Path(model).is_absolute() or Path(model).exists():
+        return saved  # still there, or a hub id
+    if Path(model).parts[-2:] == Path(EMBEDDED_MODEL).parts[-2:] and is_embedded(given.get("model", EMBEDDED_MODEL)):
+        tqdm.write(
+            f"the run's model {model} is gone (the project folder moved?): resuming with the same embedded model at "
+            f"{EMBEDDED_MODEL}"
+        )
+        given["model"] = EMBEDDED_MODEL
+        return {**saved, "model": EMBEDDED_MODEL}
+    raise SystemExit(
+        f"--resume {folder}: the run's model {model} no longer exists. If it moved, write its new place as "
+        f'"model" under "args" in {folder}/config.json (the LoRA fits only the model it was trained on), then '
+        "--resume again"
+    )
 
 
 def check_checkpoints_are_there(out):
@@ -1139,8 +1193,21 @@ def save_grid(images, path, prompts=(), cols=8, cell=128):
         grid.paste(im.convert("RGB").resize((w, h), Image.NEAREST), (x, y))
         for k, text in enumerate(caption):
             draw.text((x + 2, y + h + 2 + k * line), text, fill="black", font=font)
-    grid.save(path)
+    save_atomic(path, lambda tmp: grid.save(tmp, format="PNG"))
     return grid
+
+
+def save_atomic(path, write):
+    """write(tmp) to path + ".tmp", then rename it to path: a kill or a full disk mid-write leaves the old file (or
+    none), never a truncated or empty one; the .tmp of a failed write is removed (a kill's by the next start)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def wrap_text(draw, text, font, width):
@@ -1170,7 +1237,7 @@ def plot_run(out, names):
         ax.plot(its, [m[f"reward/{n}"] for m in rows], label=n)
     ax.set(xlabel="iteration", ylabel="mean training reward", title="rewards")
     ax.legend(fontsize=7)
-    fig.savefig(out / "rewards.png", dpi=120, bbox_inches="tight")
+    save_atomic(out / "rewards.png", lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
     last, sig = rows[-1], np.array(rows[-1]["recast/sigmas"])
     fig, axes = plt.subplots(1, 3, figsize=(16, 3.6), gridspec_kw={"wspace": 0.35})
     im = axes[0].imshow(np.array(last["recast/W"]), aspect="auto", cmap="viridis")
@@ -1189,5 +1256,5 @@ def plot_run(out, names):
     for a in axes[1:]:
         a.invert_xaxis()
         a.legend(fontsize=7)
-    fig.savefig(out / "credit.png", dpi=120, bbox_inches="tight")
+    save_atomic(out / "credit.png", lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
     plt.close("all")

@@ -327,6 +327,65 @@ def test_a_full_disk_while_a_metrics_line_is_appended_stops_with_the_fix_and_res
     assert [m["iteration"] for m in read_metrics(out)] == [0, 1]
 
 
+def test_figures_are_written_atomically_never_as_empty_files(finished_run, tmp_path, monkeypatch):
+    """A kill (or a full disk) inside savefig, after the file is opened: the old rewards.png and credit.png stay as
+    they were, no .tmp is left (a kill's own .tmp is one the next start removes), and a new plot replaces them."""
+    from matplotlib.figure import Figure
+
+    out = copy_of(finished_run, tmp_path)
+    names = json.loads((out / "config.json").read_text())["rewards"]
+    before = snapshot(out)
+    assert before["credit.png"].startswith(b"\x89PNG") and before["rewards.png"].startswith(b"\x89PNG")
+
+    def killed(self, fname, *a, **k):
+        Path(fname).write_bytes(b"")  # opened, nothing written yet
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Figure, "savefig", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_kit.plot_run(out, names)
+    monkeypatch.undo()
+    assert snapshot(out) == before
+    (out / "credit.png").unlink()
+    run_kit.plot_run(out, names)
+    assert (out / "credit.png").read_bytes().startswith(b"\x89PNG") and not list(out.glob("*.tmp"))
+    (out / "credit.png.tmp").write_bytes(b"")
+    assert out / "credit.png.tmp" in run_kit.leftovers(out)
+
+
+def test_resume_after_the_project_folder_moved_goes_on_with_the_embedded_model(finished_run, tmp_path, capsys):
+    """The saved --model is the embedded model's old absolute path (the project moved): the resume takes the same
+    model at its new place and says so, with or without --model naming it; any other vanished model is refused
+    with the fix, and nothing in the run folder changes."""
+    script, out = finished_run.script, copy_of(finished_run, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    config["args"]["model"] = "/old/place/of/the/project/assets/shapes-sd3"
+    (out / "config.json").write_text(json.dumps(config))
+    before = snapshot(out)
+    for more in ([], ["--model", run_kit.EMBEDDED_MODEL]):
+        assert script.parse_args(["--resume", str(out), *more]).model == run_kit.EMBEDDED_MODEL
+        assert "resuming with the same embedded model" in "".join(capsys.readouterr())
+    config["args"]["model"] = str(tmp_path / "moved-model")
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit, match=r"moved-model no longer exists\. If it moved, write its new place"):
+        script.parse_args(["--resume", str(out), "--model", run_kit.EMBEDDED_MODEL])
+    assert snapshot(out) == {**before, "config.json": (out / "config.json").read_bytes()}
+
+
+def test_resume_with_another_process_count_is_refused_before_the_model_loads(finished_run, tmp_path):
+    """config.json records the process count; a resume under another count (which changes the global batch) is
+    refused naming both counts and the launch that fits, with nothing changed."""
+    script, out = finished_run.script, copy_of(finished_run, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    assert config["processes"] == 1
+    config["processes"] = 2
+    (out / "config.json").write_text(json.dumps(config))
+    before = snapshot(out)
+    with pytest.raises(SystemExit, match=r"trained with 2 process\(es\), this start has 1.*--num_processes 2"):
+        script.validate(script.parse_args(["--resume", str(out)]), extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
+
+
 def test_the_same_command_twice_makes_two_runs(tiny, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     argv = [a for a in tiny_argv(tiny, "x", "--iterations", "1", "--eval-every", "0") if a not in ("--out", "x")]
@@ -648,6 +707,15 @@ def test_embedded_world_prompts_outside_its_grammar_are_refused_before_the_model
     with pytest.raises(SystemExit, match="line 2, 'a purple hexagon', is outside the embedded world's captions"):
         recast.validate(recast.parse_args(["--eval-prompts", str(path), "--out", str(tmp_path / "run")]))
     assert not (tmp_path / "run").exists()
+    path.write_text("two red circles\n" + "a purple hexagon " * 400 + "\n")  # a 6.8 kB line: its start is echoed
+    with pytest.raises(
+        SystemExit, match=r"line 2, 'a purple hexagon a purple.{40,80}\.\.\. \(6799 characters\)"
+    ) as err:
+        recast.validate(recast.parse_args(["--eval-prompts", str(path), "--out", str(tmp_path / "run")]))
+    assert len(str(err.value)) < 400
+    path.write_bytes("\ufefftwo red circles\na blue square\n".encode())  # a byte-order mark, as some editors save
+    assert run_kit.read_prompts(path) == ["two red circles", "a blue square"]
+    recast.validate(recast.parse_args(["--eval-prompts", str(path), "--out", str(tmp_path / "run")]))
 
 
 @pytest.mark.parametrize("module", ["recast", "rvge"])
@@ -760,8 +828,9 @@ def test_file_prompts_are_drawn_as_diffusionnft_draws_them():
 
 
 def test_unclear_cases_now_name_the_real_problem(tiny, tmp_path):
-    with pytest.raises(SystemExit, match="--model /nonexistent: no such folder"):
-        recast.validate(recast.parse_args(["--model", "/nonexistent"]))
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(SystemExit, match=re.escape(f"--model {missing}: no such folder")):
+        recast.validate(recast.parse_args(["--model", str(missing)]))
     with pytest.raises(SystemExit, match="--steps 2: must be"):
         recast.validate(
             recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--steps", "2")), extra_rewards=TINY_REWARDS
