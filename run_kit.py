@@ -1205,8 +1205,13 @@ def save_atomic(path, write):
     try:
         write(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise SystemExit(
+                f"cannot write {path} ({err.strerror or err}): is the disk full? The run's metrics and checkpoints "
+                f"are kept; free space, then --resume {path.parent} (it draws the figure again)"
+            ) from None
         raise
 
 

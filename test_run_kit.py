@@ -346,6 +346,16 @@ def test_figures_are_written_atomically_never_as_empty_files(finished_run, tmp_p
         run_kit.plot_run(out, names)
     monkeypatch.undo()
     assert snapshot(out) == before
+
+    def disk_full(self, fname, *a, **k):
+        Path(fname).write_bytes(b"\x89PNG")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", disk_full)
+    with pytest.raises(SystemExit, match="rewards.png .No space left on device.: is the disk full.*--resume"):
+        run_kit.plot_run(out, names)
+    monkeypatch.undo()
+    assert snapshot(out) == before
     (out / "credit.png").unlink()
     run_kit.plot_run(out, names)
     assert (out / "credit.png").read_bytes().startswith(b"\x89PNG") and not list(out.glob("*.tmp"))
