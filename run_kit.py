@@ -185,6 +185,7 @@ def parse_flags(argv, Args, groups, doc, script):
             f"--resume {args.resume}: that run was trained by {saved_config['script']}.py; resume it with that script"
         )
     given = vars(make_parser(Args, groups, doc, suppress=True).parse_args(argv))
+    saved = model_after_a_move(saved, given, args.resume)
     for k in NOT_ON_RESUME:
         if k in given:
             raise SystemExit(
@@ -370,7 +371,7 @@ def check_files(args, names):
         if "ocr" in names and unquoted:
             raise SystemExit(
                 f"--train-prompts {args.train_prompts}: the ocr reward scores the text between double quotes, and "
-                f"{len(unquoted)} prompt(s) quote nothing, the first: {unquoted[0]!r}. Quote the text to render"
+                f"{len(unquoted)} prompt(s) quote nothing, the first: {clip(unquoted[0])}. Quote the text to render"
             )
     if args.eval_prompts:
         prompts = read_prompts(args.eval_prompts, "--eval-prompts")
@@ -384,12 +385,17 @@ def check_files(args, names):
                     shapes_world.parse_prompt(prompt)
                 except ValueError:
                     raise SystemExit(
-                        f"--eval-prompts {args.eval_prompts}: line {number}, {prompt!r}, is outside the embedded "
+                        f"--eval-prompts {args.eval_prompts}: line {number}, {clip(prompt)}, is outside the embedded "
                         "world's captions (e.g. 'two red circles', 'a blue square on the left'); the world's "
                         "rewards cannot score it. Fix the line, or give --model"
                     ) from None
     if args.resume:
         metrics_lines(Path(args.resume) / "metrics.jsonl")
+
+
+def clip(text, n=80):
+    """repr of text for a message, cut to its first n characters (a 6 kB line is not echoed in full)."""
+    return repr(text) if len(text) <= n else f"{text[:n]!r}... ({len(text)} characters)"
 
 
 def parse_branch_steps(text, T):
@@ -413,7 +419,7 @@ def read_prompts(path, flag="prompts"):
     """Prompts of a UTF-8 text file, one per line; SystemExit naming the flag when the file is missing,
     binary, not UTF-8 or empty."""
     try:
-        text = Path(path).read_bytes().decode("utf-8")
+        text = Path(path).read_bytes().decode("utf-8-sig")  # -sig: a byte-order mark some editors write is dropped
     except OSError as err:
         raise SystemExit(
             f"{flag} {path}: cannot read it ({err.strerror}); give a text file with one prompt per line"
@@ -663,13 +669,13 @@ def load_run(args, names, budgets, branch, script, extra_rewards=None, judges=No
     """Everything one run needs, loaded, after the script's checks (its `validate` gave names, budgets and branch):
     the run folder locked, processes and device, seeds, the pipeline with its LoRA adapters, rewards, judges, the
     optimizer, prompts. Returns the Run."""
-    from accelerate import Accelerator, PartialState
+    from accelerate import Accelerator
     from accelerate.utils import broadcast_object_list
 
     quiet_start_up()
-    lock = lock_run(args.out) if is_first_process() else None
+    lock = lock_run(args.out) if is_first_process(args) else None
     device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if PartialState(cpu=device_name == "cpu").num_processes > 1:  # the first process chose the run folder
+    if process_state(args).num_processes > 1:  # the first process chose the run folder
         args.out = broadcast_object_list([args.out], from_process=0)[0]
     trackers = {} if args.report_to == "none" else {"log_with": args.report_to, "project_dir": args.out}
     acc = Accelerator(cpu=device_name == "cpu", **trackers)
@@ -728,13 +734,15 @@ def iteration_generator(seed, iteration):
 
 def stop_if_a_reward_failed(run: Run, it, n_valid, state):
     """Stop the run when a reward returned NaN/inf for every image of iteration `it` (all processes): the state
-    before it is checkpointed, and the message names the reward(s) and how to continue. n_valid (K,)."""
+    after iteration it - 1 is checkpointed (at iteration 0 nothing was trained and nothing is saved, so that a
+    resume trains iteration 0), and the message names the reward(s) and how to continue. n_valid (K,)."""
     if (n_valid == 0).any():
-        if run.acc.is_main_process:
-            save_checkpoint(run.out, max(it - 1, 0), run.transformer, run.opt, state)
+        if run.acc.is_main_process and it > 0:
+            save_checkpoint(run.out, it - 1, run.transformer, run.opt, state)
         bad = [n for n, c in zip(run.names, n_valid) if c == 0]
+        done = f"the state after iteration {it - 1} is saved in {run.out}" if it else "nothing was trained"
         raise SystemExit(
-            f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; checkpoint saved in {run.out}. "
+            f"reward(s) {bad} returned NaN/inf for every image of iteration {it}; {done}. "
             f"Fix the reward, then continue with --resume {run.out}"
         )
 
@@ -772,12 +780,24 @@ def finish_iteration(run: Run, args, it, metrics, state, before, evaluate):
             metrics.update(metrics_eval)
             if last:
                 save_grid(images, run.out / "samples_after.png", prompts=run.eval_prompts)
-        with open(run.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        append_metrics(run.out, metrics)
         log_to_trackers(run.acc, metrics, step=it)
         if (it + 1) % args.save_every == 0 or last:
             save_checkpoint(run.out, it, run.transformer, run.opt, state)
     run.acc.wait_for_everyone()
+
+
+def append_metrics(out, metrics):
+    """One line of out/metrics.jsonl. A failed write (a full disk) stops the run with the fix: the lines before are
+    kept, a cut-short last line is dropped by the resume, which redoes the iterations after the last checkpoint."""
+    try:
+        with open(out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+    except OSError as err:
+        raise SystemExit(
+            f"cannot append iteration {metrics['iteration']}'s metrics to {out}/metrics.jsonl ({err.strerror}): is the "
+            f"disk full? The earlier lines and the last checkpoint are kept; free space, then --resume {out}"
+        ) from None
 
 
 def check_finite(values):
@@ -808,10 +828,12 @@ def is_run(folder):
 
 
 def is_unused(folder):
-    """True when nothing is at the path, or it is a folder holding nothing but a run's lock file (a start that
-    stopped before it wrote its config)."""
+    """True when nothing is at the path, or it is a folder holding nothing but a run's lock file and a half-written
+    config.json.tmp (a start that stopped before it wrote its config; the start removes the .tmp)."""
     folder = Path(folder)
-    return not folder.exists() or (folder.is_dir() and all(p.name == ".lock" for p in folder.iterdir()))
+    return not folder.exists() or (
+        folder.is_dir() and all(p.name in (".lock", "config.json.tmp") for p in folder.iterdir())
+    )
 
 
 def run_folder(args, default_name):
@@ -822,10 +844,14 @@ def run_folder(args, default_name):
     runs. Creates the folder; changes nothing inside it. Under a multi-process launch only the first process decides
     (the others would see its files as another run's); load_run hands its choice to the rest. Returns the folder as a
     string, or, in the other processes, args.out as given."""
-    if not is_first_process():
+    if not is_first_process(args):
         return args.out
+    for flag, path in (("--resume", args.resume), ("--out", args.out), ("--name", args.name)):
+        check_path_length(path, flag)
     if args.resume:
         out = Path(args.resume)
+        check_checkpoints_are_there(out)
+        check_process_count(out, args)
     elif args.out:
         out = Path(args.out)
         holds_a_run = is_run(out)
@@ -861,12 +887,81 @@ def run_folder(args, default_name):
         probe.unlink()
     except OSError as err:
         raise SystemExit(f"cannot write to the run folder {out} ({err.strerror}): choose another with --out") from None
+    if args.report_to == "tensorboard" or args.overwrite:
+        check_tensorboard_folder(out / "tensorboard", args.report_to)
     return str(out)
 
 
-def is_first_process():
-    """True in a single process and in rank 0 of an `accelerate launch` (which sets RANK before Python starts)."""
-    return int(os.environ.get("RANK", 0)) == 0
+def check_process_count(out, args):
+    """--resume with the process count the run was trained with (config.json's "processes"; runs that predate it
+    are not checked): each process draws --prompts-per-iter prompt groups, so another count changes the global
+    batch, and with it the prompts and the updates of every later iteration."""
+    try:
+        saved = json.loads((out / "config.json").read_text()).get("processes")
+    except (OSError, ValueError, AttributeError):
+        return  # parse_flags has named the problem
+    now, groups = process_state(args).num_processes, args.prompts_per_iter
+    if saved is not None and saved != now:
+        raise SystemExit(
+            f"--resume {out}: the run was trained with {saved} process(es), this start has {now}; each draws "
+            f"--prompts-per-iter {groups} prompt groups, so the global batch would change from {saved * groups} to "
+            f"{now * groups} groups. Launch with the same count (accelerate launch --num_processes {saved}, or a "
+            "plain python for 1), or start a new run"
+        )
+
+
+def check_path_length(path, flag):
+    """A run folder path the file system can hold: no name longer than its NAME_MAX bytes (255 on Linux file
+    systems), the whole within PATH_MAX; else SystemExit naming the flag and the fix."""
+    if not path:
+        return
+    name_max, path_max = 255, 4096
+    try:
+        name_max, path_max = os.pathconf(".", "PC_NAME_MAX"), os.pathconf(".", "PC_PATH_MAX")
+    except (OSError, ValueError):
+        pass
+    long = next((part for part in Path(path).parts if len(os.fsencode(part)) > name_max), None)
+    if long is not None or len(os.fsencode(os.path.abspath(path))) > path_max - 100:  # 100: the run's own names
+        what = f"the name {long[:30]}... has {len(os.fsencode(long))} bytes" if long else "the path is too long"
+        raise SystemExit(
+            f"{flag} {str(path)[:60]}...: {what}; this file system allows {name_max} bytes a name and {path_max} a "
+            f"path. Choose a shorter {flag}"
+        )
+
+
+def check_tensorboard_folder(folder, report_to):
+    """<run>/tensorboard, where --report-to tensorboard writes its events and --overwrite clears: nothing yet, or a
+    folder this process can write to. Checked before the model loads (a tracker fails only once it starts)."""
+    if folder.is_symlink() and not folder.exists() or folder.exists() and not folder.is_dir():
+        raise SystemExit(
+            f"{folder} is a file, not the run's TensorBoard folder, and a run writes its events there (--overwrite "
+            "would delete it): move that file away, then run the command again"
+        )
+    if folder.is_dir():
+        probe = folder / f".write_test.{os.getpid()}"
+        try:
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as err:
+            fix = "or leave --report-to at none" if report_to == "tensorboard" else "or choose another --out"
+            raise SystemExit(
+                f"cannot write to {folder} ({err.strerror}): make it writable (chmod -R u+w {folder}), {fix}"
+            ) from None
+
+
+def process_state(args):
+    """accelerate's PartialState of this process (started here if no one has yet: under `accelerate launch` this
+    joins the process group), on the device --device names, else CUDA when there is one."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=(args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu")
+
+
+def is_first_process(args):
+    """True in a single process and in the first process of an `accelerate launch`, as accelerate itself counts
+    them (process index 0). Never an environment variable alone: a RANK left over from a launcher in a plain shell
+    must not switch off the run-folder checks and the lock of a single-process run."""
+    return process_state(args).process_index == 0
 
 
 def lock_run(out):
@@ -906,24 +1001,43 @@ def start_or_resume(run: Run, args):
                 shutil.rmtree(run.out / name) if (run.out / name).is_dir() else (run.out / name).unlink(missing_ok=True)
         for leftover in leftovers(run.out):
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-        config = {"args": asdict(args), "script": run.script, "rewards": run.names, "git_sha": git_sha()}
-        write_atomic(run.out / "config.json", json.dumps(config, indent=2))
-        keep_metrics_until(run.out / "metrics.jsonl", start)
+        config = {
+            "args": asdict(args),
+            "script": run.script,
+            "rewards": run.names,
+            "processes": run.acc.num_processes,  # the global batch is processes x --prompts-per-iter groups
+            "git_sha": git_sha(),
+        }
+        try:
+            write_atomic(run.out / "config.json", json.dumps(config, indent=2))
+            keep_metrics_until(run.out / "metrics.jsonl", start)
+        except OSError as err:
+            raise SystemExit(
+                f"cannot write {run.out}/config.json or metrics.jsonl ({err.strerror}): is the disk full? No "
+                "half-written file is left and no run data was lost; free space, then run the same command again"
+            ) from None
     start_trackers(run, args)
     return start, {"opt_steps": 0, "level_stats": None, **(state or {})}
 
 
 def write_atomic(path, text):
+    """path holds `text`, or, when the write fails (OSError: a full disk), what it held before and no .tmp file."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def leftovers(out):
-    """The half-written files a kill can leave in a run folder: write_atomic's and save_checkpoint's .tmp names
-    (nothing else is ever deleted: a user's own *.tmp files stay)."""
+    """The half-written files a kill can leave in a run folder: write_atomic's, save_atomic's (figures) and
+    save_checkpoint's .tmp names (nothing else is ever deleted: a user's own *.tmp files stay)."""
     out, ckpts = Path(out), Path(out) / "checkpoints"
-    ours = [out / "config.json.tmp", out / "metrics.jsonl.tmp", ckpts / "latest.tmp", *ckpts.glob("iter_??????.tmp")]
+    figures = [out / f"{name}.png.tmp" for name in ("rewards", "credit", "samples_before", "samples_after")]
+    ours = [out / "config.json.tmp", out / "metrics.jsonl.tmp", *figures, ckpts / "latest.tmp"]
+    ours += ckpts.glob("iter_??????.tmp")
     return [p for p in ours if p.exists()]
 
 
@@ -1009,6 +1123,57 @@ def save_checkpoint(out, iteration, transformer, opt, state):
     for old in root.glob("iter_??????"):
         if old not in (final, previous):
             shutil.rmtree(old, ignore_errors=True)
+
+
+def model_after_a_move(saved, given, folder):
+    """--resume: a run's saved --model that is an absolute path no longer there. The embedded model (its folder
+    moved with the project) is the same model at its new place: the run goes on with it, says so, and accepts
+    --model naming it; any other is refused with the fix. Returns the saved args, model updated."""
+    model = saved.get("model") or ""
+    if not Path(model).is_absolute() or Path(model).exists():
+        return saved  # still there, or a hub id
+    if Path(model).parts[-2:] == Path(EMBEDDED_MODEL).parts[-2:] and is_embedded(given.get("model", EMBEDDED_MODEL)):
+        tqdm.write(
+            f"the run's model {model} is gone (the project folder moved?): resuming with the same embedded model at "
+            f"{EMBEDDED_MODEL}"
+        )
+        given["model"] = EMBEDDED_MODEL
+        return {**saved, "model": EMBEDDED_MODEL}
+    raise SystemExit(
+        f"--resume {folder}: the run's model {model} no longer exists. If it moved, write its new place as "
+        f'"model" under "args" in {folder}/config.json (the LoRA fits only the model it was trained on), then '
+        "--resume again"
+    )
+
+
+def check_checkpoints_are_there(out):
+    """--resume, before anything loads: refuse (nothing changed) when out/checkpoints is a link to nothing or not a
+    folder, or holds no checkpoint although metrics.jsonl shows one was written (a line of an iteration that saved,
+    by config.json's --save-every, followed by a later line): starting over at iteration 0 would replace those
+    metrics. A run stopped before its first checkpoint still starts at iteration 0."""
+    root = out / "checkpoints"
+    if root.is_symlink() and not root.exists():
+        raise SystemExit(
+            f"--resume {out}: {root} is a link to {os.readlink(root)}, which does not exist (moved or unmounted?). "
+            "Make the link point at the run's checkpoints, then --resume again; nothing was changed"
+        )
+    if root.exists() and not root.is_dir():
+        raise SystemExit(f"--resume {out}: {root} is not a folder; move that file away, then --resume again")
+    if root.is_dir() and any(root.glob("iter_??????")):
+        return
+    try:
+        save_every = int(json.loads((out / "config.json").read_text())["args"]["save_every"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no readable record: parse_flags has already named the problem
+    its = [it for it, _ in metrics_lines(out / "metrics.jsonl")]
+    saved = [it for it in its if (it + 1) % max(save_every, 1) == 0 and it < max(its)]
+    if saved:
+        raise SystemExit(
+            f"--resume {out}: metrics.jsonl records iterations up to {max(its)} and a checkpoint written at iteration "
+            f"{saved[-1]}, but {root} holds no checkpoint (moved or deleted?). Put the run's checkpoints back in "
+            f"{root}, then --resume again; nothing was changed. To train from the start instead, start a new run "
+            "with --out"
+        )
 
 
 def load_checkpoint(out, transformer, opt, lr, weight_decay):
@@ -1100,8 +1265,26 @@ def save_grid(images, path, prompts=(), cols=8, cell=128):
         grid.paste(im.convert("RGB").resize((w, h), Image.NEAREST), (x, y))
         for k, text in enumerate(caption):
             draw.text((x + 2, y + h + 2 + k * line), text, fill="black", font=font)
-    grid.save(path)
+    save_atomic(path, lambda tmp: grid.save(tmp, format="PNG"))
     return grid
+
+
+def save_atomic(path, write):
+    """write(tmp) to path + ".tmp", then rename it to path: a kill or a full disk mid-write leaves the old file (or
+    none), never a truncated or empty one; the .tmp of a failed write is removed (a kill's by the next start)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as err:
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise SystemExit(
+                f"cannot write {path} ({err.strerror or err}): is the disk full? The run's metrics and checkpoints "
+                f"are kept; free space, then --resume {path.parent} (it draws the figure again)"
+            ) from None
+        raise
 
 
 def wrap_text(draw, text, font, width):
@@ -1131,7 +1314,7 @@ def plot_run(out, names):
         ax.plot(its, [m[f"reward/{n}"] for m in rows], label=n)
     ax.set(xlabel="iteration", ylabel="mean training reward", title="rewards")
     ax.legend(fontsize=7)
-    fig.savefig(out / "rewards.png", dpi=120, bbox_inches="tight")
+    save_atomic(out / "rewards.png", lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
     last, sig = rows[-1], np.array(rows[-1]["recast/sigmas"])
     fig, axes = plt.subplots(1, 3, figsize=(16, 3.6), gridspec_kw={"wspace": 0.35})
     im = axes[0].imshow(np.array(last["recast/W"]), aspect="auto", cmap="viridis")
@@ -1150,5 +1333,5 @@ def plot_run(out, names):
     for a in axes[1:]:
         a.invert_xaxis()
         a.legend(fontsize=7)
-    fig.savefig(out / "credit.png", dpi=120, bbox_inches="tight")
+    save_atomic(out / "credit.png", lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
     plt.close("all")

@@ -8,7 +8,9 @@ Run: python -m pytest -q test_run_kit.py
 """
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, fields
@@ -160,11 +162,27 @@ def test_nan_rewards_are_left_out_and_an_all_nan_reward_stops_with_a_checkpoint(
     assert m["reward_nonfinite/half"] == leaves // 2 and np.isfinite(m["reward/half"]) and np.isfinite(m["loss/policy"])
     out = tmp_path / "all"
     argv = tiny_argv(tiny, out, "--iterations", "3", "--eval-every", "0", "--rewards", "brightness,dead")
-    with pytest.raises(SystemExit, match="NaN/inf for every image"):
+    with pytest.raises(SystemExit, match="NaN/inf for every image of iteration 0; nothing was trained"):
         script.train(
             script.parse_args(argv), extra_rewards={**TINY_REWARDS, "dead": lambda ims, ps: np.full(len(ims), np.nan)}
         )
-    assert (out / "checkpoints" / "latest").exists()
+    assert not (out / "checkpoints").exists(), "the untrained LoRA was saved as if iteration 0 had been trained"
+    script.train(
+        script.parse_args(["--resume", str(out), "--iterations", "1"]),
+        extra_rewards={**TINY_REWARDS, "dead": brightness},
+    )
+    assert [m["iteration"] for m in read_metrics(out)] == [0]  # the reward fixed: iteration 0 is trained, not skipped
+    out = tmp_path / "later"
+
+    def dies_at_iteration_1(images, prompts):  # iteration 0's metrics line is written: iteration 1 has begun
+        return brightness(images, prompts) * (np.nan if (out / "metrics.jsonl").exists() else 1.0)
+
+    argv = tiny_argv(
+        tiny, out, "--iterations", "3", "--save-every", "5", "--eval-every", "0", "--rewards", "dead", "--budgets", "1"
+    )
+    with pytest.raises(SystemExit, match="of iteration 1; the state after iteration 0 is saved"):
+        script.train(script.parse_args(argv), extra_rewards={"dead": dies_at_iteration_1})
+    assert (out / "checkpoints" / "latest").read_text() == "iter_000000"
 
 
 @pytest.mark.parametrize(
@@ -178,7 +196,10 @@ def test_nan_rewards_are_left_out_and_an_all_nan_reward_stops_with_a_checkpoint(
         (["--alpha", "3"], "--alpha 2"),
         (["--branch-steps", "9"], "strictly between"),
         (["--out", "/proc/forbidden/run"], "cannot write"),
+        (["--out", "runs/" + "x" * 300], "--out runs/x.*has 300 bytes.*Choose a shorter --out"),
+        (["--name", "y" * 300], "--name y.*has 300 bytes.*Choose a shorter --name"),
     ],
+    ids=lambda v: str(v)[:40],
 )
 @pytest.mark.parametrize("module", ["recast", "rvge"])
 def test_bad_input_fails_before_any_work_with_a_clear_message(tiny, tmp_path, change, words, module):
@@ -190,6 +211,189 @@ def test_bad_input_fails_before_any_work_with_a_clear_message(tiny, tmp_path, ch
     argv = tiny_argv(tiny, tmp_path / "run") + change
     with pytest.raises(SystemExit, match=words):
         script.validate(script.parse_args(argv), extra_rewards=TINY_REWARDS)
+
+
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        ("missing", "not a readable level-statistics file"),
+        ("empty_list", "not a readable level-statistics file"),
+        ("short_n", "field 'n' is not an array of shape"),
+        ("ragged_s1", "field 's1' is not an array of shape"),
+        ("null_in_s2", "field 's2' holds 1 null/NaN/inf entries"),
+    ],
+)
+def test_a_bad_gain_init_file_is_refused_before_the_model_loads_or_the_run_folder_exists(
+    tiny, tmp_path, damage, words, monkeypatch
+):
+    """--gain-init is checked in validate: a missing file, `[]`, a short n, ragged rows or null statistics (which
+    would switch the credit off) are refused naming the file and the field; no model loads, no run folder is made."""
+    out, path = tmp_path / "run", tmp_path / "levels.json"
+    args = recast.parse_args(tiny_argv(tiny, out, "--gain-init", str(path)))
+    T, s1 = args.steps, np.ones((2, args.steps + 1))
+    saved = {"names": ["brightness", "redness"], "steps": T, "n": [4.0] * (T + 1), "s1": s1.tolist(), "s2": s1.tolist()}
+    if damage == "short_n":
+        saved["n"] = saved["n"][:-1]
+    if damage == "ragged_s1":
+        saved["s1"][1] = saved["s1"][1][:-1]
+    if damage == "null_in_s2":
+        saved["s2"][0][1] = None
+    if damage != "missing":
+        path.write_text("[]" if damage == "empty_list" else json.dumps(saved))
+    monkeypatch.setattr(run_kit, "load_pipeline", lambda *a: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit, match=re.escape(f"--gain-init {path}: ") + ".*" + re.escape(words)):
+        recast.train(args, extra_rewards=TINY_REWARDS)
+    assert not out.exists()
+    if damage == "null_in_s2":  # the same file with the value: accepted, rows in the run's order
+        saved["s2"][0][1] = 1.0
+        path.write_text(json.dumps(saved))
+        assert recast.initial_level_stats(path, ["redness", "brightness"], T)[2].shape == (2, T + 1)
+
+
+def test_a_full_disk_before_config_json_leaves_no_tmp_and_the_same_command_runs_again(tiny, tmp_path, monkeypatch):
+    """The disk fills after the lock, while config.json is written: a clear message, the program's own
+    config.json.tmp removed, and the same --out is then free (with or without --overwrite)."""
+    out = tmp_path / "run"
+    write_text = Path.write_text
+
+    def disk_full(self, text, *a, **k):
+        if self.name == "config.json.tmp":
+            write_text(self, text[:10])
+            raise OSError(28, "No space left on device")
+        return write_text(self, text, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(SystemExit, match="No space left on device.*is the disk full"):
+        recast.train(recast.parse_args(tiny_argv(tiny, out, "--iterations", "1")), extra_rewards=TINY_REWARDS)
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    monkeypatch.undo()
+    (out / "config.json.tmp").write_text('{"args": {')  # a kill at that moment leaves it: still ours, still free
+    for more in ([], ["--overwrite"]):
+        recast.validate(recast.parse_args(tiny_argv(tiny, out, *more)), extra_rewards=TINY_REWARDS)
+
+
+@pytest.mark.parametrize("block", ["a_file", "read_only"])
+def test_an_unwritable_tensorboard_folder_is_refused_before_the_model_loads(finished_run, tmp_path, block, monkeypatch):
+    """<run>/tensorboard a user's file, or a folder nobody may write to: --resume --report-to tensorboard stops before
+    the model loads, names the folder and the fix, and changes nothing."""
+    out = copy_of(finished_run, tmp_path)
+    tb = out / "tensorboard"
+    if block == "a_file":
+        tb.write_text("my notes")
+    else:
+        tb.mkdir()
+        (tb / "events.old").write_text("x")
+        tb.chmod(0o555)
+        if subprocess.run(["chattr", "+i", str(tb)], capture_output=True).returncode and os.access(tb, os.W_OK):
+            pytest.skip("this user can write to any folder (root without chattr): nothing read-only to test")
+    before = snapshot(out)
+    monkeypatch.setattr(run_kit, "load_pipeline", lambda *a: pytest.fail("the model loaded"))
+    try:
+        with pytest.raises(SystemExit, match="is a file, not the run's TensorBoard" if block == "a_file" else "chmod"):
+            finished_run.script.train(
+                finished_run.script.parse_args(["--resume", str(out), "--report-to", "tensorboard"]),
+                extra_rewards=TINY_REWARDS,
+            )
+        assert snapshot(out) == before
+    finally:
+        subprocess.run(["chattr", "-i", str(tb)], capture_output=True)
+        tb.chmod(0o755)
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_a_full_disk_while_a_metrics_line_is_appended_stops_with_the_fix_and_resumes(
+    tiny, tmp_path, module, monkeypatch
+):
+    """The disk fills in the middle of iteration 1's metrics line: a clear message, iteration 0's line and checkpoint
+    kept; --resume drops the cut-short line and redoes iteration 1."""
+    script, out = __import__(module), tmp_path / "run"
+
+    def disk_full(path, mode="r", *a, **k):
+        f = open(path, mode, *a, **k)
+        if Path(path).name == "metrics.jsonl" and mode == "a" and Path(path).stat().st_size:
+            f.write('{"iteration": 1, "rew')
+            f.close()
+            raise OSError(28, "No space left on device")
+        return f
+
+    monkeypatch.setattr(run_kit, "open", disk_full, raising=False)
+    argv = tiny_argv(tiny, out, "--iterations", "2", "--save-every", "1", "--eval-every", "0")
+    with pytest.raises(SystemExit, match="iteration 1's metrics.*No space left on device.*--resume"):
+        script.train(script.parse_args(argv), extra_rewards=TINY_REWARDS)
+    monkeypatch.undo()
+    assert (out / "checkpoints" / "latest").read_text() == "iter_000000"
+    assert (out / "metrics.jsonl").read_text().splitlines()[-1] == '{"iteration": 1, "rew'
+    script.train(script.parse_args(["--resume", str(out)]), extra_rewards=TINY_REWARDS)
+    assert [m["iteration"] for m in read_metrics(out)] == [0, 1]
+
+
+def test_figures_are_written_atomically_never_as_empty_files(finished_run, tmp_path, monkeypatch):
+    """A kill (or a full disk) inside savefig, after the file is opened: the old rewards.png and credit.png stay as
+    they were, no .tmp is left (a kill's own .tmp is one the next start removes), and a new plot replaces them."""
+    from matplotlib.figure import Figure
+
+    out = copy_of(finished_run, tmp_path)
+    names = json.loads((out / "config.json").read_text())["rewards"]
+    before = snapshot(out)
+    assert before["credit.png"].startswith(b"\x89PNG") and before["rewards.png"].startswith(b"\x89PNG")
+
+    def killed(self, fname, *a, **k):
+        Path(fname).write_bytes(b"")  # opened, nothing written yet
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Figure, "savefig", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_kit.plot_run(out, names)
+    monkeypatch.undo()
+    assert snapshot(out) == before
+
+    def disk_full(self, fname, *a, **k):
+        Path(fname).write_bytes(b"\x89PNG")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", disk_full)
+    with pytest.raises(SystemExit, match="rewards.png .No space left on device.: is the disk full.*--resume"):
+        run_kit.plot_run(out, names)
+    monkeypatch.undo()
+    assert snapshot(out) == before
+    (out / "credit.png").unlink()
+    run_kit.plot_run(out, names)
+    assert (out / "credit.png").read_bytes().startswith(b"\x89PNG") and not list(out.glob("*.tmp"))
+    (out / "credit.png.tmp").write_bytes(b"")
+    assert out / "credit.png.tmp" in run_kit.leftovers(out)
+
+
+def test_resume_after_the_project_folder_moved_goes_on_with_the_embedded_model(finished_run, tmp_path, capsys):
+    """The saved --model is the embedded model's old absolute path (the project moved): the resume takes the same
+    model at its new place and says so, with or without --model naming it; any other vanished model is refused
+    with the fix, and nothing in the run folder changes."""
+    script, out = finished_run.script, copy_of(finished_run, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    config["args"]["model"] = "/old/place/of/the/project/assets/shapes-sd3"
+    (out / "config.json").write_text(json.dumps(config))
+    before = snapshot(out)
+    for more in ([], ["--model", run_kit.EMBEDDED_MODEL]):
+        assert script.parse_args(["--resume", str(out), *more]).model == run_kit.EMBEDDED_MODEL
+        assert "resuming with the same embedded model" in "".join(capsys.readouterr())
+    config["args"]["model"] = str(tmp_path / "moved-model")
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit, match=r"moved-model no longer exists\. If it moved, write its new place"):
+        script.parse_args(["--resume", str(out), "--model", run_kit.EMBEDDED_MODEL])
+    assert snapshot(out) == {**before, "config.json": (out / "config.json").read_bytes()}
+
+
+def test_resume_with_another_process_count_is_refused_before_the_model_loads(finished_run, tmp_path):
+    """config.json records the process count; a resume under another count (which changes the global batch) is
+    refused naming both counts and the launch that fits, with nothing changed."""
+    script, out = finished_run.script, copy_of(finished_run, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    assert config["processes"] == 1
+    config["processes"] = 2
+    (out / "config.json").write_text(json.dumps(config))
+    before = snapshot(out)
+    with pytest.raises(SystemExit, match=r"trained with 2 process\(es\), this start has 1.*--num_processes 2"):
+        script.validate(script.parse_args(["--resume", str(out)]), extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
 
 
 def test_the_same_command_twice_makes_two_runs(tiny, tmp_path, monkeypatch):
@@ -340,6 +544,33 @@ def test_resume_refuses_flags_whose_saved_state_would_override_them(finished_run
     assert snapshot(out) == before
 
 
+@pytest.mark.parametrize("loss", ["moved_away", "dangling_link", "a_file"])
+def test_resume_of_a_run_whose_checkpoints_are_gone_is_refused_before_the_model_loads(
+    finished_run, tmp_path, loss, monkeypatch
+):
+    """checkpoints/ moved away, or a link to nothing: starting again at iteration 0 would rewrite metrics.jsonl, so
+    the resume stops, names the folder and the fix, and changes nothing (no model is loaded)."""
+    out = copy_of(finished_run, tmp_path)
+    if loss == "a_file":
+        shutil.rmtree(out / "checkpoints")
+        (out / "checkpoints").write_text("mine")
+    else:
+        shutil.move(out / "checkpoints", tmp_path / "elsewhere")
+    if loss == "dangling_link":
+        (out / "checkpoints").symlink_to(tmp_path / "unmounted")
+    before = snapshot(out)
+    monkeypatch.setattr(run_kit, "load_pipeline", lambda *a: pytest.fail("the model loaded"))
+    words = {"moved_away": "holds no checkpoint", "dangling_link": "does not exist", "a_file": "is not a folder"}
+    with pytest.raises(SystemExit, match=words[loss]):
+        finished_run.script.train(finished_run.script.parse_args(["--resume", str(out)]), extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
+    assert (out / "checkpoints").is_symlink() == (loss == "dangling_link")
+    if loss == "moved_away":  # killed while its first checkpoint was written: no checkpoint yet, nothing to refuse
+        lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+        (out / "metrics.jsonl").write_text(lines[0])
+        run_kit.check_checkpoints_are_there(out)
+
+
 def test_resume_with_no_loadable_checkpoint_stops_and_changes_nothing(finished_run, tmp_path):
     out = copy_of(finished_run, tmp_path)
     for state in (out / "checkpoints").glob("iter_*/state.pt"):
@@ -385,7 +616,7 @@ def test_only_the_first_process_judges_the_run_folder(tiny, tmp_path, module, mo
     (out / ".write_test.123").write_text("ok")  # rank 0's write probe, seen mid-check
     with pytest.raises(SystemExit, match="holds files that are not a run"):
         script.validate(script.parse_args(tiny_argv(tiny, out)), extra_rewards=TINY_REWARDS)
-    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(run_kit, "is_first_process", lambda args: False)  # what accelerate says in rank 1
     args = script.parse_args(tiny_argv(tiny, out))
     script.validate(args, extra_rewards=TINY_REWARDS)
     assert args.out == str(out) and sorted(p.name for p in out.iterdir()) == [".write_test.123"]
@@ -395,6 +626,32 @@ def test_only_the_first_process_judges_the_run_folder(tiny, tmp_path, module, mo
     monkeypatch.chdir(tmp_path)
     script.validate(args, extra_rewards=TINY_REWARDS)
     assert not args.out and not (tmp_path / "runs").exists()
+
+
+def test_a_stray_rank_variable_leaves_a_single_process_run_checked_and_locked(finished_run, tmp_path, monkeypatch):
+    """RANK=1 left over from a launcher in a plain shell: accelerate counts one process, so this is the first one and
+    every check holds: an existing run is refused without --overwrite (nothing changed), a default run folder is
+    chosen under runs/ (not the working folder), and the lock is taken."""
+    script = finished_run.script
+    out = copy_of(finished_run, tmp_path)
+    before = snapshot(out)
+    monkeypatch.setenv("RANK", "1")
+    assert run_kit.is_first_process(script.parse_args(tiny_argv_for(finished_run, out)))
+    with pytest.raises(SystemExit, match="already holds a run"):
+        script.validate(script.parse_args(tiny_argv_for(finished_run, out)), extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
+    argv = tiny_argv_for(finished_run, out)
+    args = script.parse_args(argv[: argv.index("--out")])
+    monkeypatch.chdir(tmp_path)
+    script.validate(args, extra_rewards=TINY_REWARDS)
+    assert Path(args.out).parent == Path("runs") and (tmp_path / args.out).is_dir()
+    held = run_kit.lock_run(out)  # a live process on the run: the stray RANK does not skip the lock
+    try:
+        with pytest.raises(SystemExit, match="in use by another live process"):
+            script.train(script.parse_args(["--resume", str(out)]), extra_rewards=TINY_REWARDS)
+    finally:
+        held.close()
+    assert snapshot(out) == before
 
 
 def test_out_inside_a_run_is_refused(finished_run, tmp_path):
@@ -460,6 +717,15 @@ def test_embedded_world_prompts_outside_its_grammar_are_refused_before_the_model
     with pytest.raises(SystemExit, match="line 2, 'a purple hexagon', is outside the embedded world's captions"):
         recast.validate(recast.parse_args(["--eval-prompts", str(path), "--out", str(tmp_path / "run")]))
     assert not (tmp_path / "run").exists()
+    path.write_text("two red circles\n" + "a purple hexagon " * 400 + "\n")  # a 6.8 kB line: its start is echoed
+    with pytest.raises(
+        SystemExit, match=r"line 2, 'a purple hexagon a purple.{40,80}\.\.\. \(6799 characters\)"
+    ) as err:
+        recast.validate(recast.parse_args(["--eval-prompts", str(path), "--out", str(tmp_path / "run")]))
+    assert len(str(err.value)) < 400
+    path.write_bytes("\ufefftwo red circles\na blue square\n".encode())  # a byte-order mark, as some editors save
+    assert run_kit.read_prompts(path) == ["two red circles", "a blue square"]
+    recast.validate(recast.parse_args(["--eval-prompts", str(path), "--out", str(tmp_path / "run")]))
 
 
 @pytest.mark.parametrize("module", ["recast", "rvge"])
@@ -572,8 +838,9 @@ def test_file_prompts_are_drawn_as_diffusionnft_draws_them():
 
 
 def test_unclear_cases_now_name_the_real_problem(tiny, tmp_path):
-    with pytest.raises(SystemExit, match="--model /nonexistent: no such folder"):
-        recast.validate(recast.parse_args(["--model", "/nonexistent"]))
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(SystemExit, match=re.escape(f"--model {missing}: no such folder")):
+        recast.validate(recast.parse_args(["--model", str(missing)]))
     with pytest.raises(SystemExit, match="--steps 2: must be"):
         recast.validate(
             recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--steps", "2")), extra_rewards=TINY_REWARDS
