@@ -41,7 +41,6 @@ Where to change what (run_kit.x: in run_kit.py)
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -71,6 +70,7 @@ from run_kit import (
     lora_params,
     parse_flags,
     plot_run,
+    read_level_stats,
     reward_metrics,
     run_folder,
     save_grid,
@@ -567,47 +567,6 @@ def nft_baseline(R, groups, budgets, T, reduce):
     return optimality(Rc, groups, std=std), uniform_W(budgets=[1.0], T=T)
 
 
-def initial_level_stats(path, names, T):
-    """[n (T+1,), s1 (K, T+1), s2 (K, T+1)]: the rows of `names` from a level-statistics file (bench.py
-    `measure_profiles`), the gain statistics a run starts from with --gain-init. They are discounted by
-    --gain-ema like the run's own, so the prior's weight halves every ~7 iterations at 0.9. A file that is missing,
-    not JSON, without the run's rewards, of other steps, of the wrong shapes, or with null/NaN/inf statistics (which
-    would switch the credit off: W uniform, evidence 0) is refused naming the file and the field."""
-    fix = "Make one with bench.py's measure_profiles, or omit --gain-init"
-    try:
-        saved = json.loads(Path(path).read_text())
-        rows = [saved["names"].index(k) for k in names]
-        steps, estimator = saved["steps"], saved.get("estimator", "pairs")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise SystemExit(
-            f"--gain-init {path}: not a readable level-statistics file holding rewards {names} ({type(err).__name__}: "
-            f"{str(err)[:200]}). {fix}"
-        ) from None
-    if steps != T or estimator != "pairs":
-        raise SystemExit(
-            f"--gain-init {path}: measured with {steps} steps ({estimator}), this run has --steps {T} (pairs): "
-            "measure again with these settings, or omit --gain-init"
-        )
-    stats = []
-    for field, shape in (("n", (T + 1,)), ("s1", (len(saved["names"]), T + 1)), ("s2", (len(saved["names"]), T + 1))):
-        try:
-            value = np.asarray(saved.get(field), dtype=np.float64)  # null -> NaN, refused below
-        except (ValueError, TypeError):
-            value = np.asarray(None)
-        if value.shape != shape:
-            raise SystemExit(
-                f"--gain-init {path}: field {field!r} is not an array of shape {shape} (steps + 1 levels"
-                f"{'' if field == 'n' else ', one row per reward in names'}). {fix}"
-            )
-        if not np.isfinite(value).all():
-            raise SystemExit(
-                f"--gain-init {path}: field {field!r} holds {int((~np.isfinite(value)).sum())} null/NaN/inf entries; "
-                f"they would switch ReCAST's credit off (W uniform). {fix}"
-            )
-        stats.append(value if field == "n" else value[rows])
-    return stats
-
-
 # =============================================================================
 # Train loop
 # =============================================================================
@@ -617,7 +576,7 @@ def train(args: Args, extra_rewards=None, judges=None):
     """The whole run: per iteration rollout -> rewards -> credit (D, W) -> NFT update -> soft update
     of "old" -> log / evaluate / checkpoint. Returns the run folder."""
     run = setup_run(args, extra_rewards, judges)
-    prior = initial_level_stats(args.gain_init, run.names, args.steps) if args.gain_init else None
+    prior = read_level_stats(args.gain_init, run.names, args.steps) if args.gain_init else None
     start, state = start_or_resume(run, args)
     T, budgets = args.steps, run.budgets
     if start == 0 and prior is not None:
@@ -806,7 +765,7 @@ def validate(args: Args, extra_rewards=None):
         if args.n_roots < 2 or not branch:
             raise SystemExit("--gain-estimator pairs needs --n-roots >= 2 and at least one --branch-steps entry")
     if args.gain_init:
-        initial_level_stats(args.gain_init, names, args.steps)
+        read_level_stats(args.gain_init, names, args.steps)
     check_files(args, names)
     args.out = run_folder(args, default_name(args))
     return names, budgets, branch

@@ -393,6 +393,47 @@ def check_files(args, names):
         metrics_lines(Path(args.resume) / "metrics.jsonl")
 
 
+def read_level_stats(path, names, T):
+    """[n (T+1,), s1 (K, T+1), s2 (K, T+1)]: the rows of `names` from a level-statistics file (bench.py
+    `measure_profiles`), the gain statistics recast.py starts from with --gain-init. They are discounted by
+    --gain-ema like the run's own, so the prior's weight halves every ~7 iterations at 0.9. A file that is missing,
+    not JSON, without the run's rewards, of other steps, of the wrong shapes, or with null/NaN/inf statistics (which
+    would switch the credit off: W uniform, evidence 0) is refused naming the file and the field."""
+    fix = "Make one with bench.py's measure_profiles, or omit --gain-init"
+    try:
+        saved = json.loads(Path(path).read_text())
+        rows = [saved["names"].index(k) for k in names]
+        steps, estimator = saved["steps"], saved.get("estimator", "pairs")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise SystemExit(
+            f"--gain-init {path}: not a readable level-statistics file holding rewards {names} ({type(err).__name__}: "
+            f"{str(err)[:200]}). {fix}"
+        ) from None
+    if steps != T or estimator != "pairs":
+        raise SystemExit(
+            f"--gain-init {path}: measured with {steps} steps ({estimator}), this run has --steps {T} (pairs): "
+            "measure again with these settings, or omit --gain-init"
+        )
+    stats = []
+    for key, shape in (("n", (T + 1,)), ("s1", (len(saved["names"]), T + 1)), ("s2", (len(saved["names"]), T + 1))):
+        try:
+            value = np.asarray(saved.get(key), dtype=np.float64)  # null -> NaN, refused below
+        except (ValueError, TypeError):
+            value = np.asarray(None)
+        if value.shape != shape:
+            raise SystemExit(
+                f"--gain-init {path}: field {key!r} is not an array of shape {shape} (steps + 1 levels"
+                f"{'' if key == 'n' else ', one row per reward in names'}). {fix}"
+            )
+        if not np.isfinite(value).all():
+            raise SystemExit(
+                f"--gain-init {path}: field {key!r} holds {int((~np.isfinite(value)).sum())} null/NaN/inf entries; "
+                f"they would switch ReCAST's credit off (W uniform). {fix}"
+            )
+        stats.append(value if key == "n" else value[rows])
+    return stats
+
+
 def clip(text, n=80):
     """repr of text for a message, cut to its first n characters (a 6 kB line is not echoed in full)."""
     return repr(text) if len(text) <= n else f"{text[:n]!r}... ({len(text)} characters)"

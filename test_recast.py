@@ -540,19 +540,19 @@ def test_gain_init_reads_the_runs_rewards_rows_and_refuses_a_mismatch(tmp_path):
     }
     path = tmp_path / "profiles.json"
     path.write_text(json.dumps(saved))
-    n, got1, got2 = recast.initial_level_stats(path, ["c", "a"], T)
+    n, got1, got2 = run_kit.read_level_stats(path, ["c", "a"], T)
     assert (
         n.tolist() == [5.0] * (T + 1)
         and got1.tolist() == [s1[2].tolist(), s1[0].tolist()]
         and got2.tolist() == (got1**2).tolist()
     )
     with pytest.raises(SystemExit, match="--steps 10"):
-        recast.initial_level_stats(path, ["a"], 10)
+        run_kit.read_level_stats(path, ["a"], 10)
     with pytest.raises(SystemExit, match="holding rewards \\['a', 'zzz'\\]"):
-        recast.initial_level_stats(path, ["a", "zzz"], T)
+        run_kit.read_level_stats(path, ["a", "zzz"], T)
     path.write_text("{not json")
     with pytest.raises(SystemExit, match="--gain-init"):
-        recast.initial_level_stats(path, ["a"], T)
+        run_kit.read_level_stats(path, ["a"], T)
 
 
 # -----------------------------------------------------------------------------
