@@ -194,6 +194,37 @@ def test_texture_checker_and_rewards_by_hand():
     assert sw.REWARDS["grain"]([sw.render("a blue triangle", 1)], ["a blue triangle"])[0] == 0.0
 
 
+def test_smooth_texture_rewards_by_hand():
+    """texture_soft = min(a, 1) - min(x, 1) for a named texture, 1 - min(max(ex, ey) / c, 1) for a plain caption
+    (a, x: fine energy along / across the named lines in units of c = texture_contrast()); texture_along drops the
+    across term. The striped square's ey / c is (light - dark) / (light + dark) / c (see the test above), ex = 0."""
+    amp, c = sw.TEXTURE["amp"], sw.texture_contrast()
+    light, dark = 215.0, np.round(215 * (1 - amp))
+    e = (light - dark) / (light + dark) / c  # 0.9756 at amp 0.1: just under ground truth's 1 (uint8 rounding)
+    striped, barred, plain = _textured("striped"), _textured("barred"), _textured("plain")
+    soft, along = sw.REWARDS["texture_soft"], sw.REWARDS["texture_along"]
+    caps = ["a red striped square", "a red barred square", "a red square"]
+    assert soft([striped] * 3, caps) == pytest.approx([e, -e, 1 - e], abs=1e-9)
+    assert soft([barred] * 3, caps) == pytest.approx([-e, e, 1 - e], abs=1e-9)
+    assert along([striped] * 3, caps) == pytest.approx([e, 0.0, 1 - e], abs=1e-9)
+    # a flat fill: nothing for a named texture, full marks for a plain caption; no object at all: 0
+    assert soft([plain] * 3, caps).tolist() == [0.0, 0.0, 1.0] == along([plain] * 3, caps).tolist()
+    blank = Image.new("RGB", (32, 32), (235, 235, 235))
+    assert soft([blank] * 3, caps).tolist() == [0.0, 0.0, 0.0]
+    # bounded at ground truth's level: lines at twice the amplitude score exactly 1 (not more)
+    assert soft([_textured("striped", amp=2 * amp)], caps[:1])[0] == 1.0
+    # fainter lines score in proportion: at half the amplitude about half
+    assert soft([_textured("striped", amp=amp / 2)], caps[:1])[0] == pytest.approx(0.5, abs=0.05)
+    # a plaid (lines both ways) is penalised for the other orientation in texture_soft, not in texture_along
+    plaid = _textured("plaid")
+    assert abs(soft([plaid], caps[:1])[0]) < 0.05 and along([plaid], caps[:1])[0] > 0.4
+    # ground-truth renders score near the top, named and plain; the wrong texture scores below 0
+    for i, p in enumerate(["a green barred circle", "two yellow striped squares", "a blue triangle on the left"]):
+        im = sw.render(p, 40 + i)
+        assert soft([im], [p])[0] > 0.9 and along([im], [p])[0] > 0.9
+    assert soft([sw.render("a green barred circle", 40)], ["a green striped circle"])[0] < -0.5
+
+
 def test_split_checker_rewards_and_detail_by_hand():
     # ground truth: every attribute right; position applies only to "on the ..." prompts (1 otherwise)
     prompts = ["two blue squares", "a red circle on the left"]
