@@ -327,7 +327,7 @@ def _texture_features(v: np.ndarray, m: np.ndarray) -> tuple[float, float, int]:
     return float(dx[sel].mean() / mean_v), float(dy[sel].mean() / mean_v), n
 
 
-def _line_features(v: np.ndarray, m: np.ndarray) -> tuple[float, float, int]:
+def _line_features(v: np.ndarray, m: np.ndarray, phase: bool = False) -> tuple[float, float, int]:
     """Amplitude of period-4 lines inside one object, phase-free: (lx, ly, n). v: brightness max(RGB) / 255 (32, 32);
     m: the object's pixels. Over its 1-pixel erosion (n pixels): for horizontal lines (striped), each row's mean
     brightness p_y over its inner pixels (rows with >= 2), centred on the rows' weighted mean, then the magnitude of
@@ -335,7 +335,9 @@ def _line_features(v: np.ndarray, m: np.ndarray) -> tuple[float, float, int]:
     pixels), / the object's mean inner brightness: ly; lx the same over columns (vertical lines, barred). Averaging
     along a line before the transform keeps the lines and averages pixel noise down, and the period-4 coefficient
     ignores finer (period-2) noise. Ground truth's 2-on-2-off lines at amplitude amp give the fundamental
-    (sqrt(2) / 2) amp / (1 - amp / 2) = sqrt(2) texture_contrast() (the unit of :func:`_line_energy`); a flat fill 0."""
+    (sqrt(2) / 2) amp / (1 - amp / 2) = sqrt(2) texture_contrast() (the unit of :func:`_line_energy`); a flat fill 0.
+    phase=True: the signed projection of the same coefficient on one fixed phase of the image grid instead (lines
+    dark at rows / columns 2, 3 mod 4: +amplitude; the opposite phase: -amplitude; a quarter period off: 0)."""
     from scipy import ndimage
 
     inner = ndimage.binary_erosion(m)
@@ -349,12 +351,14 @@ def _line_features(v: np.ndarray, m: np.ndarray) -> tuple[float, float, int]:
         p = np.where(w > 0, (v * inner).sum(axis=1 - axis) / np.maximum(w, 1), 0.0)
         w = np.where(w >= 2, w, 0.0)
         if w.sum() == 0:
-            out.append(0.0)
+            out.append(0j)
             continue
         k = np.arange(len(w))
         c = (w * (p - (w * p).sum() / w.sum()) * np.exp(-0.5j * np.pi * k)).sum()
-        out.append(float(2 * abs(c) / w.sum() / mean_v))
-    return out[0], out[1], n
+        out.append(2 * c / w.sum() / mean_v)
+    if not phase:
+        return abs(out[0]), abs(out[1]), n
+    return tuple(float((z * np.exp(0.25j * np.pi)).real) for z in out) + (n,)
 
 
 def _texture_of(ex: float, ey: float, n: int, plain=None, full=None, aniso=None) -> str:
@@ -442,6 +446,7 @@ def detect(img: Image.Image) -> list[dict]:
                 shape = "circle"
             ex, ey, n_inner = _texture_features(v, m)
             lx, ly, n_lines = _line_features(v, m)
+            px, py, _ = _line_features(v, m, phase=True)
             objs.append(
                 dict(
                     colour=colour,
@@ -457,6 +462,8 @@ def detect(img: Image.Image) -> list[dict]:
                     lx=lx,
                     ly=ly,
                     n_lines=n_lines,
+                    px=px,
+                    py=py,
                 )
             )
     return objs
@@ -520,6 +527,7 @@ def check(img: Image.Image, prompt: str) -> dict:
     unit = np.sqrt(2) * texture_contrast()
     s["line_x"], s["line_y"] = (sum(o["n_lines"] * o[k] for o in objs) / max(n_l, 1) / unit for k in ("lx", "ly"))
     s["n_lines"] = n_l
+    s["lock_x"], s["lock_y"] = (sum(o["n_lines"] * o[k] for o in objs) / max(n_l, 1) / unit for k in ("px", "py"))
     return s
 
 
@@ -734,6 +742,21 @@ def reward_lines_along(images: list, prompts: list[str]) -> np.ndarray:
     return np.where(n > 0, r, 0.0)
 
 
+def reward_lines_locked(images: list, prompts: list[str]) -> np.ndarray:
+    """Diagnostic, not a world reward (ground truth's lines have a random phase per object, so ground truth scores
+    ~0 on average): the named texture's lines at one fixed phase of the image grid, clip(p, -1, 1) with p the signed
+    line amplitude along the named lines (:func:`_line_features` with phase=True, pooled, in units of ground
+    truth's; dark rows / columns at 2, 3 mod 4 give +1); plain captions as :func:`reward_texture_lines`. It asks for
+    the same lines as lines_along, but where the image's lines must go is fixed: the test of whether the random
+    phase is what keeps line rewards from giving DiffusionNFT a consistent gradient."""
+    along, across, n, named = _line_energy(images, prompts)
+    lx, ly = _checked(images, prompts, "lock_x", 0.0), _checked(images, prompts, "lock_y", 0.0)
+    tex = np.array([parse_prompt(p).get("texture") for p in prompts], object)
+    locked = np.where(tex == "striped", ly, lx)
+    r = np.where(named, np.clip(locked, -1.0, 1.0), 1.0 - np.minimum(along, 1.0))
+    return np.where(n > 0, r, 0.0)
+
+
 REWARDS = {
     "geneval": reward_geneval,
     "geneval_strict": reward_geneval_strict,
@@ -754,6 +777,7 @@ REWARDS = {
     "texture_named": reward_texture_named,
     "texture_lines": reward_texture_lines,
     "lines_along": reward_lines_along,
+    "lines_locked": reward_lines_locked,
 }
 """name -> callable (images: list[PIL.Image], prompts: list[str]) -> np.ndarray (N,) float64."""
 

@@ -22,7 +22,7 @@ second) is also accumulated exactly, and its exact cosines are compared with the
 Writes --out (JSON): per reward, per t_j and for the gradient summed over the late timesteps (t <= LATE_T) and over
 all of them (what one update sums), the cosine's median and 5% / 95% quantiles over --splits random halvings,
 for the reward and its permuted control, the exact split's cosines, and the per-group mean gradient norms; the
-sketches themselves beside it (.sketches.npz).
+sketches themselves in results/late-reward/work/ (<out stem>.sketches.npz, not committed).
 """
 
 import argparse
@@ -128,7 +128,9 @@ def main(argv=None):
                     G[c, j, gi] = torch.zeros(a.sketch).index_add_(0, bucket, sign * flat).numpy()
                     exact[int(gi >= n_groups // 2), c, j] += flat
         print(f"iteration {it + 1}/{iterations}: {time.time() - t0:.0f} s", flush=True)
-    np.savez_compressed(Path(a.out).with_suffix(".sketches.npz"), G=G, norms=norms)  # for other halvings later
+    sketches = HERE / "work" / (Path(a.out).stem + ".sketches.npz")  # ~150 MB: kept out of git (work/)
+    sketches.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(sketches, G=G, norms=norms)  # for other halvings or group counts later
     late = [j for j in range(T) if sigmas[j] <= LATE_T]
     G = np.concatenate([G, G[:, late].sum(1, keepdims=True), G.sum(1, keepdims=True)], 1)  # + late sum, all-t sum
     cosines = split_cosines(G, a.splits, a.seed)  # (splits, C, T + 2)
