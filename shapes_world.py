@@ -703,8 +703,9 @@ def reward_texture_along(images: list, prompts: list[str]) -> np.ndarray:
 
 
 def reward_texture_named(images: list, prompts: list[str]) -> np.ndarray:
-    """min(a, 1) - min(x, 1) for a named texture as :func:`reward_texture_soft`, and 1 - min(x, 1) for a plain
-    caption only where its fill is plain already... (prototype: the named captions' term alone; plain captions 0.5)."""
+    """:func:`reward_texture_soft`'s named-texture term alone, min(a, 1) - min(x, 1), and a constant 0.5 for plain
+    captions (no signal from them): whether the named captions' term carries a gradient on its own. Range [-1, 1];
+    0 when no object is detected."""
     along, across, n, named = _fine_energy(images, prompts)
     r = np.where(named, np.minimum(along, 1.0) - np.minimum(across, 1.0), 0.5)
     return np.where(n > 0, r, 0.0)

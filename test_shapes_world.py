@@ -225,6 +225,39 @@ def test_smooth_texture_rewards_by_hand():
     assert soft([sw.render("a green barred circle", 40)], ["a green striped circle"])[0] < -0.5
 
 
+def test_line_texture_rewards_by_hand():
+    """texture_lines reads period-4 line amplitudes (row / column means, Fourier coefficient at period 4) in units of
+    ground truth's. Rows of 2-on-2-off lines of depth d = light - dark sit at +-d / 2 from their mean; their period-4
+    coefficient per 4 rows is (d / 2)(2 - 2i), so the amplitude 2 |c| / 4 = sqrt(2) d / 2, over the mean brightness
+    (light + dark) / 2 and in units of sqrt(2) c: d / (light + dark) / c, the same number e as the second
+    differences of the test above. The 14 inner rows are not a whole number of periods: a small leak, abs=0.01."""
+    amp, c = sw.TEXTURE["amp"], sw.texture_contrast()
+    light, dark = 215.0, np.round(215 * (1 - amp))
+    e = (light - dark) / (light + dark) / c
+    striped, barred, plain = _textured("striped"), _textured("barred"), _textured("plain")
+    lines, along, locked = sw.REWARDS["texture_lines"], sw.REWARDS["lines_along"], sw.REWARDS["lines_locked"]
+    caps = ["a red striped square", "a red barred square", "a red square"]
+    assert lines([striped] * 3, caps) == pytest.approx([e, -e, 1 - e], abs=0.01)
+    assert lines([barred] * 3, caps) == pytest.approx([-e, e, 1 - e], abs=0.01)
+    assert along([striped] * 3, caps) == pytest.approx([e, 0.0, 1 - e], abs=0.01)
+    assert lines([plain] * 3, caps).tolist() == [0.0, 0.0, 1.0]
+    # period-2 noise (a 1-pixel checkerboard) is fine energy for texture_soft but no period-4 line: texture_lines
+    # leaves a plain caption's fill at full marks, texture_soft does not
+    a = np.asarray(plain, np.float64).copy()
+    yy, xx = np.mgrid[:32, :32]
+    a[(abs(yy - 15.5) < 8) & (abs(xx - 15.5) < 8) & ((yy + xx) % 2 == 0)] *= 1 - amp
+    checker = Image.fromarray(np.round(a).astype(np.uint8))
+    assert lines([checker], caps[2:])[0] == pytest.approx(1.0, abs=1e-9)
+    assert sw.REWARDS["texture_soft"]([checker], caps[2:])[0] < 0.5
+    # ground truth (random phase per object) scores near the top
+    for i, p in enumerate(["a green barred circle", "two yellow striped squares", "a blue triangle on the left"]):
+        assert lines([sw.render(p, 40 + i)], [p])[0] > 0.85
+    # the phase-locked diagnostic: dark rows at 0, 1 mod 4 (the hand-drawn lines) give -e, shifted by 2 rows +e,
+    # by 1 row 0 (a quarter period: the projection on the fixed phase vanishes)
+    shifted = {k: Image.fromarray(np.roll(np.asarray(striped), k, axis=0)) for k in (1, 2)}
+    assert locked([striped, shifted[2], shifted[1]], caps[:1] * 3) == pytest.approx([-e, e, 0.0], abs=0.01)
+
+
 def test_split_checker_rewards_and_detail_by_hand():
     # ground truth: every attribute right; position applies only to "on the ..." prompts (1 otherwise)
     prompts = ["two blue squares", "a red circle on the left"]

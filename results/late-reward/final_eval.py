@@ -24,13 +24,18 @@ sys.path.insert(0, str(HERE.parents[1]))
 import bench  # noqa: E402
 import shapes_world  # noqa: E402
 
-SCORES = ("texture", "grain", "texture_soft", "texture_along", "saturation", "geneval")
+SCORES = ("texture", "grain", "texture_soft", "texture_along", "texture_lines", "lines_along", "saturation", "geneval")
 
 
-def latest_state(run):
+def checkpoint(run, iteration=None):
+    """The run's checkpoint folder at `iteration` (recast.py keeps the last two), else its latest."""
     ckpts = Path(run) / "checkpoints"
-    latest = ckpts / (ckpts / "latest").read_text().strip()
-    return latest
+    if iteration is not None:
+        path = ckpts / f"iter_{iteration:06d}"
+        if not (path / "state.pt").is_file():
+            raise SystemExit(f"{run}: no checkpoint at iteration {iteration} (kept: {sorted(ckpts.glob('iter_*'))})")
+        return path
+    return ckpts / (ckpts / "latest").read_text().strip()
 
 
 def scores_of(images, prompts, names):
@@ -44,6 +49,7 @@ def main(argv=None):
     ap.add_argument("--reward", required=True, help="the reward the runs trained on (the gate's metric)")
     ap.add_argument("--runs", nargs="+", required=True, help="run folders (recast.py --out), one per training seed")
     ap.add_argument("--noises", type=int, default=8)
+    ap.add_argument("--iteration", type=int, default=None, help="evaluate each run's checkpoint at this iteration")
     ap.add_argument("--scores", default=",".join(SCORES))
     ap.add_argument("--cache", default=str(HERE / "work" / "final"))
     ap.add_argument("--out", default="")
@@ -58,7 +64,7 @@ def main(argv=None):
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
     pipe = recast.load_pipeline(recast.parse_args([]), "cpu", torch.float32)
-    models = {"pretrained": None} | {Path(r).name: latest_state(r) for r in a.runs}
+    models = {"pretrained": None} | {Path(r).name: checkpoint(r, a.iteration) for r in a.runs}
     results = {}
     for label, ckpt in models.items():
         key = "pretrained" if ckpt is None else f"{Path(ckpt).parents[1].name}-{ckpt.name}"
@@ -81,6 +87,7 @@ def main(argv=None):
     out = {
         "reward": a.reward,
         "runs": [str(r) for r in a.runs],
+        "command": " ".join(sys.argv),
         "checkpoints": {lbl: str(c) for lbl, c in models.items() if c is not None},
         "images_per_seed": len(prompts),
         "noises": a.noises,
