@@ -7,9 +7,11 @@
    one band per timestep (the lowest 5% and the highest 95% quantile of any permuted reward); a reward is "above the
    band" at a timestep when its 5% quantile is above the band's 95%.
 2. The profiles (profiles192/profiles.md, written by profiles.py) as they are.
-3. The single-reward NFT gate (nft_*.json, written by final_eval.py) as they are.
+3. The single-reward NFT runs: their training reward per 10 iterations (runs/*.metrics.jsonl.gz, copies of the
+   runs' metrics.jsonl), then the gate's full held-out evaluation (nft_*.json, written by final_eval.py) as it is.
 """
 
+import gzip
 import json
 from pathlib import Path
 
@@ -48,6 +50,21 @@ def main():
     prof = HERE / "profiles192" / "profiles.md"
     if prof.is_file():
         out += ["## Profiles", "", prof.read_text()]
+    out += ["## Single-reward NFT: the training reward, mean per 10 iterations (runs/*.metrics.jsonl.gz)", ""]
+    for path in sorted((HERE / "runs").glob("*.metrics.jsonl.gz")):
+        rows = [json.loads(x) for x in gzip.open(path).read().decode().splitlines() if x.strip()]
+        key = next(k for k in rows[0] if k.startswith("reward/") and k != "reward/weighted")
+        r = [row[key] for row in rows]
+        full = len(r) // 10 * 10 or len(r)  # whole blocks of 10 iterations
+        means = [sum(r[i : i + 10]) / len(r[i : i + 10]) for i in range(0, full, 10)]
+        evals = [(row["iteration"], row[f"eval/{key[7:]}"]) for row in rows if f"eval/{key[7:]}" in row]
+        out.append(
+            f"- {path.name.split('.')[0]} ({len(r)} iterations, {key}): "
+            + ", ".join(f"{m:.3f}" for m in means)
+            + "; its own held-out evaluation (16 prompts) at iterations "
+            + ", ".join(f"{i}: {v:.3f}" for i, v in evals)
+        )
+    out.append("")
     for path in sorted(HERE.glob("nft_*.json")):
         out += ["## Single-reward NFT: " + path.stem, "", json.loads(path.read_text())["table"], ""]
     print("\n".join(out))
