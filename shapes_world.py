@@ -327,6 +327,40 @@ def _texture_features(v: np.ndarray, m: np.ndarray) -> tuple[float, float, int]:
     return float(dx[sel].mean() / mean_v), float(dy[sel].mean() / mean_v), n
 
 
+def _line_features(v: np.ndarray, m: np.ndarray, phase: bool = False) -> tuple[float, float, int]:
+    """Amplitude of period-4 lines inside one object, phase-free: (lx, ly, n). v: brightness max(RGB) / 255 (32, 32);
+    m: the object's pixels. Over its 1-pixel erosion (n pixels): for horizontal lines (striped), each row's mean
+    brightness p_y over its inner pixels (rows with >= 2), centred on the rows' weighted mean, then the magnitude of
+    its Fourier coefficient at period 4, 2 |sum_y w_y (p_y - p) exp(-i pi y / 2)| / sum_y w_y (w_y: the row's inner
+    pixels), / the object's mean inner brightness: ly; lx the same over columns (vertical lines, barred). Averaging
+    along a line before the transform keeps the lines and averages pixel noise down, and the period-4 coefficient
+    ignores finer (period-2) noise. Ground truth's 2-on-2-off lines at amplitude amp give the fundamental
+    (sqrt(2) / 2) amp / (1 - amp / 2) = sqrt(2) texture_contrast() (the unit of :func:`_line_energy`); a flat fill 0.
+    phase=True: the signed projection of the same coefficient on one fixed phase of the image grid instead (lines
+    dark at rows / columns 2, 3 mod 4: +amplitude; the opposite phase: -amplitude; a quarter period off: 0)."""
+    from scipy import ndimage
+
+    inner = ndimage.binary_erosion(m)
+    n = int(inner.sum())
+    if n == 0:
+        return 0.0, 0.0, 0
+    mean_v = max(float(v[inner].mean()), 1e-6)
+    out = []
+    for axis in (1, 0):  # lx: columns' means (vertical lines); ly: rows' means (horizontal lines)
+        w = inner.sum(axis=1 - axis).astype(np.float64)  # inner pixels per column (axis 1) or per row (axis 0)
+        p = np.where(w > 0, (v * inner).sum(axis=1 - axis) / np.maximum(w, 1), 0.0)
+        w = np.where(w >= 2, w, 0.0)
+        if w.sum() == 0:
+            out.append(0j)
+            continue
+        k = np.arange(len(w))
+        c = (w * (p - (w * p).sum() / w.sum()) * np.exp(-0.5j * np.pi * k)).sum()
+        out.append(2 * c / w.sum() / mean_v)
+    if not phase:
+        return abs(out[0]), abs(out[1]), n
+    return tuple(float((z * np.exp(0.25j * np.pi)).real) for z in out) + (n,)
+
+
 def _texture_of(ex: float, ey: float, n: int, plain=None, full=None, aniso=None) -> str:
     """With c = texture_contrast(): plain if the fine energy ex + ey < TEX_PLAIN c (or no inner pixels); striped
     (horizontal lines) if ey >= TEX_FULL c and ey > TEX_ANISO ex; barred (vertical lines) if ex >= TEX_FULL c and
@@ -411,6 +445,8 @@ def detect(img: Image.Image) -> list[dict]:
             else:
                 shape = "circle"
             ex, ey, n_inner = _texture_features(v, m)
+            lx, ly, n_lines = _line_features(v, m)
+            px, py, _ = _line_features(v, m, phase=True)
             objs.append(
                 dict(
                     colour=colour,
@@ -423,6 +459,11 @@ def detect(img: Image.Image) -> list[dict]:
                     ex=ex,
                     ey=ey,
                     n_inner=n_inner,
+                    lx=lx,
+                    ly=ly,
+                    n_lines=n_lines,
+                    px=px,
+                    py=py,
                 )
             )
     return objs
@@ -481,6 +522,12 @@ def check(img: Image.Image, prompt: str) -> dict:
     ex, ey, n_in = pooled_texture(objs)
     s["texture"] = float(bool(objs) and _texture_of(ex, ey, n_in) == spec.get("texture", "plain"))
     s["grain"] = max(ex, ey) / texture_contrast()
+    s["fine_x"], s["fine_y"], s["n_inner"] = ex / texture_contrast(), ey / texture_contrast(), n_in
+    n_l = sum(o["n_lines"] for o in objs)
+    unit = np.sqrt(2) * texture_contrast()
+    s["line_x"], s["line_y"] = (sum(o["n_lines"] * o[k] for o in objs) / max(n_l, 1) / unit for k in ("lx", "ly"))
+    s["n_lines"] = n_l
+    s["lock_x"], s["lock_y"] = (sum(o["n_lines"] * o[k] for o in objs) / max(n_l, 1) / unit for k in ("px", "py"))
     return s
 
 
@@ -618,6 +665,99 @@ def reward_detail(images: list, prompts: list[str] | None = None) -> np.ndarray:
     return np.array(out, np.float64)
 
 
+def _fine_energy(images: list, prompts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per image, from :func:`check`'s pooled inner pixels, in units of ground truth's contrast texture_contrast():
+    (along, across, n_inner, named). along: the fine energy of the caption's texture's lines (ey for striped, whose
+    horizontal lines vary along y; ex for barred), across: the other direction's; for captions that name no texture
+    along = across = max(ex, ey) / c. named: whether the caption names a texture. n_inner: 0 when no object's inner
+    pixels were found (then along = across = 0)."""
+    fx, fy = _checked(images, prompts, "fine_x", 0.0), _checked(images, prompts, "fine_y", 0.0)
+    n = _checked(images, prompts, "n_inner", 0.0)
+    tex = np.array([parse_prompt(p).get("texture") for p in prompts], object)
+    striped, barred = tex == "striped", tex == "barred"
+    named = striped | barred
+    along = np.where(striped, fy, np.where(barred, fx, np.maximum(fx, fy)))
+    across = np.where(striped, fx, np.where(barred, fy, np.maximum(fx, fy)))
+    return along, across, n, named
+
+
+def reward_texture_soft(images: list, prompts: list[str]) -> np.ndarray:
+    """The caption's texture, smooth (the late attribute). With a = the fine energy along the named lines and
+    x = across them, in units of ground truth's contrast (:func:`_fine_energy`; 1 = ground truth's lines):
+    named texture: min(a, 1) - min(x, 1)  (the lines' contrast up to ground truth's, less the other orientation's);
+    plain caption: 1 - min(max(ex, ey) / c, 1)  (fine energy inside a plain fill penalised).
+    Range [-1, 1]; ground truth ~1 (named and plain), a flat fill 0 for a named texture and 1 for a plain caption;
+    0 when no object is detected."""
+    along, across, n, named = _fine_energy(images, prompts)
+    r = np.where(named, np.minimum(along, 1.0) - np.minimum(across, 1.0), 1.0 - np.minimum(along, 1.0))
+    return np.where(n > 0, r, 0.0)
+
+
+def reward_texture_along(images: list, prompts: list[str]) -> np.ndarray:
+    """The caption's texture, smooth, without the orientation penalty: min(a, 1) for a named texture (a = the fine
+    energy along its lines / ground truth's), 1 - min(max(ex, ey) / c, 1) for a plain caption (:func:`_fine_energy`).
+    Range [0, 1]; ground truth ~1; 0 when no object is detected."""
+    along, across, n, named = _fine_energy(images, prompts)
+    r = np.where(named, np.minimum(along, 1.0), 1.0 - np.minimum(along, 1.0))
+    return np.where(n > 0, r, 0.0)
+
+
+def reward_texture_named(images: list, prompts: list[str]) -> np.ndarray:
+    """:func:`reward_texture_soft`'s named-texture term alone, min(a, 1) - min(x, 1), and a constant 0.5 for plain
+    captions (no signal from them): whether the named captions' term carries a gradient on its own. Range [-1, 1];
+    0 when no object is detected."""
+    along, across, n, named = _fine_energy(images, prompts)
+    r = np.where(named, np.minimum(along, 1.0) - np.minimum(across, 1.0), 0.5)
+    return np.where(n > 0, r, 0.0)
+
+
+def _line_energy(images: list, prompts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """As :func:`_fine_energy` with the period-4 line amplitudes of :func:`_line_features` (pooled over the detected
+    objects, weighted by their inner pixels) in units of ground truth's, sqrt(2) texture_contrast():
+    (along, across, n, named)."""
+    lx, ly = _checked(images, prompts, "line_x", 0.0), _checked(images, prompts, "line_y", 0.0)
+    n = _checked(images, prompts, "n_lines", 0.0)
+    tex = np.array([parse_prompt(p).get("texture") for p in prompts], object)
+    striped, barred = tex == "striped", tex == "barred"
+    named = striped | barred
+    along = np.where(striped, ly, np.where(barred, lx, np.maximum(lx, ly)))
+    across = np.where(striped, lx, np.where(barred, ly, np.maximum(lx, ly)))
+    return along, across, n, named
+
+
+def reward_texture_lines(images: list, prompts: list[str]) -> np.ndarray:
+    """The caption's texture, smooth, read by a line detector: with a, x the period-4 line amplitudes along and
+    across the named texture's lines in units of ground truth's (:func:`_line_energy`, :func:`_line_features`):
+    named texture: min(a, 1) - min(x, 1); plain caption: 1 - min(max(lx, ly), 1). Range [-1, 1]; ground truth ~1,
+    flat fill 0 (named) / 1 (plain); 0 when no object is detected."""
+    along, across, n, named = _line_energy(images, prompts)
+    r = np.where(named, np.minimum(along, 1.0) - np.minimum(across, 1.0), 1.0 - np.minimum(along, 1.0))
+    return np.where(n > 0, r, 0.0)
+
+
+def reward_lines_along(images: list, prompts: list[str]) -> np.ndarray:
+    """:func:`reward_texture_lines` without the across term: min(a, 1) for a named texture, 1 - min(max(lx, ly), 1)
+    for a plain caption. Range [0, 1]; 0 when no object is detected."""
+    along, across, n, named = _line_energy(images, prompts)
+    r = np.where(named, np.minimum(along, 1.0), 1.0 - np.minimum(along, 1.0))
+    return np.where(n > 0, r, 0.0)
+
+
+def reward_lines_locked(images: list, prompts: list[str]) -> np.ndarray:
+    """Diagnostic, not a world reward (ground truth's lines have a random phase per object, so ground truth scores
+    ~0 on average): the named texture's lines at one fixed phase of the image grid, clip(p, -1, 1) with p the signed
+    line amplitude along the named lines (:func:`_line_features` with phase=True, pooled, in units of ground
+    truth's; dark rows / columns at 2, 3 mod 4 give +1); plain captions as :func:`reward_texture_lines`. It asks for
+    the same lines as lines_along, but where the image's lines must go is fixed: the test of whether the random
+    phase is what keeps line rewards from giving DiffusionNFT a consistent gradient."""
+    along, across, n, named = _line_energy(images, prompts)
+    lx, ly = _checked(images, prompts, "lock_x", 0.0), _checked(images, prompts, "lock_y", 0.0)
+    tex = np.array([parse_prompt(p).get("texture") for p in prompts], object)
+    locked = np.where(tex == "striped", ly, lx)
+    r = np.where(named, np.clip(locked, -1.0, 1.0), 1.0 - np.minimum(along, 1.0))
+    return np.where(n > 0, r, 0.0)
+
+
 REWARDS = {
     "geneval": reward_geneval,
     "geneval_strict": reward_geneval_strict,
@@ -633,6 +773,12 @@ REWARDS = {
     # the late attribute: the caption's texture (0/1) and fine contrast inside shapes (smooth)
     "texture": reward_texture,
     "grain": reward_grain,
+    "texture_soft": reward_texture_soft,
+    "texture_along": reward_texture_along,
+    "texture_named": reward_texture_named,
+    "texture_lines": reward_texture_lines,
+    "lines_along": reward_lines_along,
+    "lines_locked": reward_lines_locked,
 }
 """name -> callable (images: list[PIL.Image], prompts: list[str]) -> np.ndarray (N,) float64."""
 

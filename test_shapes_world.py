@@ -194,6 +194,70 @@ def test_texture_checker_and_rewards_by_hand():
     assert sw.REWARDS["grain"]([sw.render("a blue triangle", 1)], ["a blue triangle"])[0] == 0.0
 
 
+def test_smooth_texture_rewards_by_hand():
+    """texture_soft = min(a, 1) - min(x, 1) for a named texture, 1 - min(max(ex, ey) / c, 1) for a plain caption
+    (a, x: fine energy along / across the named lines in units of c = texture_contrast()); texture_along drops the
+    across term. The striped square's ey / c is (light - dark) / (light + dark) / c (see the test above), ex = 0."""
+    amp, c = sw.TEXTURE["amp"], sw.texture_contrast()
+    light, dark = 215.0, np.round(215 * (1 - amp))
+    e = (light - dark) / (light + dark) / c  # 0.9756 at amp 0.1: just under ground truth's 1 (uint8 rounding)
+    striped, barred, plain = _textured("striped"), _textured("barred"), _textured("plain")
+    soft, along = sw.REWARDS["texture_soft"], sw.REWARDS["texture_along"]
+    caps = ["a red striped square", "a red barred square", "a red square"]
+    assert soft([striped] * 3, caps) == pytest.approx([e, -e, 1 - e], abs=1e-9)
+    assert soft([barred] * 3, caps) == pytest.approx([-e, e, 1 - e], abs=1e-9)
+    assert along([striped] * 3, caps) == pytest.approx([e, 0.0, 1 - e], abs=1e-9)
+    # a flat fill: nothing for a named texture, full marks for a plain caption; no object at all: 0
+    assert soft([plain] * 3, caps).tolist() == [0.0, 0.0, 1.0] == along([plain] * 3, caps).tolist()
+    blank = Image.new("RGB", (32, 32), (235, 235, 235))
+    assert soft([blank] * 3, caps).tolist() == [0.0, 0.0, 0.0]
+    # bounded at ground truth's level: lines at twice the amplitude score exactly 1 (not more)
+    assert soft([_textured("striped", amp=2 * amp)], caps[:1])[0] == 1.0
+    # fainter lines score in proportion: at half the amplitude about half
+    assert soft([_textured("striped", amp=amp / 2)], caps[:1])[0] == pytest.approx(0.5, abs=0.05)
+    # a plaid (lines both ways) is penalised for the other orientation in texture_soft, not in texture_along
+    plaid = _textured("plaid")
+    assert abs(soft([plaid], caps[:1])[0]) < 0.05 and along([plaid], caps[:1])[0] > 0.4
+    # ground-truth renders score near the top, named and plain; the wrong texture scores below 0
+    for i, p in enumerate(["a green barred circle", "two yellow striped squares", "a blue triangle on the left"]):
+        im = sw.render(p, 40 + i)
+        assert soft([im], [p])[0] > 0.9 and along([im], [p])[0] > 0.9
+    assert soft([sw.render("a green barred circle", 40)], ["a green striped circle"])[0] < -0.5
+
+
+def test_line_texture_rewards_by_hand():
+    """texture_lines reads period-4 line amplitudes (row / column means, Fourier coefficient at period 4) in units of
+    ground truth's. Rows of 2-on-2-off lines of depth d = light - dark sit at +-d / 2 from their mean; their period-4
+    coefficient per 4 rows is (d / 2)(2 - 2i), so the amplitude 2 |c| / 4 = sqrt(2) d / 2, over the mean brightness
+    (light + dark) / 2 and in units of sqrt(2) c: d / (light + dark) / c, the same number e as the second
+    differences of the test above. The 14 inner rows are not a whole number of periods: a small leak, abs=0.01."""
+    amp, c = sw.TEXTURE["amp"], sw.texture_contrast()
+    light, dark = 215.0, np.round(215 * (1 - amp))
+    e = (light - dark) / (light + dark) / c
+    striped, barred, plain = _textured("striped"), _textured("barred"), _textured("plain")
+    lines, along, locked = sw.REWARDS["texture_lines"], sw.REWARDS["lines_along"], sw.REWARDS["lines_locked"]
+    caps = ["a red striped square", "a red barred square", "a red square"]
+    assert lines([striped] * 3, caps) == pytest.approx([e, -e, 1 - e], abs=0.01)
+    assert lines([barred] * 3, caps) == pytest.approx([-e, e, 1 - e], abs=0.01)
+    assert along([striped] * 3, caps) == pytest.approx([e, 0.0, 1 - e], abs=0.01)
+    assert lines([plain] * 3, caps).tolist() == [0.0, 0.0, 1.0]
+    # period-2 noise (a 1-pixel checkerboard) is fine energy for texture_soft but no period-4 line: texture_lines
+    # leaves a plain caption's fill at full marks, texture_soft does not
+    a = np.asarray(plain, np.float64).copy()
+    yy, xx = np.mgrid[:32, :32]
+    a[(abs(yy - 15.5) < 8) & (abs(xx - 15.5) < 8) & ((yy + xx) % 2 == 0)] *= 1 - amp
+    checker = Image.fromarray(np.round(a).astype(np.uint8))
+    assert lines([checker], caps[2:])[0] == pytest.approx(1.0, abs=1e-9)
+    assert sw.REWARDS["texture_soft"]([checker], caps[2:])[0] < 0.5
+    # ground truth (random phase per object) scores near the top
+    for i, p in enumerate(["a green barred circle", "two yellow striped squares", "a blue triangle on the left"]):
+        assert lines([sw.render(p, 40 + i)], [p])[0] > 0.85
+    # the phase-locked diagnostic: dark rows at 0, 1 mod 4 (the hand-drawn lines) give -e, shifted by 2 rows +e,
+    # by 1 row 0 (a quarter period: the projection on the fixed phase vanishes)
+    shifted = {k: Image.fromarray(np.roll(np.asarray(striped), k, axis=0)) for k in (1, 2)}
+    assert locked([striped, shifted[2], shifted[1]], caps[:1] * 3) == pytest.approx([-e, e, 0.0], abs=0.01)
+
+
 def test_split_checker_rewards_and_detail_by_hand():
     # ground truth: every attribute right; position applies only to "on the ..." prompts (1 otherwise)
     prompts = ["two blue squares", "a red circle on the left"]
