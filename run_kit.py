@@ -208,7 +208,7 @@ def parse_flags(argv, Args, groups, doc, script):
             "Drop them, or start a new run"
         )
     known = {f.name for f in fields(Args)}
-    args = Args(**{**{k: v for k, v in saved.items() if k in known}, **given})
+    args = Args(**{**{k: v for k, v in saved.items() if k in known and k not in NOT_ON_RESUME}, **given})
     args.out, args.resume = str(args.resume), str(args.resume)
     return args
 

@@ -986,3 +986,15 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--same-metrics"]:
             Path(a) / "metrics.jsonl" if Path(a).is_dir() else a, Path(b) / "metrics.jsonl" if Path(b).is_dir() else b
         )
         print(f"{a} vs {b}: {'same apart from time/*' if same else why}")
+
+
+@pytest.mark.parametrize("script", [recast, rvge])
+def test_resume_never_takes_overwrite_from_the_saved_run(tmp_path, script):
+    """A run started with --overwrite saves overwrite = true in its config.json; resuming it must not replay the
+    overwrite (start_or_resume would delete the run's checkpoints and metrics)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = {**vars(script.Args()), "overwrite": True, "name": "first", "out": str(run)}
+    (run / "config.json").write_text(json.dumps({"script": script.__name__, "args": saved}))
+    args = script.parse_args(["--resume", str(run)])
+    assert args.overwrite is False and args.name == "" and args.out == str(run)
