@@ -665,20 +665,26 @@ def reward_detail(images: list, prompts: list[str] | None = None) -> np.ndarray:
     return np.array(out, np.float64)
 
 
-def _fine_energy(images: list, prompts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per image, from :func:`check`'s pooled inner pixels, in units of ground truth's contrast texture_contrast():
-    (along, across, n_inner, named). along: the fine energy of the caption's texture's lines (ey for striped, whose
-    horizontal lines vary along y; ex for barred), across: the other direction's; for captions that name no texture
-    along = across = max(ex, ey) / c. named: whether the caption names a texture. n_inner: 0 when no object's inner
-    pixels were found (then along = across = 0)."""
-    fx, fy = _checked(images, prompts, "fine_x", 0.0), _checked(images, prompts, "fine_y", 0.0)
-    n = _checked(images, prompts, "n_inner", 0.0)
+def _along_across(images: list, prompts: list[str], kx: str, ky: str, kn: str):
+    """(along, across, n, named) from :func:`check`'s per-image features kx, ky (x and y direction) and count kn:
+    along = the feature of the caption's texture's lines (ky for striped, whose horizontal lines vary along y; kx for
+    barred), across = the other direction's; for captions that name no texture along = across = max(kx, ky). named:
+    whether the caption names a texture. n: kn (0 when nothing was measured; then along = across = 0)."""
+    fx, fy = _checked(images, prompts, kx, 0.0), _checked(images, prompts, ky, 0.0)
+    n = _checked(images, prompts, kn, 0.0)
     tex = np.array([parse_prompt(p).get("texture") for p in prompts], object)
     striped, barred = tex == "striped", tex == "barred"
     named = striped | barred
     along = np.where(striped, fy, np.where(barred, fx, np.maximum(fx, fy)))
     across = np.where(striped, fx, np.where(barred, fy, np.maximum(fx, fy)))
     return along, across, n, named
+
+
+def _fine_energy(images: list, prompts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per image, from :func:`check`'s pooled inner pixels, in units of ground truth's contrast texture_contrast():
+    (along, across, n_inner, named) of the fine energies ex, ey (:func:`_along_across`). n_inner: 0 when no object's
+    inner pixels were found."""
+    return _along_across(images, prompts, "fine_x", "fine_y", "n_inner")
 
 
 def reward_texture_soft(images: list, prompts: list[str]) -> np.ndarray:
@@ -715,14 +721,7 @@ def _line_energy(images: list, prompts: list[str]) -> tuple[np.ndarray, np.ndarr
     """As :func:`_fine_energy` with the period-4 line amplitudes of :func:`_line_features` (pooled over the detected
     objects, weighted by their inner pixels) in units of ground truth's, sqrt(2) texture_contrast():
     (along, across, n, named)."""
-    lx, ly = _checked(images, prompts, "line_x", 0.0), _checked(images, prompts, "line_y", 0.0)
-    n = _checked(images, prompts, "n_lines", 0.0)
-    tex = np.array([parse_prompt(p).get("texture") for p in prompts], object)
-    striped, barred = tex == "striped", tex == "barred"
-    named = striped | barred
-    along = np.where(striped, ly, np.where(barred, lx, np.maximum(lx, ly)))
-    across = np.where(striped, lx, np.where(barred, ly, np.maximum(lx, ly)))
-    return along, across, n, named
+    return _along_across(images, prompts, "line_x", "line_y", "n_lines")
 
 
 def reward_texture_lines(images: list, prompts: list[str]) -> np.ndarray:
