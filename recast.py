@@ -443,9 +443,31 @@ def solve_W(budgets, profile, tau=1.0, eps=1e-3, tol=1e-12, max_iter=20000, col_
     return W
 
 
-def uniform_W(budgets, T):
-    """W_kj = lambda_k / T: DiffusionNFT with per-reward normalisation (--credit uniform)."""
-    return np.repeat(np.asarray(budgets, dtype=np.float64)[:, None] / T, T, axis=1)
+def uniform_W(budgets, T, col_sums=None):
+    """W_kj = lambda_k / T: DiffusionNFT with per-reward normalisation (--credit uniform); with col_sums c (T,),
+    W_kj = lambda_k c_j / Lam."""
+    lam = np.asarray(budgets, dtype=np.float64)
+    if col_sums is None:
+        return np.repeat(lam[:, None] / T, T, axis=1)
+    return np.outer(lam, col_sums) / lam.sum()
+
+
+def gradient_unit_columns(sigmas, budgets):
+    """Column sums equal in gradient units (--column-units gradient): c_j propto 1 / s_j, scaled to sum to Lam.
+    nft_loss's velocity gradient per unit weight at t = s_j is proportional to s_j (derivations.ipynb §11), so
+    c_j s_j, each step's share of the update, is the same for every step. sigmas (T+1,) -> (T,)."""
+    inv = 1.0 / np.asarray(sigmas[:-1], dtype=np.float64)
+    return float(np.sum(budgets)) * inv / inv.sum()
+
+
+def equal_columns(W):
+    """Split a W with unequal column sums c_j into the step weight omega_j = T c_j / Lam and the equal-column
+    W' = W Lam / (T c_j). The NFT loss is linear in r (derivations.ipynb §4), so
+    sum_k (T / Lam) W_kj L(r_k) = omega_j L(r~'_j) with r~'_j = mix_optimality(r, W', j) in [0, 1].
+    W (K, T) -> (omega (T,), W')."""
+    W = np.asarray(W, dtype=np.float64)
+    Lam, T, c = W.sum(), W.shape[1], W.sum(0)
+    return T * c / Lam, W * (Lam / T) / c
 
 
 # =============================================================================
@@ -507,12 +529,20 @@ class CreditSettings(NamedTuple):
     eps: float  # floor mixing of solve_W
     estimator: str = "pairs"  # gain estimator: pairs (branched trees) or denoised
     alpha: float = 2.0  # Renyi order (pairs: 2 only)
+    column_units: str = "loss"  # W's columns equal in loss units, or in gradient units (c_j propto 1 / s_j)
 
 
 def credit_settings(args):
     """recast.py's flags for credit."""
     return CreditSettings(
-        args.credit == "recast", args.gain_ema, args.evidence, args.tau, args.eps, args.gain_estimator, args.alpha
+        args.credit == "recast",
+        args.gain_ema,
+        args.evidence,
+        args.tau,
+        args.eps,
+        args.gain_estimator,
+        args.alpha,
+        args.column_units,
     )
 
 
@@ -526,7 +556,8 @@ def credit(settings: CreditSettings, stats, r, std, b, budgets, sigmas, reduce):
     stats = new if stats is None else [c.gain_ema * old + now for old, now in zip(stats, new)]
     D, se = level_curves(*stats, c.estimator, c.alpha)
     D_grid, gains, P, rho = credit_profiles(D, se, sigmas, stats[0], c.evidence)
-    W = solve_W(budgets, P, c.tau, c.eps) if c.learn_W else uniform_W(budgets, T)
+    cols = gradient_unit_columns(sigmas, budgets) if c.column_units == "gradient" else None
+    W = solve_W(budgets, P, c.tau, c.eps, col_sums=cols) if c.learn_W else uniform_W(budgets, T, cols)
     info = {
         "recast/D": D_grid.tolist(),
         "recast/D_measured": np.where(np.isfinite(D), D, -1.0).tolist(),
@@ -542,13 +573,19 @@ def credit(settings: CreditSettings, stats, r, std, b, budgets, sigmas, reduce):
 def nft_update(run, b, r_mix_table, W, args, gen, on_step):
     """ReCAST's update: `update_loop` with DiffusionNFT's loss (`nft_loss`) on the mixed optimality. The loss at
     t = sigmas[j] (the velocity that moves s_j -> s_{j+1}) uses r~ = sum_k (T / Lam) W_kj r_k (`mix_optimality`).
+    With --column-units gradient W's columns differ: the loss at step j is omega_j L(r~'_j) (`equal_columns`).
     b: the iteration's rollout (leaves, groups, emb, pooled); r_mix_table (N, K) optimality per reward; W (K, T)."""
     r_t = torch.as_tensor(r_mix_table, dtype=torch.float32)
+    omega = None
+    if args.column_units == "gradient":
+        omega, W = equal_columns(W)
+        omega = torch.as_tensor(omega, dtype=torch.float32)
     W_t = torch.as_tensor(W / W.sum(), dtype=torch.float32)  # scale-free before float32 (budgets of 1e-40 or 1e300)
 
     def policy_loss(nb, v_theta, v_old):
         r = mix_optimality(r_t[nb.i], W_t, nb.j).to(nb.x0.device)
-        return nft_loss(v_theta, v_old, nb.x_t, nb.x0, nb.s, r, b=args.nft_b)
+        loss = nft_loss(v_theta, v_old, nb.x_t, nb.x0, nb.s, r, b=args.nft_b)
+        return loss if omega is None else loss * omega[nb.j].to(loss.device)
 
     return update_loop(run, b, args, gen, on_step, policy_loss)
 
@@ -559,12 +596,14 @@ def combine_raw(rewards, budgets):
     return np.asarray(rewards, dtype=np.float64) @ np.asarray(budgets, dtype=np.float64)
 
 
-def nft_baseline(R, groups, budgets, T, reduce):
+def nft_baseline(R, groups, budgets, sigmas, reduce, column_units="loss"):
     """--credit nft, DiffusionNFT's multi-reward baseline: one combined raw reward sum_k lambda_k R_k (`combine_raw`),
-    normalised once over all processes. Returns its optimality (N, 1) and the one-row W (1, T) that leaves it as is."""
+    normalised once over all processes. Returns its optimality (N, 1) and the one-row W (1, T) that leaves it as is
+    (with --column-units gradient, its columns in gradient units: the step weights omega_j)."""
     Rc = combine_raw(R, budgets)[:, None]
     _, _, std = global_stats(Rc, reduce)
-    return optimality(Rc, groups, std=std), uniform_W(budgets=[1.0], T=T)
+    cols = gradient_unit_columns(sigmas, [1.0]) if column_units == "gradient" else None
+    return optimality(Rc, groups, std=std), uniform_W([1.0], len(sigmas) - 1, cols)
 
 
 # =============================================================================
@@ -578,7 +617,7 @@ def train(args: Args, extra_rewards=None, judges=None):
     run = setup_run(args, extra_rewards, judges)
     prior = read_level_stats(args.gain_init, run.names, args.steps) if args.gain_init else None
     start, state = start_or_resume(run, args)
-    T, budgets = args.steps, run.budgets
+    budgets = run.budgets
     if start == 0 and prior is not None:
         state["level_stats"] = prior
 
@@ -611,7 +650,10 @@ def train(args: Args, extra_rewards=None, judges=None):
         state["level_stats"], credit_info, W = credit(
             credit_settings(args), state.get("level_stats"), r, std, b, budgets, sigmas, run.reduce
         )
-        r_train, W_train = nft_baseline(b.R, b.groups, budgets, T, run.reduce) if args.credit == "nft" else (r, W)
+        if args.credit == "nft":
+            r_train, W_train = nft_baseline(b.R, b.groups, budgets, sigmas, run.reduce, args.column_units)
+        else:
+            r_train, W_train = r, W
         t3 = time.perf_counter()
         # 3. NFT update of "default", then the soft update of "old"
         losses = nft_update(run, b, r_train, W_train, args, gen, on_step)
@@ -676,6 +718,11 @@ class Args(RunArgs):
     evidence: float = flag(2.0, "method", min=0)
     """shrink each reward's profile towards uniform by rho = max(0, 1 - c p / Q), Q the chi^2 of its curve against
     uniform gains (0: no shrinkage)"""
+    column_units: str = flag("loss", "method", choices=["loss", "gradient"])
+    """what W's equal columns ("the same total weight to each denoising step") are equal in: loss (DiffusionNFT's loss
+    as it is: column sums Lam / T) or gradient (column sums propto 1 / t_j, since the loss's velocity gradient per
+    unit weight is propto t: each step gets the same share of the update; derivations.ipynb §11). Also applies to
+    --credit uniform and nft"""
     gain_init: str = flag("", "method")
     """start the discounted level statistics from this JSON (bench.py's profiles.json: n, s1, s2 measured on the
     pretrained model with many groups) instead of from nothing; it must hold the run's rewards, with the same --steps"""

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -329,6 +330,83 @@ def test_W_col_sums_other_marginals_default_unchanged(seed):
         recast.solve_W(lam, P, col_sums=cols[:-1])
     with pytest.raises(ValueError, match="col_sums"):
         recast.solve_W(lam, P, col_sums=2 * cols)
+
+
+def test_gradient_unit_W_columns_are_proportional_to_one_over_g_and_equal_columns_split_the_loss():
+    rng = np.random.default_rng(3)
+    sig, lam = recast.shifted_sigmas(10, 3.0), np.array([1.0, 2.0])
+    cols = recast.gradient_unit_columns(sig, lam)
+    W = recast.solve_W(lam, recast.profiles(rng.random((2, 10)) ** 3), col_sums=cols)
+    g = sig[:-1]  # velocity-space gradient size per unit weight, derivations.ipynb §11
+    assert np.allclose(W.sum(1), lam, atol=1e-9)
+    assert np.allclose(W.sum(0) * g / (W.sum(0) * g).mean(), 1.0, atol=1e-9)  # column sums propto 1 / g_j
+    # omega_j L(r~_j) with the equal-column W' is the W-weighted sum of per-reward NFT losses
+    omega, W_eq = recast.equal_columns(W)
+    assert np.allclose(W_eq.sum(0), lam.sum() / 10, atol=1e-12) and np.allclose(omega.mean(), 1.0)
+    N, d = 40, 3
+    step = torch.as_tensor(rng.integers(0, 10, N))
+    s = torch.as_tensor(sig[:-1])[step]
+    r = torch.as_tensor(rng.random((N, 2)))
+    v, v_old, x0, xt = (torch.as_tensor(rng.standard_normal((N, d))) for _ in range(4))
+    lhs = torch.as_tensor(omega)[step] * recast.nft_loss(
+        v, v_old, xt, x0, s, recast.mix_optimality(r, torch.as_tensor(W_eq), step)
+    )
+    rhs = sum(
+        10 / lam.sum() * torch.as_tensor(W)[k, step] * recast.nft_loss(v, v_old, xt, x0, s, r[:, k]) for k in range(2)
+    )
+    assert torch.allclose(lhs, rhs, rtol=1e-12, atol=1e-12)
+
+
+def test_nft_update_weighs_each_step_by_omega_with_gradient_column_units(monkeypatch):
+    """--column-units gradient: the per-sample loss nft_update hands to update_loop at step j is
+    sum_k (T / Lam) W_kj nft_loss(r_k), W's columns unequal (omega_j times the equal-column mixture's loss)."""
+    rng = np.random.default_rng(4)
+    sig, lam, T, N = recast.shifted_sigmas(10, 3.0), np.array([0.7, 0.3]), 10, 12
+    W = recast.solve_W(lam, recast.profiles(rng.random((2, T)) ** 3), col_sums=recast.gradient_unit_columns(sig, lam))
+    r = rng.random((N, 2))
+    monkeypatch.setattr(recast, "update_loop", lambda run, b, args, gen, on_step, policy_loss: policy_loss)
+    j = torch.as_tensor(rng.integers(0, T, N))
+    nb = SimpleNamespace(i=torch.arange(N), j=j, s=torch.as_tensor(sig[:-1], dtype=torch.float32)[j])
+    nb.x0, nb.x_t = torch.randn(N, 3, 2, 2), torch.randn(N, 3, 2, 2)
+    v_theta, v_old = torch.randn(N, 3, 2, 2), torch.randn(N, 3, 2, 2)
+    for units in ("gradient", "loss"):
+        args = SimpleNamespace(column_units=units, nft_b=1.0)
+        got = recast.nft_update(None, None, r, W, args, None, None)(nb, v_theta, v_old)
+        Wt = torch.as_tensor(W, dtype=torch.float32)
+        per_reward = [
+            recast.nft_loss(v_theta, v_old, nb.x_t, nb.x0, nb.s, torch.as_tensor(r[:, k], dtype=torch.float32))
+            for k in range(2)
+        ]
+        want = sum(T / lam.sum() * Wt[k, j] * per_reward[k] for k in range(2))
+        if units == "gradient":
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+        else:  # loss units read W's columns as equal: the mixture's loss, no step weight; differs here
+            assert not torch.allclose(got, want, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("credit", ["recast", "uniform", "nft"])
+def test_column_units_gradient_in_a_run(tiny, tmp_path, monkeypatch, credit):
+    """A tiny run with --column-units gradient logs W with column sums propto 1 / s_j (rows: the budgets), and the
+    update gets it (--credit nft: combine_raw's one row of sum 1 with those columns)."""
+    got = []
+
+    def record(run, b, r_train, W_train, args, gen, on_step):
+        got.append(W_train)
+        return {"loss/policy": 0.0, "loss/base_reg": 0.0, "train/opt_steps": 0, "train/samples": 0}
+
+    monkeypatch.setattr(recast, "nft_update", record)
+    out = tmp_path / "run"
+    argv = tiny_argv(
+        tiny, out, "--iterations", "1", "--eval-every", "0", "--credit", credit, "--column-units", "gradient"
+    )
+    recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+    m = read_metrics(out)[0]
+    cols = recast.gradient_unit_columns(np.array(m["recast/sigmas"]), [0.6, 0.4])
+    W = np.array(m["recast/W"])
+    assert np.abs(W.sum(1) - [0.6, 0.4]).max() < 1e-9 and np.abs(W.sum(0) - cols).max() < 1e-9
+    assert cols[-1] / cols[0] > 50  # the last training step's small t: a real reweighting
+    want = cols[None] / 1.0 if credit == "nft" else W
+    assert np.abs(np.asarray(got[0]) - want).max() < 1e-9
 
 
 def test_W_input_errors():

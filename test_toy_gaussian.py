@@ -135,37 +135,6 @@ def test_reversed_W_has_the_same_marginals_and_is_the_flipped_W():
     assert np.abs(W_rev - W).max() > 0.01  # a real control: it differs from W
 
 
-def test_gradient_unit_W_columns_are_proportional_to_one_over_g_and_equal_columns_split_the_loss():
-    import numpy as np
-    import torch
-
-    import recast
-    import toy_gaussian as tg
-
-    rng = np.random.default_rng(3)
-    sig, lam = recast.shifted_sigmas(10, 3.0), np.array([1.0, 2.0])
-    cols = tg.gradient_unit_columns(sig, lam)
-    W = recast.solve_W(lam, recast.profiles(rng.random((2, 10)) ** 3), col_sums=cols)
-    g = sig[:-1]  # velocity-space gradient size per unit weight, derivations.ipynb §11
-    assert np.allclose(W.sum(1), lam, atol=1e-9)
-    assert np.allclose(W.sum(0) * g / (W.sum(0) * g).mean(), 1.0, atol=1e-9)  # column sums propto 1 / g_j
-    # omega_j L(r~_j) with the equal-column W' is the W-weighted sum of per-reward NFT losses
-    omega, W_eq = tg.equal_columns(W)
-    assert np.allclose(W_eq.sum(0), lam.sum() / 10, atol=1e-12) and np.allclose(omega.mean(), 1.0)
-    N, d = 40, 3
-    step = torch.as_tensor(rng.integers(0, 10, N))
-    s = torch.as_tensor(sig[:-1])[step]
-    r = torch.as_tensor(rng.random((N, 2)))
-    v, v_old, x0, xt = (torch.as_tensor(rng.standard_normal((N, d))) for _ in range(4))
-    lhs = torch.as_tensor(omega)[step] * recast.nft_loss(
-        v, v_old, xt, x0, s, recast.mix_optimality(r, torch.as_tensor(W_eq), step)
-    )
-    rhs = sum(
-        10 / lam.sum() * torch.as_tensor(W)[k, step] * recast.nft_loss(v, v_old, xt, x0, s, r[:, k]) for k in range(2)
-    )
-    assert torch.allclose(lhs, rhs, rtol=1e-12, atol=1e-12)
-
-
 def test_per_run_clip_matches_clip_grad_norm_run_by_run():
     import torch
 

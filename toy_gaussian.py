@@ -1582,22 +1582,6 @@ def stack_columns(W):
     return W.permute(1, 0, 2).reshape(K, S * T)
 
 
-def equal_columns(W):
-    """Split a W with unequal column sums c_j (gradient units) into the step weight omega_j = T c_j / Lam and the
-    equal-column W' = W Lam / (T c_j): since the NFT loss is linear in r (derivations.ipynb §4),
-    sum_k (T / Lam) W_kj L(r_k) = omega_j L(r~_j), r~_j = mix_optimality(r, W', j). W (K, T) -> (omega (T,), W')."""
-    W = np.asarray(W, dtype=np.float64)
-    Lam, T, c = W.sum(), W.shape[1], W.sum(0)
-    return T * c / Lam, W * (Lam / T) / c
-
-
-def gradient_unit_columns(sigmas, budgets):
-    """Column sums equal in gradient units: c_j propto 1 / g_j with g_j = s_j, the size of nft_loss's velocity
-    gradient per unit weight at step j (proportional to t: derivations.ipynb §11), scaled to sum to Lam. (T,)."""
-    inv = 1.0 / np.asarray(sigmas[:-1], dtype=np.float64)
-    return float(np.sum(budgets)) * inv / inv.sum()
-
-
 def reversed_W(budgets, P, **kw):
     """Time-reversed control: each reward's profile flipped in time, then solve_W. With equal column sums its
     marginals are those of solve_W(budgets, P) (rows lambda, columns Lam / T) and it is that W flipped."""
@@ -1717,7 +1701,7 @@ def recast_plan(arms, seeds, sigmas, P):
     propto 1 / s_j) on uniform or exact profiles; nft: uniform W over copies of the raw-sum optimality; online
     starts uniform."""
     T, lam = len(sigmas) - 1, TRAIN_LAM
-    cols = gradient_unit_columns(sigmas, lam)
+    cols = recast.gradient_unit_columns(sigmas, lam)
     Ws = {
         "nft": recast.uniform_W(lam, T),
         "uniform": recast.uniform_W(lam, T),
@@ -1729,7 +1713,7 @@ def recast_plan(arms, seeds, sigmas, P):
     }
     W, omega = [], []
     for arm, _ in [(a, s) for a in arms for s in seeds]:
-        om, Weq = equal_columns(Ws[arm])
+        om, Weq = recast.equal_columns(Ws[arm])
         W.append(Weq), omega.append(om)
     flags = np.array([a for a in arms for _ in seeds])
     plan = ArmPlan("recast", tuple(arms), tuple(seeds), np.stack(W), np.stack(omega), flags == "online", flags == "nft")
