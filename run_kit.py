@@ -3,10 +3,11 @@ set up, kept and logged with (as diffusers' training examples import `diffusers.
 
 Flags (RunArgs: the evaluation, I/O and reward-model flags each script's Args inherits; Args -> argparse with --help
 sections; --resume's saved config), the input checks both scripts make, model loading, text encoding, decoding and
-scoring, what a run holds (`Run`), run folders, locks, resume, atomic checkpoints, trackers, figures and --dry-run. The
-method and the DiffusionNFT training core it acts on (optimality, schedules, sampler steps, tree rollouts, the update
-loop, the evaluation) stay in each script, which passes in what is its own: its Args class and --help sections, its
-checks, its default run name, its evaluation.
+scoring, what a run holds (`Run`), the held-out evaluation (split over processes; evaluate.py runs it on any
+checkpoint), run folders, locks, resume, atomic checkpoints, trackers, figures and --dry-run. The method and the
+DiffusionNFT training core it acts on (optimality, schedules, sampler steps, tree rollouts, the update loop) stay in
+each script, which passes in what is its own: its Args class and --help sections, its checks, its default run name,
+its held-out sampler (`ode_sample`).
 diffusers, transformers, peft, accelerate and matplotlib are imported where first used, so that importing a script
 for its math (the toy, the notebook, the tests) does not load them.
 """
@@ -1357,7 +1358,8 @@ def show_evaluation(run: Run, it, evaluated, state):
     (`plot_run`), all logged as images to the --report-to tracker at step `it` (None: the first evaluation, before
     any update, logged as eval_before/samples)."""
     _, images, R = evaluated
-    rows = [("before", state["samples_before"])] if "samples_before" in state else []
+    before = state.get("samples_before")  # a resume with other --eval-prompts: no before row
+    rows = [("before", before)] if before is not None and len(before[1]) == len(run.eval_prompts) else []
     if it is not None:
         rows.append((f"iteration {it}", (np.stack([np.asarray(im.convert("RGB")) for im in images]), R)))
     save_samples(run.out / "samples.png", run.eval_prompts, rows, run.budgets)

@@ -125,11 +125,35 @@ def test_evaluate_py_gives_the_runs_own_evaluations(tiny, tmp_path, module, caps
     assert saved["metrics"] == got and saved["iteration"] == 1 and len(saved["images"]) == 4
     assert np.mean([im["brightness"] for im in saved["images"]]) == pytest.approx(got["eval/brightness"])
     assert "eval/weighted" in capsys.readouterr().out
+    before = torch.load(out / "checkpoints" / "iter_000001" / "state.pt", weights_only=False)["samples_before"]
+    assert before[0].shape == (4, 16, 16, 3) and before[1].shape == (4, 2)  # a resumed run still shows them
     base = evaluate.main([str(out), "--base"], extra_rewards=TINY_REWARDS)
     assert base == {k.replace("eval_before/", "eval/"): v for k, v in rows[0].items() if k.startswith("eval_before/")}
     assert base != got
     with pytest.raises(SystemExit, match="neither a run folder"):
         evaluate.main([str(tmp_path)])
+
+
+def test_the_samples_figure_shows_before_above_after_with_each_images_reward(tmp_path, monkeypatch):
+    """save_samples: per `cols` prompts a row of the first evaluation's images, then the same prompts now, each
+    captioned with its label, its budget-weighted reward and its prompt; the last row padded with blanks."""
+    seen = {}
+    monkeypatch.setattr(
+        run_kit, "save_grid", lambda images, path, captions, cols: seen.update(n=len(images), c=captions)
+    )
+    pixels, R = np.zeros((3, 16, 16, 3), np.uint8), np.array([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]])
+    rows = [("before", (pixels, R)), ("iteration 4", (pixels + 255, 0 * R))]
+    run_kit.save_samples(tmp_path / "samples.png", ["a", "b", "c"], rows, budgets=[3, 1], cols=2)
+    assert seen["n"] == 8 and seen["c"] == [
+        "before: 0.750. a",
+        "before: 0.250. b",
+        "iteration 4: 0.000. a",
+        "iteration 4: 0.000. b",
+        "before: 0.500. c",
+        "",
+        "iteration 4: 0.000. c",
+        "",
+    ]
 
 
 def test_gradients_are_averaged_in_one_collective():
