@@ -7,8 +7,8 @@ On the run's settings the numbers are the eval/* the run logged at that iteratio
     python evaluate.py runs/recast-recast-0 --base                # the pretrained model, with the run's settings
     accelerate launch --num_processes 8 evaluate.py runs/recast-recast-0   # the prompts split over processes
 
-Writes <run>/eval-<checkpoint>.json (the metrics and every image's rewards) and its samples beside it as .png, and
-prints a table beside what the run logged.
+Writes <run>/eval-<checkpoint>.json (the metrics and every image's rewards), the first samples beside it as .png,
+and prints a table beside what the run logged.
 """
 
 import argparse
@@ -107,7 +107,7 @@ def main(argv=None, extra_rewards=None, judges=None):
     run_kit.save_grid(
         images,
         path.with_suffix(".png"),
-        [f"{run_kit.budget_mean(r, budgets):.3f}. {q}" for q, r in zip(run.eval_prompts, R)],
+        [f"{run_kit.budget_mean(r, budgets):.3f}. {q}" for q, r in zip(run.eval_prompts, R)][: len(images)],
     )
     print(f"written: {path} and {path.with_suffix('.png')}")
     return metrics

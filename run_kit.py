@@ -834,6 +834,7 @@ def finish_iteration(run: Run, args, it, metrics, state, before, sample):
 
 
 EVAL_SEED = 12345  # the held-out noise of every evaluation of every run and method, and of evaluate.py
+SHOWN = 16  # the held-out prompts whose samples an evaluation returns, draws (samples.png) and keeps
 
 
 def evaluate(run: Run, args, sample):
@@ -841,7 +842,8 @@ def evaluate(run: Run, args, sample):
     (`sample`: the script's ode_sample) with --eval-steps from fixed noise (EVAL_SEED) on the held-out prompts,
     training rewards and held-out judges. Every process samples, decodes and scores its consecutive share of the
     prompts, from the noise that prompt has when one process samples them all; the shares are gathered, so every
-    process returns what one process would: (metrics, images, R (P, K) the rewards per image)."""
+    process returns what one process would: (metrics, the images of the first SHOWN prompts, R (P, K) the rewards
+    per image). Only those images travel between processes, unless a set-level judge (frechet) needs them all."""
     from accelerate.utils import gather_object
 
     acc, prompts = run.acc, run.eval_prompts
@@ -858,6 +860,8 @@ def evaluate(run: Run, args, sample):
         images = decode(run.pipe, latents)
         R = score(run.rewards, images, mine)
         judged = {name: np.asarray(fn(images, mine), dtype=np.float64) for name, fn in (run.judges or {}).items()}
+    first = share[0] if len(share) else len(prompts)
+    images = images if run.frechet else images[: max(0, SHOWN - first)]
     shares = gather_object([(images, R, judged)])  # [(images, R, judged)] of every process, in process order
     images, R = [im for part in shares for im in part[0]], np.concatenate([part[1] for part in shares])
     metrics = {f"eval/{n}": float(np.nanmean(R[:, k])) for k, n in enumerate(run.names)}
@@ -867,7 +871,7 @@ def evaluate(run: Run, args, sample):
         metrics[f"eval/judge/{name}"] = float(np.nanmean(values))
     if run.frechet:
         metrics["eval/judge/frechet"] = float(run.frechet(images, prompts))
-    return metrics, images, R
+    return metrics, images[:SHOWN], R
 
 
 def evaluate_before(run: Run, args, sample, state):
@@ -876,7 +880,7 @@ def evaluate_before(run: Run, args, sample, state):
     for the before/after figure `samples.png`."""
     metrics, images, R = evaluate(run, args, sample)
     if run.acc.is_main_process:
-        state["samples_before"] = (np.stack([np.asarray(im.convert("RGB")) for im in images]), R)
+        state["samples_before"] = (np.stack([np.asarray(im.convert("RGB")) for im in images]), R[: len(images)])
         show_evaluation(run, None, (metrics, images, R), state)
     return metrics
 
@@ -1353,16 +1357,16 @@ def log_images(acc, images, step):
 
 
 def show_evaluation(run: Run, it, evaluated, state):
-    """An evaluation's figures (main process), drawn while the run goes on: samples.png (the held-out samples of the
-    first evaluation above this one's, each with its budget-weighted reward and prompt), the run's figures
-    (`plot_run`), all logged as images to the --report-to tracker at step `it` (None: the first evaluation, before
-    any update, logged as eval_before/samples)."""
+    """An evaluation's figures (main process), drawn while the run goes on: samples.png (the first SHOWN held-out
+    samples of the first evaluation above this one's, each with its budget-weighted reward and prompt), the run's
+    figures (`plot_run`), all logged as images to the --report-to tracker at step `it` (None: the first evaluation,
+    before any update, logged as eval_before/samples)."""
     _, images, R = evaluated
     before = state.get("samples_before")  # a resume with other --eval-prompts: no before row
-    rows = [("before", before)] if before is not None and len(before[1]) == len(run.eval_prompts) else []
+    rows = [("before", before)] if before is not None and len(before[1]) == len(images) else []
     if it is not None:
-        rows.append((f"iteration {it}", (np.stack([np.asarray(im.convert("RGB")) for im in images]), R)))
-    save_samples(run.out / "samples.png", run.eval_prompts, rows, run.budgets)
+        rows.append((f"iteration {it}", (np.stack([np.asarray(im.convert("RGB")) for im in images]), R[: len(images)])))
+    save_samples(run.out / "samples.png", run.eval_prompts[: len(images)], rows, run.budgets)
     if it is None:
         return log_images(run.acc, {"eval_before/samples": run.out / "samples.png"}, 0)
     figures = plot_run(run.out, run.names)

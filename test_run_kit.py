@@ -109,7 +109,7 @@ def test_report_to_tensorboard_logs_the_metrics_keys_and_W(tiny, tmp_path, modul
 
 
 @pytest.mark.parametrize("module", ["recast", "rvge"])
-def test_evaluate_py_gives_the_runs_own_evaluations(tiny, tmp_path, module, capsys):
+def test_evaluate_py_gives_the_runs_own_evaluations(tiny, tmp_path, module, capsys, monkeypatch):
     """evaluate.py on a run's final checkpoint gives the eval/* the run logged at its last iteration, and with --base
     the eval_before/* of its first line (the pretrained model); it writes them as JSON, with each image's rewards."""
     import evaluate
@@ -132,6 +132,13 @@ def test_evaluate_py_gives_the_runs_own_evaluations(tiny, tmp_path, module, caps
     assert base != got
     with pytest.raises(SystemExit, match="neither a run folder"):
         evaluate.main([str(tmp_path)])
+    # other prompts (flags override the run's); only the first SHOWN samples are drawn, every image is scored
+    many = tmp_path / "many.txt"
+    many.write_text("a red circle\ntwo blue square\n" * 9)
+    drawn = []
+    monkeypatch.setattr(run_kit, "save_grid", lambda images, path, captions: drawn.append(len(images)))
+    evaluate.main([str(out), "--eval-prompts", str(many), "--json", str(tmp_path / "many.json")], TINY_REWARDS)
+    assert drawn == [run_kit.SHOWN] and len(json.loads((tmp_path / "many.json").read_text())["images"]) == 18
 
 
 def test_the_samples_figure_shows_before_above_after_with_each_images_reward(tmp_path, monkeypatch):
