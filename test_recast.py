@@ -576,6 +576,8 @@ def test_recast_two_iterations_write_metrics_W_figures_and_a_loadable_lora(tiny,
         assert np.abs(W.sum(1) - [0.6, 0.4]).max() < 1e-9 and np.abs(W.sum(0) - 1.0 / 10).max() < 1e-9
         D = np.array(m["recast/D"])
         assert D.shape == (2, 11) and np.allclose(D[:, 0], 0) and (np.diff(D, axis=1) >= -1e-12).all()
+        if credit == "recast":  # the logged profiles (credit.png's) are those W is solved from, after the shrinkage
+            assert np.allclose(recast.solve_W([0.6, 0.4], np.array(m["recast/profile"])), W, atol=1e-12)
         assert np.isfinite([m["loss/policy"], m["reward/weighted"], m["eval/brightness"]]).all()
     assert "eval_before/brightness" in rows[0]
     for fig in ("rewards.png", "credit.png", "samples.png"):
