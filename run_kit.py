@@ -3,10 +3,11 @@ set up, kept and logged with (as diffusers' training examples import `diffusers.
 
 Flags (RunArgs: the evaluation, I/O and reward-model flags each script's Args inherits; Args -> argparse with --help
 sections; --resume's saved config), the input checks both scripts make, model loading, text encoding, decoding and
-scoring, what a run holds (`Run`), run folders, locks, resume, atomic checkpoints, trackers, figures and --dry-run. The
-method and the DiffusionNFT training core it acts on (optimality, schedules, sampler steps, tree rollouts, the update
-loop, the evaluation) stay in each script, which passes in what is its own: its Args class and --help sections, its
-checks, its default run name, its evaluation.
+scoring, what a run holds (`Run`), the held-out evaluation (split over processes; evaluate.py runs it on any
+checkpoint), run folders, locks, resume, atomic checkpoints, trackers, figures and --dry-run. The method and the
+DiffusionNFT training core it acts on (optimality, schedules, sampler steps, tree rollouts, the update loop) stay in
+each script, which passes in what is its own: its Args class and --help sections, its checks, its default run name,
+its held-out sampler (`ode_sample`).
 diffusers, transformers, peft, accelerate and matplotlib are imported where first used, so that importing a script
 for its math (the toy, the notebook, the tests) does not load them.
 """
@@ -688,11 +689,13 @@ class Run:
         return self.acc.reduce(tensor, "sum").cpu().numpy()
 
     def all_reduce_grads(self, params):
-        """Average the gradients of `params` over processes."""
-        if self.acc.num_processes > 1:
-            for p in params:
-                if p.grad is not None:
-                    p.grad = self.acc.reduce(p.grad, "mean")
+        """Average the gradients of `params` over processes in one collective: every gradient copied into one flat
+        buffer, all-reduced, copied back (DDP's bucketing with a single bucket; the LoRA's gradients are small)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.acc.num_processes > 1 and grads:
+            flat = self.acc.reduce(torch.cat([g.reshape(-1) for g in grads]), "mean")
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
 
     def prompts_for(self, it):
         """This process's prompt groups of iteration `it`."""
@@ -706,15 +709,15 @@ class Run:
         )
 
 
-def load_run(args, names, budgets, branch, script, extra_rewards=None, judges=None):
+def load_run(args, names, budgets, branch, script, extra_rewards=None, judges=None, lock=True):
     """Everything one run needs, loaded, after the script's checks (its `validate` gave names, budgets and branch):
-    the run folder locked, processes and device, seeds, the pipeline with its LoRA adapters, rewards, judges, the
-    optimizer, prompts. Returns the Run."""
+    the run folder locked (lock=False: evaluate.py, which only reads a run, perhaps one still training), processes
+    and device, seeds, the pipeline with its LoRA adapters, rewards, judges, the optimizer, prompts. Returns the Run."""
     from accelerate import Accelerator
     from accelerate.utils import broadcast_object_list
 
     quiet_start_up()
-    lock = lock_run(args.out) if is_first_process(args) else None
+    lock = lock_run(args.out) if lock and is_first_process(args) else None
     device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if process_state(args).num_processes > 1:  # the first process chose the run folder
         args.out = broadcast_object_list([args.out], from_process=0)[0]
@@ -808,24 +811,78 @@ def budget_mean(values, budgets):
     return np.asarray(budgets) @ values / sum(budgets)
 
 
-def finish_iteration(run: Run, args, it, metrics, state, before, evaluate):
-    """Step 4: evaluate (the script's `evaluate`, every eval_every iterations and at the end), append the metrics
-    line, checkpoint (every save_every iterations and at the end). Main process only; `before` the first
-    evaluation's metrics (or None)."""
+def finish_iteration(run: Run, args, it, metrics, state, before, sample):
+    """Step 4: evaluate (`evaluate` with the script's held-out sampler, every eval_every iterations and at the end;
+    every process takes its share), append the metrics line, draw the figures and log them (at each evaluation),
+    checkpoint (every save_every iterations and at the end). `before` the first evaluation's metrics (or None)."""
     last = it == args.iterations - 1
+    evaluated = None
+    if args.eval_every and run.eval_prompts and ((it + 1) % args.eval_every == 0 or last):
+        evaluated = evaluate(run, args, sample)
     if run.acc.is_main_process:
         if before:
             metrics.update({k.replace("eval/", "eval_before/"): v for k, v in before.items()})
-        if args.eval_every and run.eval_prompts and ((it + 1) % args.eval_every == 0 or last):
-            metrics_eval, images = evaluate(run, args)
-            metrics.update(metrics_eval)
-            if last:
-                save_grid(images, run.out / "samples_after.png", prompts=run.eval_prompts)
+        if evaluated:
+            metrics.update(evaluated[0])
         append_metrics(run.out, metrics)
         log_to_trackers(run.acc, metrics, step=it)
+        if evaluated:
+            show_evaluation(run, it, evaluated, state)
         if (it + 1) % args.save_every == 0 or last:
             save_checkpoint(run.out, it, run.transformer, run.opt, state)
     run.acc.wait_for_everyone()
+
+
+EVAL_SEED = 12345  # the held-out noise of every evaluation of every run and method, and of evaluate.py
+SHOWN = 16  # the held-out prompts whose samples an evaluation returns, draws (samples.png) and keeps
+
+
+def evaluate(run: Run, args, sample):
+    """Held-out evaluation of the trained adapter (its EMA with --ema, as DiffusionNFT evaluates): the Euler ODE
+    (`sample`: the script's ode_sample) with --eval-steps from fixed noise (EVAL_SEED) on the held-out prompts,
+    training rewards and held-out judges. Every process samples, decodes and scores its consecutive share of the
+    prompts, from the noise that prompt has when one process samples them all; the shares are gathered, so every
+    process returns what one process would: (metrics, the images of the first SHOWN prompts, R (P, K) the rewards
+    per image). Only those images travel between processes, unless a set-level judge (frechet) needs them all."""
+    from accelerate.utils import gather_object
+
+    acc, prompts = run.acc, run.eval_prompts
+    share = np.array_split(np.arange(len(prompts)), acc.num_processes)[acc.process_index]
+    noise = torch.randn((len(prompts), *run.shape), generator=torch.Generator().manual_seed(EVAL_SEED))
+    mine, images, R, judged = [prompts[i] for i in share], [], np.zeros((0, len(run.names))), {}
+    if len(mine):
+        emb, pooled = encode(run.pipe, mine, run.max_len, acc.device)
+        run.transformer.set_adapter("ema" if args.ema else "default")
+        latents = sample(
+            run.transformer, emb, pooled, run.eval_sigmas, run.shape, EVAL_SEED, args.rollout_batch, noise[share]
+        )
+        run.transformer.set_adapter("default")
+        images = decode(run.pipe, latents)
+        R = score(run.rewards, images, mine)
+        judged = {name: np.asarray(fn(images, mine), dtype=np.float64) for name, fn in (run.judges or {}).items()}
+    first = share[0] if len(share) else len(prompts)
+    images = images if run.frechet else images[: max(0, SHOWN - first)]
+    shares = gather_object([(images, R, judged)])  # [(images, R, judged)] of every process, in process order
+    images, R = [im for part in shares for im in part[0]], np.concatenate([part[1] for part in shares])
+    metrics = {f"eval/{n}": float(np.nanmean(R[:, k])) for k, n in enumerate(run.names)}
+    metrics["eval/weighted"] = float(budget_mean(np.nanmean(R, 0), run.budgets))
+    for name in run.judges or {}:
+        values = np.concatenate([part[2][name] for part in shares if name in part[2]])
+        metrics[f"eval/judge/{name}"] = float(np.nanmean(values))
+    if run.frechet:
+        metrics["eval/judge/frechet"] = float(run.frechet(images, prompts))
+    return metrics, images[:SHOWN], R
+
+
+def evaluate_before(run: Run, args, sample, state):
+    """The first evaluation, before any update (the pretrained model's samples): its metrics (logged as
+    eval_before/* with iteration 0), its images and per-image rewards kept in `state` (and so in every checkpoint)
+    for the before/after figure `samples.png`."""
+    metrics, images, R = evaluate(run, args, sample)
+    if run.acc.is_main_process:
+        state["samples_before"] = (np.stack([np.asarray(im.convert("RGB")) for im in images]), R[: len(images)])
+        show_evaluation(run, None, (metrics, images, R), state)
+    return metrics
 
 
 def append_metrics(out, metrics):
@@ -1036,8 +1093,8 @@ def start_or_resume(run: Run, args):
                 "checkpoints",
                 "rewards.png",
                 "credit.png",
-                "samples_before.png",
-                "samples_after.png",
+                "directions.png",
+                "samples.png",
             ):
                 shutil.rmtree(run.out / name) if (run.out / name).is_dir() else (run.out / name).unlink(missing_ok=True)
         for leftover in leftovers(run.out):
@@ -1076,7 +1133,7 @@ def leftovers(out):
     """The half-written files a kill can leave in a run folder: write_atomic's, save_atomic's (figures) and
     save_checkpoint's .tmp names (nothing else is ever deleted: a user's own *.tmp files stay)."""
     out, ckpts = Path(out), Path(out) / "checkpoints"
-    figures = [out / f"{name}.png.tmp" for name in ("rewards", "credit", "samples_before", "samples_after")]
+    figures = [out / f"{name}.png.tmp" for name in FIGURES]
     ours = [out / "config.json.tmp", out / "metrics.jsonl.tmp", *figures, ckpts / "latest.tmp"]
     ours += ckpts.glob("iter_??????.tmp")
     return [p for p in ours if p.exists()]
@@ -1273,17 +1330,64 @@ def start_trackers(run: Run, args):
 
 def log_to_trackers(acc, metrics, step):
     """The metrics line's numbers and strings to the --report-to tracker under the same keys (lists such as D stay in
-    metrics.jsonl); W (K, T) also as an image on TensorBoard (viridis, 16 px a cell, scaled to its largest entry)."""
+    metrics.jsonl); W (K, T) also as an image (viridis, 16 px a cell, scaled to its largest entry)."""
     if not acc.trackers:
         return
     acc.log({k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}, step=step)
-    if "recast/W" in metrics and any(tracker.name == "tensorboard" for tracker in acc.trackers):
+    if "recast/W" in metrics:
         import matplotlib
 
         W = np.asarray(metrics["recast/W"])
         rgb = matplotlib.colormaps["viridis"](W / max(W.max(), 1e-300))[..., :3]  # (K, T, 3)
-        image = np.kron(rgb, np.ones((16, 16, 1)))
-        acc.get_tracker("tensorboard", unwrap=True).add_image("recast/W", image, step, dataformats="HWC")
+        log_images(acc, {"recast/W": np.kron(rgb, np.ones((16, 16, 1)))}, step)
+
+
+def log_images(acc, images, step):
+    """{tag: image} to the --report-to tracker (TensorBoard's image tab, W&B's media); an image is an (H, W, 3) array
+    in [0, 1] or uint8, or the path of a PNG."""
+    from PIL import Image
+
+    for tag, image in images.items():
+        image = np.asarray(Image.open(image).convert("RGB")) if isinstance(image, (str, Path)) else image
+        for tracker in acc.trackers:
+            if tracker.name == "tensorboard":
+                tracker.log_images({tag: image[None]}, step, dataformats="NHWC")
+            elif tracker.name == "wandb":
+                tracker.log_images({tag: [image]}, step)
+
+
+def show_evaluation(run: Run, it, evaluated, state):
+    """An evaluation's figures (main process), drawn while the run goes on: samples.png (the first SHOWN held-out
+    samples of the first evaluation above this one's, each with its budget-weighted reward and prompt), the run's
+    figures (`plot_run`), all logged as images to the --report-to tracker at step `it` (None: the first evaluation,
+    before any update, logged as eval_before/samples)."""
+    _, images, R = evaluated
+    before = state.get("samples_before")  # a resume with other --eval-prompts: no before row
+    rows = [("before", before)] if before is not None and len(before[1]) == len(images) else []
+    if it is not None:
+        rows.append((f"iteration {it}", (np.stack([np.asarray(im.convert("RGB")) for im in images]), R[: len(images)])))
+    save_samples(run.out / "samples.png", run.eval_prompts[: len(images)], rows, run.budgets)
+    if it is None:
+        return log_images(run.acc, {"eval_before/samples": run.out / "samples.png"}, 0)
+    figures = plot_run(run.out, run.names)
+    log_images(run.acc, {"eval/samples": run.out / "samples.png", **{f"figures/{p.stem}": p for p in figures}}, it)
+
+
+def save_samples(path, prompts, rows, budgets, cols=8):
+    """The held-out samples as a grid: for each `cols` prompts one row per entry of rows [(label, (images (P, H, W, 3)
+    uint8, R (P, K)))], each image captioned with its label, its budget-weighted reward and its prompt."""
+    from PIL import Image
+
+    cols = min(cols, len(prompts))
+    blank = Image.new("RGB", rows[0][1][0].shape[1::-1], "white")
+    images, captions = [], []
+    for first in range(0, len(prompts), cols):
+        chunk = range(first, min(first + cols, len(prompts)))
+        for label, (pixels, R) in rows:
+            weighted = budget_mean(np.asarray(R).T, budgets)  # (P,)
+            images += [Image.fromarray(pixels[i]) for i in chunk] + [blank] * (cols - len(chunk))
+            captions += [f"{label}: {weighted[i]:.3f}. {prompts[i]}" for i in chunk] + [""] * (cols - len(chunk))
+    save_grid(images, path, captions, cols=cols)
 
 
 def save_grid(images, path, prompts=(), cols=8, cell=128):
@@ -1339,40 +1443,106 @@ def wrap_text(draw, text, font, width):
     return lines
 
 
+FIGURES = ("rewards", "credit", "directions", "samples")  # the PNGs of a run folder
+
+
 def plot_run(out, names):
-    """Figures from metrics.jsonl: reward curves, the last W heatmap, D_k(t) curves and gains."""
+    """The run's figures from metrics.jsonl, drawn at every evaluation and at the end; returns their paths.
+    rewards.png: the training rewards per iteration; the held-out rewards and judges (eval/*) per evaluation, at the
+    number of iterations trained (0: eval_before/*, the pretrained model).
+    credit.png (recast.py, and rvge.py with --credit recast: wherever W is ReCAST's): the last W relative to each
+    reward's uniform share, W_kj / (lambda_k / T) (1 everywhere: the uniform W); D_k(t), measured levels +- 2 se and
+    the monotone fit, with each reward's evidence factor; and the profiles W was solved from, after the evidence
+    shrinkage (identical profiles give the uniform W).
+    directions.png (rvge.py): per regressed reward, along the run, its bandwidth (local or broad), the direction's
+    size (rms) and the split-half cosine of its direction (rvge/*)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for _, line in metrics_lines(out / "metrics.jsonl")]
     if not rows:
-        return
-    its = [m["iteration"] for m in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
+        return []
+    config = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
+    its, drawn = [m["iteration"] for m in rows], []
+
+    def save(fig, name):
+        drawn.append(out / f"{name}.png")
+        save_atomic(drawn[-1], lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
+
+    evals = (
+        [(0, {k.replace("eval_before/", "eval/"): v for k, v in rows[0].items()})]
+        if "eval_before/weighted" in rows[0]
+        else []
+    ) + [(m["iteration"] + 1, m) for m in rows if "eval/weighted" in m]
+    judges = sorted({k for _, m in evals for k in m if k.startswith("eval/judge/")})
+    fig, axes = plt.subplots(1, 3 if judges else 2 if evals else 1, figsize=(16, 3.6), squeeze=False)
     for n in names + ["weighted"]:
-        ax.plot(its, [m[f"reward/{n}"] for m in rows], label=n)
-    ax.set(xlabel="iteration", ylabel="mean training reward", title="rewards")
-    ax.legend(fontsize=7)
-    save_atomic(out / "rewards.png", lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
-    last, sig = rows[-1], np.array(rows[-1]["recast/sigmas"])
-    fig, axes = plt.subplots(1, 3, figsize=(16, 3.6), gridspec_kw={"wspace": 0.35})
-    im = axes[0].imshow(np.array(last["recast/W"]), aspect="auto", cmap="viridis")
-    axes[0].set(yticks=range(len(names)), yticklabels=names, xlabel="step j (t = sigma_j)", title="W (last iteration)")
-    fig.colorbar(im, ax=axes[0])
-    D_meas, D_se = np.array(last["recast/D_measured"]), np.array(last["recast/D_se"])  # -1: level not measured
-    for k, n in enumerate(names):
-        (line,) = axes[1].plot(
-            sig, np.array(last["recast/D"])[k], label=f"{n} (evidence {last['recast/evidence'][k]:.2f})"
+        axes[0, 0].plot(its, [m[f"reward/{n}"] for m in rows], label=n)
+        if evals:
+            axes[0, 1].plot([i for i, _ in evals], [m[f"eval/{n}"] for _, m in evals], marker=".", label=n)
+    for key in judges:
+        axes[0, 2].plot(
+            [i for i, m in evals if key in m],
+            [m[key] for _, m in evals if key in m],
+            marker=".",
+            label=key.removeprefix("eval/judge/"),
         )
-        ok = D_se[k] >= 0
-        axes[1].errorbar(sig[ok], D_meas[k, ok], yerr=2 * D_se[k, ok], fmt="o", ms=3, capsize=2, color=line.get_color())
-        axes[2].plot(sig[:-1], np.array(last["recast/gains"])[k], marker=".", label=n)
-    axes[1].set(xlabel="t", ylabel="D_k(t)", title="Renyi discriminability: levels +- 2 se, monotone fit")
-    axes[2].set(xlabel="t at step start", ylabel="gain", title="gains per step")
-    for a in axes[1:]:
-        a.invert_xaxis()
+    if judges and all(m[k] > 0 for _, m in evals for k in judges if k in m):  # judges of different units
+        axes[0, 2].set_yscale("log")
+    titles = ["training rewards", "held-out rewards (eval/*)", "held-out judges (eval/judge/*)"]
+    for a, title, xlabel in zip(axes[0], titles, ["iteration", "iterations trained", "iterations trained"]):
+        a.set(xlabel=xlabel, title=title)
         a.legend(fontsize=7)
-    save_atomic(out / "credit.png", lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
+    save(fig, "rewards")
+    last, sig = rows[-1], np.array(rows[-1].get("recast/sigmas", []))
+    if "recast/W" in last and (config.get("script", "recast") == "recast" or config["args"].get("credit") == "recast"):
+        fig, axes = plt.subplots(1, 3, figsize=(16, 3.6), gridspec_kw={"wspace": 0.35})
+        W = np.array(last["recast/W"])
+        share = W.sum(1, keepdims=True) / W.shape[1]  # lambda_k / T: W's rows sum to the budgets
+        ratio = np.divide(W, share, out=np.ones_like(W), where=share > 0)
+        norm = matplotlib.colors.TwoSlopeNorm(vcenter=1.0, vmin=min(ratio.min(), 0.5), vmax=max(ratio.max(), 2.0))
+        im = axes[0].imshow(ratio, aspect="auto", cmap="RdBu_r", norm=norm)
+        axes[0].set(
+            yticks=range(len(names)),
+            yticklabels=names,
+            xlabel="step j (t = sigma_j)",
+            title="W / uniform share (1: uniform)",
+        )
+        fig.colorbar(im, ax=axes[0])
+        D_meas, D_se = np.array(last["recast/D_measured"]), np.array(last["recast/D_se"])  # -1: level not measured
+        profile = np.array(last.get("recast/profile", last["recast/gains"]))
+        for k, n in enumerate(names):
+            (line,) = axes[1].plot(
+                sig, np.array(last["recast/D"])[k], label=f"{n} (evidence {last['recast/evidence'][k]:.2f})"
+            )
+            ok = D_se[k] >= 0
+            axes[1].errorbar(
+                sig[ok], D_meas[k, ok], yerr=2 * D_se[k, ok], fmt="o", ms=3, capsize=2, color=line.get_color()
+            )
+            axes[2].plot(sig[:-1], profile[k], marker=".", label=n)
+        axes[1].set(xlabel="t", ylabel="D_k(t)", title="Renyi discriminability: levels +- 2 se, monotone fit")
+        axes[2].set(
+            xlabel="t at step start",
+            ylabel="share of the reward's gain",
+            title="profiles W is solved from (after the evidence shrinkage)",
+        )
+        for a in axes[1:]:
+            a.invert_xaxis()
+            a.legend(fontsize=7)
+        save(fig, "credit")
+    regressed = [k.removeprefix("rvge/bandwidth/") for k in last if k.startswith("rvge/bandwidth/")]
+    if regressed:
+        fig, axes = plt.subplots(1, 3, figsize=(16, 3.6), gridspec_kw={"wspace": 0.3})
+        for n in regressed:
+            axes[0].plot(its, [m[f"rvge/bandwidth/{n}"] for m in rows], marker=".", label=n)
+            axes[1].plot(its, [m[f"rvge/direction_rms/{n}"] for m in rows], label=n)
+            axes[2].plot(its, [m[f"rvge/split_cos/{n}"] for m in rows], label=n)
+        titles = ["bandwidth (regression groups)", "direction size (rms)", "split-half cosine of the direction"]
+        for a, title in zip(axes, titles):
+            a.set(xlabel="iteration", title=title)
+            a.legend(fontsize=7)
+        save(fig, "directions")
     plt.close("all")
+    return drawn

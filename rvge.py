@@ -40,7 +40,8 @@ Where to change what (run_kit.x: in run_kit.py)
     loss        rvge_loss, mix_targets, rvge_update; the loop shared with recast.py: update_loop
     old policy  old_decay (the soft update of "old" each iteration), ema_decay (--ema)
     logging     run_kit.reward_metrics + train's metrics line, run_kit.finish_iteration (metrics.jsonl,
-                run_kit.log_to_trackers, checkpoints), progress bar in train, figures in run_kit.plot_run, save_grid
+                run_kit.log_to_trackers, checkpoints), progress bar in train, figures in run_kit.plot_run,
+                show_evaluation; the held-out evaluation run_kit.evaluate (the script's ode_sample)
     the loop    train (steps 1-4), setup_run (run_kit.Run), run_kit.start_or_resume
 """
 
@@ -61,7 +62,6 @@ from run_kit import (
     RUN_ARG_GROUPS,
     Run,
     RunArgs,
-    budget_mean,
     check_common,
     check_files,
     check_finite,
@@ -69,6 +69,7 @@ from run_kit import (
     decode,
     dry_run,
     encode,
+    evaluate_before,
     finish_iteration,
     flag,
     iteration_generator,
@@ -78,7 +79,6 @@ from run_kit import (
     plot_run,
     reward_metrics,
     run_folder,
-    save_grid,
     score,
     start_or_resume,
     stop_if_a_reward_failed,
@@ -419,9 +419,8 @@ def train(args: Args, extra_rewards=None, judges=None):
     )
     for it in bar:
         gen, before = iteration_generator(args.seed, it), None
-        if it == 0 and args.eval_every and run.eval_prompts and run.acc.is_main_process:
-            before, images = evaluate(run, args)
-            save_grid(images, run.out / "samples_before.png", prompts=run.eval_prompts)
+        if it == 0 and args.eval_every and run.eval_prompts:  # the pretrained model, every process its share
+            before = evaluate_before(run, args, ode_sample, state)
         t0 = time.perf_counter()  # training time: the evaluation above is not part of it
         # 1. rollouts from the old policy, rewards
         b = rollout_and_score(run, args, it, gen, coordinate_steps(args.coords, run.branch))
@@ -455,7 +454,7 @@ def train(args: Args, extra_rewards=None, judges=None):
             "time/regression": t3 - t2,
             "time/update": t4 - t3,
         }
-        finish_iteration(run, args, it, metrics, state, before, evaluate)
+        finish_iteration(run, args, it, metrics, state, before, ode_sample)
         bar.set_postfix({"reward": f"{metrics['reward/weighted']:.3f}", "loss": f"{metrics['loss/policy']:.4g}"})
     if run.acc.is_main_process:
         plot_run(run.out, run.names)
@@ -762,7 +761,7 @@ def shifted_sigmas(T, shift=3.0):
 
 
 # =============================================================================
-# Tree rollouts (NOTES.md §5), rewards, the held-out evaluation
+# Tree rollouts (NOTES.md §5), rewards, the held-out sampler
 # =============================================================================
 
 
@@ -811,6 +810,7 @@ def tree_rollout(
     probe_steps=(),
     substeps=1,
     solver="euler",
+    noise=None,
 ):
     """One tree per prompt (NOTES.md §5): n_roots noises run with the ODE to the group's first branch
     step; at each of its branch steps every state is copied n_branch times; after the first branch the
@@ -819,6 +819,7 @@ def tree_rollout(
     branch / probe_steps: a list of steps shared by every prompt, or one list per prompt (`branch_layout`);
     every prompt must have the same number of branch steps. solver: the ODE before branching, "euler"
     or "dpm2" (`dpm2_step`, DiffusionNFT's deterministic sampler). sigmas (T+1,) float tensor, 1 -> 0.
+    noise (P n_roots, C, h, w): the roots' starting noise (default: drawn from gen).
 
     Returns leaves (N, C, h, w), groups (N,) prompt index, ancestry (N, 1 + L) codes for
     `split_levels`, and probes: a list of (step, x0_hat = x - s v, groups) for the denoised estimator."""
@@ -831,7 +832,7 @@ def tree_rollout(
     branch, probe_steps = per_group(branch), per_group(probe_steps)
     L = len(branch[0])
     first = np.array([min(b) if b else T for b in branch])
-    x = torch.randn((P * n_roots, *shape), generator=gen).to(device)
+    x = (torch.randn((P * n_roots, *shape), generator=gen) if noise is None else noise).to(device)
     groups = np.arange(P).repeat(n_roots)
     ancestry = np.zeros((len(x), 1 + L), dtype=np.int64)
     ancestry[:, 0] = np.arange(len(x))
@@ -884,9 +885,10 @@ def tree_rollout(
     return x, groups, ancestry, probes
 
 
-def ode_sample(transformer, emb, pooled, sigmas, shape, seed, chunk=64):
-    """One image latent per prompt by the Euler ODE from fixed noise (`seed`): the held-out samplers' rollout
-    (a tree with one root and no branch)."""
+def ode_sample(transformer, emb, pooled, sigmas, shape, seed, chunk=64, noise=None):
+    """One image latent per prompt by the Euler ODE from fixed noise (`seed`, or `noise` (P, C, h, w): one process's
+    share of the evaluation's noise, `run_kit.evaluate`): the held-out samplers' rollout (a tree with one root and no
+    branch)."""
     return tree_rollout(
         transformer,
         emb,
@@ -899,6 +901,7 @@ def ode_sample(transformer, emb, pooled, sigmas, shape, seed, chunk=64):
         gen=torch.Generator().manual_seed(seed),
         shape=shape,
         chunk=chunk,
+        noise=noise,
     )[0]
 
 
@@ -982,25 +985,6 @@ def global_stats(R, reduce):
     n = reduce(finite.sum(0))
     mean = reduce(Rz.sum(0)) / np.maximum(n, 1)
     return n, mean, np.sqrt(np.maximum(reduce((Rz**2).sum(0)) / np.maximum(n, 1) - mean**2, 0.0))
-
-
-def evaluate(run: Run, args: Args):
-    """Held-out evaluation of the trained adapter (its EMA with --ema, as DiffusionNFT evaluates):
-    Euler ODE sampling with --eval-steps on fixed prompts and seeds, training rewards and held-out
-    judges. Returns (metrics, images)."""
-    emb, pooled = encode(run.pipe, run.eval_prompts, run.max_len, run.acc.device)
-    run.transformer.set_adapter("ema" if args.ema else "default")
-    latents = ode_sample(run.transformer, emb, pooled, run.eval_sigmas, run.shape, seed=12345, chunk=args.rollout_batch)
-    run.transformer.set_adapter("default")
-    images = decode(run.pipe, latents)
-    R = score(run.rewards, images, run.eval_prompts)
-    metrics = {f"eval/{n}": float(np.nanmean(R[:, k])) for k, n in enumerate(run.names)}
-    metrics["eval/weighted"] = float(budget_mean(np.nanmean(R, 0), run.budgets))
-    for name, fn in (run.judges or {}).items():
-        metrics[f"eval/judge/{name}"] = float(np.nanmean(fn(images, run.eval_prompts)))
-    if run.frechet:
-        metrics["eval/judge/frechet"] = float(run.frechet(images, run.eval_prompts))
-    return metrics, images
 
 
 # =============================================================================

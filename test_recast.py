@@ -654,9 +654,11 @@ def test_recast_two_iterations_write_metrics_W_figures_and_a_loadable_lora(tiny,
         assert np.abs(W.sum(1) - [0.6, 0.4]).max() < 1e-9 and np.abs(W.sum(0) - 1.0 / 10).max() < 1e-9
         D = np.array(m["recast/D"])
         assert D.shape == (2, 11) and np.allclose(D[:, 0], 0) and (np.diff(D, axis=1) >= -1e-12).all()
+        if credit == "recast":  # the logged profiles (credit.png's) are those W is solved from, after the shrinkage
+            assert np.allclose(recast.solve_W([0.6, 0.4], np.array(m["recast/profile"])), W, atol=1e-12)
         assert np.isfinite([m["loss/policy"], m["reward/weighted"], m["eval/brightness"]]).all()
     assert "eval_before/brightness" in rows[0]
-    for fig in ("rewards.png", "credit.png", "samples_before.png", "samples_after.png"):
+    for fig in ("rewards.png", "credit.png", "samples.png"):
         assert (out / fig).stat().st_size > 0
     assert json.loads((out / "config.json").read_text())["args"]["credit"] == credit
     assert not (out / "tensorboard").exists()  # --report-to none: metrics.jsonl only
@@ -713,7 +715,8 @@ def test_rvge_two_iterations_log_bandwidths_directions_and_W(tiny, tmp_path, cre
         assert m["rvge/direction_rms/brightness"] > 0 and np.isfinite(m["loss/policy"]) and m["rvge/s2"] > 0
     if credit == "budgets":
         assert np.allclose(np.array(rows[0]["recast/W"]), recast.uniform_W([0.6, 0.4], 10))
-    assert (out / "samples_after.png").exists() and (out / "credit.png").exists()
+    assert (out / "samples.png").exists() and (out / "directions.png").exists()
+    assert (out / "credit.png").exists() == (credit == "recast")  # rvge draws ReCAST's W only where it learns it
 
 
 def test_rvge_one_direction_on_the_weighted_reward(tiny, tmp_path):
@@ -850,7 +853,7 @@ def test_rvge_ablation_flags_train_end_to_end(tiny, tmp_path, monkeypatch):
 TWO_PROC_SCRIPT = """
 import sys, numpy as np
 sys.path.insert(0, {repo!r})
-import {module} as script, recast, test_recast
+import {module} as script, recast, run_kit, test_recast
 from accelerate import PartialState
 solve = recast.solve_W  # both scripts build W in recast.credit
 def recorded(*a, **k):
@@ -859,6 +862,12 @@ def recorded(*a, **k):
         f.write(repr(W.tolist()) + "\\n")
     return W
 recast.solve_W = recorded
+all_reduce_grads = run_kit.Run.all_reduce_grads
+def averaged(self, params):  # the gradients each rank steps with, after the one all-reduce
+    all_reduce_grads(self, params)
+    with open({out!r} + f"/grads_rank{{PartialState().process_index}}.txt", "a") as f:
+        f.write(repr([float(p.grad.double().sum()) for p in params]) + "\\n")
+run_kit.Run.all_reduce_grads = averaged
 script.train(script.parse_args({argv!r}), extra_rewards=test_recast.TINY_REWARDS)
 """
 
@@ -872,7 +881,7 @@ def test_two_processes_hold_the_same_W(tiny, tmp_path, module):
     out.mkdir()
     script = tmp_path / "two.py"
     here = str(Path(__file__).parent)
-    argv = tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "0", "--device", "cpu", "--credit", "recast")
+    argv = tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "2", "--device", "cpu", "--credit", "recast")
     script.write_text(TWO_PROC_SCRIPT.format(repo=here, module=module, out=str(out), argv=argv))
     # accelerate's --cpu flag alone starts one process (several need MPI); --multi_gpu starts
     # torchrun's processes, and --device cpu makes each one a CPU (gloo) rank
@@ -887,8 +896,16 @@ def test_two_processes_hold_the_same_W(tiny, tmp_path, module):
     W0 = (out / "W_rank0.txt").read_text().splitlines()
     W1 = (out / "W_rank1.txt").read_text().splitlines()
     assert len(W0) == 2 and W0 == W1
-    # each rank saw its own prompts, yet the statistics are global
-    assert len(read_metrics(out)) == 2
+    # each rank saw its own prompts, yet the statistics are global, and both step with the same mean gradients
+    grads = [(out / f"grads_rank{rank}.txt").read_text().splitlines() for rank in (0, 1)]
+    assert len(grads[0]) == 2 * 8 and grads[0] == grads[1]  # 8 optimizer steps an iteration
+    rows = read_metrics(out)
+    assert len(rows) == 2
+    # the evaluation split over the two processes and gathered gives one process's numbers (evaluate.py)
+    import evaluate
+
+    alone = evaluate.main([str(out)], extra_rewards=TINY_REWARDS)
+    assert alone == pytest.approx({k: v for k, v in rows[-1].items() if k.startswith("eval/")}, rel=1e-5)
 
 
 @pytest.mark.parametrize("module", ["recast", "rvge"])

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -97,6 +98,90 @@ def test_report_to_tensorboard_logs_the_metrics_keys_and_W(tiny, tmp_path, modul
         assert [e.value for e in events.Scalars(key)] == pytest.approx([m[key] for m in rows], rel=1e-6)
     images = events.Images("recast/W")
     assert [(i.step, i.height, i.width) for i in images] == [(0, 2 * 16, 10 * 16), (1, 2 * 16, 10 * 16)]
+    # every evaluation's figures, live: the samples (before, then before/after), the run's figures
+    figures = ["eval/samples", "figures/rewards", "figures/credit" if module == "recast" else "figures/directions"]
+    for tag in figures:
+        assert [i.step for i in events.Images(tag)] == [0, 1], tag
+    assert [i.step for i in events.Images("eval_before/samples")] == [0]
+    samples = events.Images("eval/samples")[-1]
+    assert (samples.width, samples.height) == Image.open(out / "samples.png").size
+    assert ("figures/credit" in events.Tags()["images"]) == (module == "recast")
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_evaluate_py_gives_the_runs_own_evaluations(tiny, tmp_path, module, capsys, monkeypatch):
+    """evaluate.py on a run's final checkpoint gives the eval/* the run logged at its last iteration, and with --base
+    the eval_before/* of its first line (the pretrained model); it writes them as JSON, with each image's rewards."""
+    import evaluate
+
+    script, out = __import__(module), tmp_path / "run"
+    script.train(
+        script.parse_args(tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "2")), extra_rewards=TINY_REWARDS
+    )
+    rows = read_metrics(out)
+    got = evaluate.main([str(out)], extra_rewards=TINY_REWARDS)
+    assert got == {k: v for k, v in rows[-1].items() if k.startswith("eval/")} and len(got) == 3
+    saved = json.loads((out / "eval-iter_000001.json").read_text())
+    assert saved["metrics"] == got and saved["iteration"] == 1 and len(saved["images"]) == 4
+    assert np.mean([im["brightness"] for im in saved["images"]]) == pytest.approx(got["eval/brightness"])
+    assert "eval/weighted" in capsys.readouterr().out
+    before = torch.load(out / "checkpoints" / "iter_000001" / "state.pt", weights_only=False)["samples_before"]
+    assert before[0].shape == (4, 16, 16, 3) and before[1].shape == (4, 2)  # a resumed run still shows them
+    base = evaluate.main([str(out), "--base"], extra_rewards=TINY_REWARDS)
+    assert base == {k.replace("eval_before/", "eval/"): v for k, v in rows[0].items() if k.startswith("eval_before/")}
+    assert base != got
+    with pytest.raises(SystemExit, match="neither a run folder"):
+        evaluate.main([str(tmp_path)])
+    # other prompts (flags override the run's); only the first SHOWN samples are drawn, every image is scored
+    many = tmp_path / "many.txt"
+    many.write_text("a red circle\ntwo blue square\n" * 9)
+    drawn = []
+    monkeypatch.setattr(run_kit, "save_grid", lambda images, path, captions: drawn.append(len(images)))
+    evaluate.main([str(out), "--eval-prompts", str(many), "--json", str(tmp_path / "many.json")], TINY_REWARDS)
+    assert drawn == [run_kit.SHOWN] and len(json.loads((tmp_path / "many.json").read_text())["images"]) == 18
+
+
+def test_the_samples_figure_shows_before_above_after_with_each_images_reward(tmp_path, monkeypatch):
+    """save_samples: per `cols` prompts a row of the first evaluation's images, then the same prompts now, each
+    captioned with its label, its budget-weighted reward and its prompt; the last row padded with blanks."""
+    seen = {}
+    monkeypatch.setattr(
+        run_kit, "save_grid", lambda images, path, captions, cols: seen.update(n=len(images), c=captions)
+    )
+    pixels, R = np.zeros((3, 16, 16, 3), np.uint8), np.array([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]])
+    rows = [("before", (pixels, R)), ("iteration 4", (pixels + 255, 0 * R))]
+    run_kit.save_samples(tmp_path / "samples.png", ["a", "b", "c"], rows, budgets=[3, 1], cols=2)
+    assert seen["n"] == 8 and seen["c"] == [
+        "before: 0.750. a",
+        "before: 0.250. b",
+        "iteration 4: 0.000. a",
+        "iteration 4: 0.000. b",
+        "before: 0.500. c",
+        "",
+        "iteration 4: 0.000. c",
+        "",
+    ]
+
+
+def test_gradients_are_averaged_in_one_collective():
+    """Run.all_reduce_grads: one reduce of one flat buffer for every gradient (not one per tensor); each gradient
+    gets its own part of the mean back, in place, shapes kept; a parameter without a gradient is left out."""
+    calls = []
+
+    class TwoProcesses:  # accelerate's reduce, as if the other process held twice these gradients
+        num_processes = 2
+
+        def reduce(self, tensor, reduction):
+            calls.append((tensor.shape, reduction))
+            return (tensor + 2 * tensor) / 2
+
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in ((3, 4), (5,), (2, 2, 2), (7,))]
+    for p in params[:3]:
+        p.grad = torch.randn(p.shape)
+    before = [p.grad.clone() for p in params[:3]]
+    run_kit.Run.all_reduce_grads(SimpleNamespace(acc=TwoProcesses()), params)
+    assert calls == [((12 + 5 + 8,), "mean")]
+    assert all(torch.allclose(p.grad, 1.5 * g) for p, g in zip(params, before)) and params[3].grad is None
 
 
 def test_report_to_needs_its_package(tiny, tmp_path, monkeypatch):
@@ -328,14 +413,16 @@ def test_a_full_disk_while_a_metrics_line_is_appended_stops_with_the_fix_and_res
 
 
 def test_figures_are_written_atomically_never_as_empty_files(finished_run, tmp_path, monkeypatch):
-    """A kill (or a full disk) inside savefig, after the file is opened: the old rewards.png and credit.png stay as
-    they were, no .tmp is left (a kill's own .tmp is one the next start removes), and a new plot replaces them."""
+    """A kill (or a full disk) inside savefig, after the file is opened: the old rewards.png and credit.png (rvge:
+    directions.png) stay as they were, no .tmp is left (a kill's own .tmp is one the next start removes), and a new
+    plot replaces them."""
     from matplotlib.figure import Figure
 
     out = copy_of(finished_run, tmp_path)
     names = json.loads((out / "config.json").read_text())["rewards"]
+    figure = "credit.png" if finished_run.script is recast else "directions.png"  # rvge: its own diagnostics
     before = snapshot(out)
-    assert before["credit.png"].startswith(b"\x89PNG") and before["rewards.png"].startswith(b"\x89PNG")
+    assert before[figure].startswith(b"\x89PNG") and before["rewards.png"].startswith(b"\x89PNG")
 
     def killed(self, fname, *a, **k):
         Path(fname).write_bytes(b"")  # opened, nothing written yet
@@ -356,11 +443,11 @@ def test_figures_are_written_atomically_never_as_empty_files(finished_run, tmp_p
         run_kit.plot_run(out, names)
     monkeypatch.undo()
     assert snapshot(out) == before
-    (out / "credit.png").unlink()
-    run_kit.plot_run(out, names)
-    assert (out / "credit.png").read_bytes().startswith(b"\x89PNG") and not list(out.glob("*.tmp"))
-    (out / "credit.png.tmp").write_bytes(b"")
-    assert out / "credit.png.tmp" in run_kit.leftovers(out)
+    (out / figure).unlink()
+    assert out / figure in run_kit.plot_run(out, names)
+    assert (out / figure).read_bytes().startswith(b"\x89PNG") and not list(out.glob("*.tmp"))
+    (out / f"{figure}.tmp").write_bytes(b"")
+    assert out / f"{figure}.tmp" in run_kit.leftovers(out)
 
 
 def test_resume_after_the_project_folder_moved_goes_on_with_the_embedded_model(finished_run, tmp_path, capsys):
