@@ -1,13 +1,14 @@
 """run_kit: the run machinery recast.py and rvge.py share, in one module, named for what it holds: the kit a run is
 set up, kept and logged with (as diffusers' training examples import `diffusers.training_utils`).
 
-Flags (RunArgs: the evaluation, I/O and reward-model flags each script's Args inherits; Args -> argparse with --help
-sections; --resume's saved config), the input checks both scripts make, model loading, text encoding, decoding and
-scoring, what a run holds (`Run`), the held-out evaluation (split over processes; evaluate.py runs it on any
-checkpoint), run folders, locks, resume, atomic checkpoints, trackers, figures and --dry-run. The method and the
-DiffusionNFT training core it acts on (optimality, schedules, sampler steps, tree rollouts, the update loop) stay in
-each script, which passes in what is its own: its Args class and --help sections, its checks, its default run name,
-its held-out sampler (`ode_sample`).
+Flags (RunArgs: the evaluation, I/O and reward-model flags; NFTArgs: the rewards, rollout and optimisation flags both
+scripts share; each script's Args inherits them; Args -> argparse with --help sections; --resume's saved config), the
+input checks both scripts make, model loading, text encoding, the transformer's velocity, decoding and scoring, the
+update's frozen forwards and optimizer step, what a run holds (`Run`), the held-out evaluation (split over processes;
+evaluate.py runs it on any checkpoint), run folders, locks, resume, atomic checkpoints, trackers, figures and
+--dry-run. The method and the DiffusionNFT training core it acts on (optimality, schedules, sampler steps, tree
+rollouts, the update loop and its loss) stay in each script, which passes in what is its own: its Args class and
+--help sections, its checks, its default run name, its held-out sampler (`ode_sample`).
 diffusers, transformers, peft, accelerate and matplotlib are imported where first used, so that importing a script
 for its math (the toy, the notebook, the tests) does not load them.
 """
@@ -85,8 +86,8 @@ RUN_ARG_GROUPS = {  # the --help sections of RunArgs's flags, after each script'
 
 @dataclass
 class RunArgs:
-    """The flags both scripts take, in RUN_ARG_GROUPS's sections; each script's Args inherits them and adds its own
-    (method, rollout, optimisation)."""
+    """The flags both scripts take, in RUN_ARG_GROUPS's sections; NFTArgs adds the shared method, rollout and
+    optimisation flags, each script's Args its own."""
 
     # evaluation
     eval_every: int = flag(20, "evaluation", min=0)
@@ -139,6 +140,82 @@ class RunArgs:
     """JSONL of GenEval metadata per prompt (FlowGRPO's dataset/geneval format)"""
     geneval_key: str = flag(DEFAULTS["geneval_key"], "reward models")
     """GenEval reply field used as the reward: scores (partial credit), strict_rewards (0/1)"""
+
+
+@dataclass
+class NFTArgs(RunArgs):
+    """The flags both scripts take with the same meaning: the rewards and budgets, DiffusionNFT's rollout and its
+    optimisation, in each script's method, rollout and optimisation sections. The defaults are recast.py's; rvge.py
+    redefines those it changes (a redefined field keeps its place in --help)."""
+
+    # method
+    rewards: str = flag("", "method")
+    """comma-separated reward names, in budget order (default for the embedded model: its four default rewards)"""
+    budgets: str = flag("0.4,0.3,0.2,0.1", "method")
+    """reward budgets lambda_k, one per reward (W's row sums)"""
+    # rollout
+    prompts_per_iter: int = flag(8, "rollout", min=1)
+    """prompt groups per iteration and process"""
+    n_roots: int = flag(2, "rollout", min=1)
+    """independent noises per prompt (tree roots)"""
+    n_branch: int = flag(4, "rollout", min=1)
+    """copies made of every state at each branch step"""
+    branch_steps: str = flag("rotate", "rollout")
+    """rotate: each prompt group branches once, at a step that rotates over 1..T-2 across groups and iterations (every
+    level measured); or fixed sampler steps j (0 < j < T - 1) for every group; group size = n_roots *
+    n_branch^(number of branch steps)"""
+    sde_substeps: int = flag(2, "rollout", min=1)
+    """Euler-Maruyama sub-steps per grid interval after a branch (1: the grid itself; more: siblings closer to exact x0
+    | x_t samples, rollout cost grows)"""
+    sampler: str = flag("tree", "rollout", choices=["tree", "ode"])
+    """tree: branched trees (ReCAST's pairs estimator needs them); ode: DiffusionNFT's independent deterministic
+    DPM-Solver-2 rollouts, n_roots per prompt"""
+    steps: int = flag(10, "rollout", min=3)
+    """sampler steps T (= columns of W = training timesteps)"""
+    sde_a: float = flag(math.sqrt(2), "rollout", min=0)
+    """SDE noise level a after the first branch, g = a sqrt(s / (1 - s)); sqrt(2) (default) is the exact reversal of the
+    noising, so branches sample x0 | x_t (the pairs estimator and kappa transfer need it; FlowGRPO uses 0.7)"""
+    resolution: int = flag(0, "rollout", min=0)
+    """image size in pixels (0: the model's default, 512 for SD3.5-M)"""
+    max_sequence_length: int = flag(0, "rollout", min=0)
+    """T5 tokens (0: the model's default: 128 as DiffusionNFT encodes, 10 for the embedded model)"""
+    rollout_batch: int = flag(64, "rollout", min=1)
+    """chunk size for transformer calls during rollouts"""
+    # optimisation
+    iterations: int = flag(100, "optimisation", min=1)
+    """training iterations (rollout + update)"""
+    base_reg: float = flag(1e-4, "optimisation", min=0)
+    """weight of the velocity MSE to the frozen base model"""
+    train_steps_per_leaf: int = flag(4, "optimisation", min=1)
+    """training timesteps drawn (without replacement) from the T grid steps per leaf and iteration"""
+    train_batch: int = flag(32, "optimisation", min=1)
+    """micro-batch of (leaf, timestep) samples per forward/backward"""
+    frozen_batch: int = flag(0, "optimisation", min=0)
+    """compute the no-grad v_old / v_base forwards of each optimizer step ahead, in batches of this size (0: with each
+    gradient micro-batch); same numbers, unmeasured on GPU"""
+    gradient_checkpointing: bool = flag(False, "optimisation")
+    """recompute the transformer's activations in backward (diffusers' gradient checkpointing): less memory for a larger
+    --train-batch, same gradients"""
+    updates_per_iter: int = flag(8, "optimisation", min=1)
+    """optimizer steps per iteration, each on the mean loss over its share of the iteration's samples (1: DiffusionNFT's
+    one step per epoch)"""
+    old_decay: int = flag(1, "optimisation", choices=[0, 1, 2])
+    """DiffusionNFT's old-policy schedule on optimizer steps: 0 none, 1 min(0.001 s, 0.5), 2 OCR's (0 for 75 steps, then
+    +0.0075 up to 0.999)"""
+    ema: bool = flag(False, "optimisation")
+    """keep DiffusionNFT's EMA of the trained LoRA (decay min((1 + s) / (10 + s), 0.9)), evaluate it and save it beside
+    the raw LoRA"""
+    lr: float = flag(1e-4, "optimisation", gt=0)
+    """AdamW learning rate (DiffusionNFT uses 3e-4 on SD3.5-M with ~1k images per step; 1e-4 suits the embedded model's
+    256-sample steps)"""
+    weight_decay: float = flag(1e-4, "optimisation", min=0)
+    """AdamW weight decay"""
+    grad_clip: float = flag(1.0, "optimisation", gt=0)
+    """gradient norm clip"""
+    lora_rank: int = flag(32, "optimisation", min=1)
+    """LoRA rank"""
+    lora_alpha: int = flag(64, "optimisation", min=1)
+    """LoRA alpha"""
 
 
 def make_parser(Args, groups, doc, suppress=False):
@@ -487,7 +564,7 @@ def distinct_prompts(prompts, n, seed, rank, world_size):
 
 
 # =============================================================================
-# Model loading, text encoding, decoding and scoring
+# Model loading, text encoding, the transformer's velocity, decoding and scoring
 # =============================================================================
 
 
@@ -583,6 +660,26 @@ def encode(pipe, prompts, max_len, device):
     return emb, pooled
 
 
+def velocity(transformer, x, s, emb, pooled, chunk=64):
+    """v(x_t, t, c) of the active adapter; x (N, C, h, w) float32, s (N,) sigmas in [0, 1],
+    emb/pooled already indexed per sample. The transformer takes timestep = 1000 s (float32, as the
+    SD3 pipeline passes it, whatever the weights' dtype). Returns float32."""
+    dtype = emb.dtype
+    outs = []
+    for i in range(0, len(x), chunk):
+        sl = slice(i, i + chunk)
+        outs.append(
+            transformer(
+                hidden_states=x[sl].to(dtype),
+                timestep=s[sl] * 1000,
+                encoder_hidden_states=emb[sl],
+                pooled_projections=pooled[sl],
+                return_dict=False,
+            )[0].float()
+        )
+    return torch.cat(outs)
+
+
 def decode(pipe, latents, chunk=8):
     """Latents (scaled as the transformer sees them) -> list of PIL images."""
     cfg = pipe.vae.config
@@ -647,6 +744,56 @@ def dry_run(args):
         print(f"  {key:<45} {value:8.2f} GiB")
     print(f"  {'total (transformer training, excl. VAE/text encoders)':<45} {sum(plan.values()):8.2f} GiB")
     return {"total_params": total, "trainable_params": trainable, "lora_layers": targets, "memory_gib": plan}
+
+
+# =============================================================================
+# The update's plumbing: the frozen forwards (no grad) and the optimizer step
+# =============================================================================
+
+
+def frozen_velocities(transformer, x_t, s, cond, with_base):
+    """No-grad velocities of the "old" (sampling) adapter and of the frozen base (adapters off; v_old
+    again when the base term is off); leaves the "default" adapter active."""
+    with torch.no_grad():
+        transformer.set_adapter("old")
+        v_old = velocity(transformer, x_t, s, *cond)
+        transformer.disable_adapters()
+        v_base = velocity(transformer, x_t, s, *cond) if with_base else v_old
+        transformer.enable_adapters()
+    transformer.set_adapter("default")
+    return v_old, v_base
+
+
+def frozen_velocities_ahead(transformer, batches, size, with_base):
+    """--frozen-batch: the no-grad v_old / v_base of every micro-batch of an optimizer step, computed
+    ahead in chunks of `size` (larger than the gradient micro-batch: no activations are kept), then
+    split back per micro-batch. The same numbers as `frozen_velocities` per micro-batch."""
+    x_t, s = torch.cat([nb.x_t for nb in batches]), torch.cat([nb.s for nb in batches])
+    cond = (torch.cat([nb.cond[0] for nb in batches]), torch.cat([nb.cond[1] for nb in batches]))
+    v_old, v_base = zip(
+        *(
+            frozen_velocities(
+                transformer,
+                x_t[k : k + size],
+                s[k : k + size],
+                (cond[0][k : k + size], cond[1][k : k + size]),
+                with_base,
+            )
+            for k in range(0, len(x_t), size)
+        )
+    )
+    sizes = [len(nb.pairs) for nb in batches]
+    return list(zip(torch.cat(v_old).split(sizes), torch.cat(v_base).split(sizes)))
+
+
+def optimizer_step(opt, params, totals, grad_clip, all_reduce_grads):
+    """Average the gradients over processes, clip their norm, refuse a non-finite step, step AdamW."""
+    all_reduce_grads(params)
+    totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    check_finite(totals)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    totals["train/opt_steps"] += 1
 
 
 # =============================================================================
@@ -803,6 +950,15 @@ def reward_metrics(run: Run, it, b, n_valid, mean_R, losses):
         **losses,
         "train/samples": int(run.reduce(losses["train/samples"])),
     }
+
+
+def global_stats(R, reduce):
+    """Per-column (count, mean, std) of the finite rewards of all processes; R (N, K)."""
+    finite = np.isfinite(R)
+    Rz = np.where(finite, R, 0.0)
+    n = reduce(finite.sum(0))
+    mean = reduce(Rz.sum(0)) / np.maximum(n, 1)
+    return n, mean, np.sqrt(np.maximum(reduce((Rz**2).sum(0)) / np.maximum(n, 1) - mean**2, 0.0))
 
 
 def budget_mean(values, budgets):

@@ -5,7 +5,8 @@ posterior-variance transfer, target velocities, regression groups and bandwidth 
 (directions per reward, the regression loss and update), the train loop, the flags and RVGE's checks; then
 DiffusionNFT's training core (optimality, schedules, sampler steps, tree rollouts, the update loop), one block that
 is the same text in recast.py (so `diff recast.py rvge.py` shows the two methods). The run machinery (flag parsing,
-the shared checks, run folders, resume, checkpoints, trackers, figures, model loading) is run_kit.py's;
+the flags both scripts share, the shared checks, run folders, resume, checkpoints, trackers, figures, model
+loading, the transformer call, the frozen forwards and the optimizer step) is run_kit.py's;
 --credit recast takes ReCAST's W from recast.py (`recast.credit`). The paper's full text was not available: each
 "NOTES.md §n" names a section of our reconstruction of the method, and derivations.ipynb derives each formula.
 
@@ -28,7 +29,8 @@ dimensions, then over the batch; numpy math is float64.
 
 Where to change what (run_kit.x: in run_kit.py)
     flags       Args (a field, its --help section in ARG_GROUPS, its checks), validate; run_kit.check_common;
-                the evaluation, I/O and reward-model flags: run_kit.RunArgs
+                the flags both scripts share: run_kit.NFTArgs (rewards, budgets, rollout, optimisation),
+                run_kit.RunArgs (evaluation, I/O, reward models)
     sampler     tree_rollout (trees; sde_step / sde_continue after a branch, ode_step or dpm2_step before),
                 rollout_and_score (which adapter samples, what is decoded and scored; probes for --coords noisy)
     rewards     reward_models.py (REWARD_MODELS, build_rewards; README "Add a reward"), run_kit.score,
@@ -38,6 +40,7 @@ Where to change what (run_kit.x: in run_kit.py)
     transfer    reward_target: uses_local, target_velocity (transfer_ratio, posterior_var), query_weight
     credit      mixture_weights (w_kj from W); W itself is recast.credit (--credit recast)
     loss        rvge_loss, mix_targets, rvge_update; the loop shared with recast.py: update_loop
+                (with run_kit.frozen_velocities, run_kit.optimizer_step)
     old policy  old_decay (the soft update of "old" each iteration), ema_decay (--ema)
     logging     run_kit.reward_metrics + train's metrics line, run_kit.finish_iteration (metrics.jsonl,
                 run_kit.log_to_trackers, checkpoints), progress bar in train, figures in run_kit.plot_run,
@@ -60,11 +63,10 @@ from tqdm import tqdm
 from recast import CreditSettings, combine_raw, credit
 from run_kit import (
     RUN_ARG_GROUPS,
+    NFTArgs,
     Run,
-    RunArgs,
     check_common,
     check_files,
-    check_finite,
     copy_adapter,
     decode,
     dry_run,
@@ -72,9 +74,13 @@ from run_kit import (
     evaluate_before,
     finish_iteration,
     flag,
+    frozen_velocities,
+    frozen_velocities_ahead,
+    global_stats,
     iteration_generator,
     load_run,
     lora_params,
+    optimizer_step,
     parse_flags,
     plot_run,
     reward_metrics,
@@ -82,6 +88,7 @@ from run_kit import (
     score,
     start_or_resume,
     stop_if_a_reward_failed,
+    velocity,
 )
 
 # =============================================================================
@@ -477,14 +484,12 @@ ARG_GROUPS = {  # --help sections, in this order: title -> what the flags set
 
 
 @dataclass
-class Args(RunArgs):
-    """This method's flags; the evaluation, I/O and reward-model flags are run_kit.RunArgs's."""
+class Args(NFTArgs):
+    """RVGE's flags, and the rollout and optimisation defaults it changes; --rewards, --budgets, the rollout and
+    optimisation flags both scripts share are run_kit.NFTArgs's, the evaluation, I/O and reward-model flags
+    run_kit.RunArgs's."""
 
     # method
-    rewards: str = flag("", "method")
-    """comma-separated reward names, in budget order (default for the embedded model: its four default rewards)"""
-    budgets: str = flag("0.4,0.3,0.2,0.1", "method")
-    """reward budgets lambda_k, one per reward (W's row sums)"""
     credit: str = flag("budgets", "method", choices=["budgets", "recast"])
     """budgets: reward k's direction weighted lambda_k / Lam at every step; recast: T W_kj / Lam with ReCAST's W (Renyi
     gains from the pairs estimator)"""
@@ -535,58 +540,9 @@ class Args(RunArgs):
     branch_steps: str = flag("7", "rollout")
     """sampler steps j (0 < j < T - 1) at which states branch; leaves per prompt = n_roots * n_branch^len; local groups
     split at the last one (step 7 of 10: t_b = 0.46 on SD3's shift-3 grid)"""
-    sde_substeps: int = flag(2, "rollout", min=1)
-    """Euler-Maruyama sub-steps per grid interval after a branch (1: the grid itself; more: siblings closer to exact x0
-    | x_t samples, rollout cost grows)"""
-    sampler: str = flag("tree", "rollout", choices=["tree", "ode"])
-    """tree: branched trees (ReCAST's pairs estimator needs them); ode: DiffusionNFT's independent deterministic
-    DPM-Solver-2 rollouts, n_roots per prompt"""
-    steps: int = flag(10, "rollout", min=3)
-    """sampler steps T (= columns of W = training timesteps)"""
-    sde_a: float = flag(math.sqrt(2), "rollout", min=0)
-    """SDE noise level a after the first branch, g = a sqrt(s / (1 - s)); sqrt(2) (default) is the exact reversal of the
-    noising, so branches sample x0 | x_t (the pairs estimator and kappa transfer need it; FlowGRPO uses 0.7)"""
-    resolution: int = flag(0, "rollout", min=0)
-    """image size in pixels (0: the model's default, 512 for SD3.5-M)"""
-    max_sequence_length: int = flag(0, "rollout", min=0)
-    """T5 tokens (0: the model's default: 128 as DiffusionNFT encodes, 10 for the embedded model)"""
-    rollout_batch: int = flag(64, "rollout", min=1)
-    """chunk size for transformer calls during rollouts"""
     # optimisation
     iterations: int = flag(120, "optimisation", min=1)
     """training iterations (rollout + update); an iteration costs about as much as recast.py's (64 images)"""
-    base_reg: float = flag(1e-4, "optimisation", min=0)
-    """weight of the velocity MSE to the frozen base model"""
-    train_steps_per_leaf: int = flag(4, "optimisation", min=1)
-    """training timesteps drawn (without replacement) from the T grid steps per leaf and iteration"""
-    train_batch: int = flag(32, "optimisation", min=1)
-    """micro-batch of (leaf, timestep) samples per forward/backward"""
-    frozen_batch: int = flag(0, "optimisation", min=0)
-    """compute the no-grad v_old / v_base forwards of each optimizer step ahead, in batches of this size (0: with each
-    gradient micro-batch); same numbers, unmeasured on GPU"""
-    gradient_checkpointing: bool = flag(False, "optimisation")
-    """recompute the transformer's activations in backward (diffusers' gradient checkpointing): less memory for a larger
-    --train-batch, same gradients"""
-    updates_per_iter: int = flag(8, "optimisation", min=1)
-    """optimizer steps per iteration, each on the mean loss over its share of the iteration's samples (1: DiffusionNFT's
-    one step per epoch)"""
-    old_decay: int = flag(1, "optimisation", choices=[0, 1, 2])
-    """DiffusionNFT's old-policy schedule on optimizer steps: 0 none, 1 min(0.001 s, 0.5), 2 OCR's (0 for 75 steps, then
-    +0.0075 up to 0.999)"""
-    ema: bool = flag(False, "optimisation")
-    """keep DiffusionNFT's EMA of the trained LoRA (decay min((1 + s) / (10 + s), 0.9)), evaluate it and save it beside
-    the raw LoRA"""
-    lr: float = flag(1e-4, "optimisation", gt=0)
-    """AdamW learning rate (DiffusionNFT uses 3e-4 on SD3.5-M with ~1k images per step; 1e-4 suits the embedded model's
-    256-sample steps)"""
-    weight_decay: float = flag(1e-4, "optimisation", min=0)
-    """AdamW weight decay"""
-    grad_clip: float = flag(1.0, "optimisation", gt=0)
-    """gradient norm clip"""
-    lora_rank: int = flag(32, "optimisation", min=1)
-    """LoRA rank"""
-    lora_alpha: int = flag(64, "optimisation", min=1)
-    """LoRA alpha"""
 
 
 def validate(args: Args, extra_rewards=None):
@@ -652,7 +608,8 @@ def default_name(args):
 # DiffusionNFT's training core: identical in recast.py and rvge.py, in this order, to the end of the file.
 # test_recast.py checks that the two blocks are the same text; change it in recast.py, then
 # `python test_recast.py --fix-copies` rewrites rvge.py's block from it. The run machinery around it (flags, checks,
-# run folders, resume, checkpoints, trackers, figures, model loading) is run_kit.py's.
+# run folders, resume, checkpoints, trackers, figures, model loading, the transformer call, frozen forwards, optimizer
+# step) is run_kit.py's.
 # #####################################################################################################################
 
 
@@ -773,26 +730,6 @@ def branch_layout(n_groups, T, branch_steps, offset=0):
     if branch_steps == "rotate":
         return [[1 + (offset + p) % (T - 2)] for p in range(n_groups)]
     return [list(branch_steps) for _ in range(n_groups)]
-
-
-def velocity(transformer, x, s, emb, pooled, chunk=64):
-    """v(x_t, t, c) of the active adapter; x (N, C, h, w) float32, s (N,) sigmas in [0, 1],
-    emb/pooled already indexed per sample. The transformer takes timestep = 1000 s (float32, as the
-    SD3 pipeline passes it, whatever the weights' dtype). Returns float32."""
-    dtype = emb.dtype
-    outs = []
-    for i in range(0, len(x), chunk):
-        sl = slice(i, i + chunk)
-        outs.append(
-            transformer(
-                hidden_states=x[sl].to(dtype),
-                timestep=s[sl] * 1000,
-                encoder_hidden_states=emb[sl],
-                pooled_projections=pooled[sl],
-                return_dict=False,
-            )[0].float()
-        )
-    return torch.cat(outs)
 
 
 def tree_rollout(
@@ -978,17 +915,10 @@ def rollout_and_score(run: Run, args: Args, it, gen, probe_steps=()) -> Rollout:
     )
 
 
-def global_stats(R, reduce):
-    """Per-column (count, mean, std) of the finite rewards of all processes; R (N, K)."""
-    finite = np.isfinite(R)
-    Rz = np.where(finite, R, 0.0)
-    n = reduce(finite.sum(0))
-    mean = reduce(Rz.sum(0)) / np.maximum(n, 1)
-    return n, mean, np.sqrt(np.maximum(reduce((Rz**2).sum(0)) / np.maximum(n, 1) - mean**2, 0.0))
 
 
 # =============================================================================
-# The update loop: (leaf, timestep) samples, frozen forwards, optimizer step (NOTES.md §2)
+# The update loop: (leaf, timestep) samples, noised batches, the loss (NOTES.md §2)
 # =============================================================================
 
 
@@ -1052,51 +982,6 @@ def noised_batch(pairs, leaves, groups, emb, pooled, sigmas, gen):
     eps = torch.randn(x0.shape, generator=gen).to(leaves.device)
     x_t = (1 - s.view(-1, *[1] * (x0.dim() - 1))) * x0 + s.view(-1, *[1] * (x0.dim() - 1)) * eps
     return NoisedBatch(pairs, i, j, x0, s, x_t, (emb[groups[i]], pooled[groups[i]]))
-
-
-def frozen_velocities_ahead(transformer, batches, size, with_base):
-    """--frozen-batch: the no-grad v_old / v_base of every micro-batch of an optimizer step, computed
-    ahead in chunks of `size` (larger than the gradient micro-batch: no activations are kept), then
-    split back per micro-batch. The same numbers as `frozen_velocities` per micro-batch."""
-    x_t, s = torch.cat([nb.x_t for nb in batches]), torch.cat([nb.s for nb in batches])
-    cond = (torch.cat([nb.cond[0] for nb in batches]), torch.cat([nb.cond[1] for nb in batches]))
-    v_old, v_base = zip(
-        *(
-            frozen_velocities(
-                transformer,
-                x_t[k : k + size],
-                s[k : k + size],
-                (cond[0][k : k + size], cond[1][k : k + size]),
-                with_base,
-            )
-            for k in range(0, len(x_t), size)
-        )
-    )
-    sizes = [len(nb.pairs) for nb in batches]
-    return list(zip(torch.cat(v_old).split(sizes), torch.cat(v_base).split(sizes)))
-
-
-def frozen_velocities(transformer, x_t, s, cond, with_base):
-    """No-grad velocities of the "old" (sampling) adapter and of the frozen base (adapters off; v_old
-    again when the base term is off); leaves the "default" adapter active."""
-    with torch.no_grad():
-        transformer.set_adapter("old")
-        v_old = velocity(transformer, x_t, s, *cond)
-        transformer.disable_adapters()
-        v_base = velocity(transformer, x_t, s, *cond) if with_base else v_old
-        transformer.enable_adapters()
-    transformer.set_adapter("default")
-    return v_old, v_base
-
-
-def optimizer_step(opt, params, totals, grad_clip, all_reduce_grads):
-    """Average the gradients over processes, clip their norm, refuse a non-finite step, step AdamW."""
-    all_reduce_grads(params)
-    totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
-    check_finite(totals)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    totals["train/opt_steps"] += 1
 
 
 # =============================================================================

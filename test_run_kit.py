@@ -1036,6 +1036,25 @@ def test_the_scripts_define_nothing_of_the_kit_again():
         assert not names(script.__file__) & kit, script.__name__
 
 
+def test_the_shared_flags_are_written_once_and_a_script_redefines_one_only_to_change_it():
+    """run_kit.NFTArgs holds the rewards, rollout and optimisation flags both scripts take: each script's Args inherits
+    them, and a field a script writes again changes its default or its help (never the same text twice)."""
+    import ast
+    import inspect
+
+    shared = {f.name: f for f in fields(run_kit.NFTArgs)}
+    base_docs = run_kit.field_docs(run_kit.NFTArgs)
+    assert {"rewards", "budgets", "steps", "sde_a", "train_batch", "lr", "lora_rank"} <= set(shared)
+    for script in (recast, rvge):
+        assert issubclass(script.Args, run_kit.NFTArgs), script.__name__
+        body = ast.parse(inspect.getsource(script.Args)).body[0].body
+        written = {a.target.id for a in body if isinstance(a, ast.AnnAssign)}
+        mine, docs = {f.name: f for f in fields(script.Args)}, run_kit.field_docs(script.Args)
+        for name in written & set(shared):
+            changed = mine[name].default != shared[name].default or docs[name] != base_docs[name]
+            assert changed, f"{script.__name__}.Args writes --{name} again unchanged: leave it to run_kit.NFTArgs"
+
+
 def metrics_without_times(path):
     """The lines of a metrics.jsonl with the wall-clock keys (time/*) left out, each re-serialised as it was written."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines()]

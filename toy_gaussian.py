@@ -564,7 +564,7 @@ def check_sde(quick, out=None):
 
 
 class ExactVelocity:
-    """Stand-in for the SD3 transformer inside recast.velocity: the exact velocity of a mixture, so the
+    """Stand-in for the SD3 transformer inside run_kit.velocity: the exact velocity of a mixture, so the
     shipped recast.tree_rollout runs on the toy. Counts the states it evaluates (rollout cost)."""
 
     def __init__(self, gm):
