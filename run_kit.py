@@ -2,8 +2,9 @@
 set up, kept and logged with (as diffusers' training examples import `diffusers.training_utils`).
 
 Flags (RunArgs: the evaluation, I/O and reward-model flags each script's Args inherits; Args -> argparse with --help
-sections; --resume's saved config), the input checks both scripts make, model loading, text encoding, decoding and
-scoring, what a run holds (`Run`), run folders, locks, resume, atomic checkpoints, trackers, figures and --dry-run. The
+sections and defaults; --config files; --resume's saved config), the input checks both scripts make, model loading,
+text encoding, decoding and scoring, what a run holds (`Run`), run folders, locks, resume, atomic checkpoints,
+trackers, figures, the end-of-run summary and --dry-run. The
 method and the DiffusionNFT training core it acts on (optimality, schedules, sampler steps, tree rollouts, the update
 loop, the evaluation) stay in each script, which passes in what is its own: its Args class and --help sections, its
 checks, its default run name, its evaluation.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import fcntl
 import importlib.util
 import inspect
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import yaml
 from tqdm import tqdm
 
 import shapes_world
@@ -142,8 +145,11 @@ class RunArgs:
 
 def make_parser(Args, groups, doc, suppress=False):
     """argparse from a script's Args class, in the sections of `groups` (its ARG_GROUPS: title -> text), described by
-    the first paragraph of `doc` (its docstring); the string under each field is its --help line. With suppress=True
-    only the flags actually given appear in the result (used by --resume)."""
+    the first paragraph of `doc` (its docstring); the string under each field is its --help line, followed by its
+    default. --config FILE (not a field: it names where the others come from) sits in the I/O section. With
+    suppress=True only the flags actually given appear in the result (used by --resume). argparse rather than tyro:
+    tyro puts a flat dataclass's flags in one section, in base-class order, and cannot tell which flags were given,
+    which the sections and --resume's rules need."""
     parser = argparse.ArgumentParser(
         description=doc.split("\n\n")[0], argument_default=argparse.SUPPRESS if suppress else None
     )
@@ -152,11 +158,20 @@ def make_parser(Args, groups, doc, suppress=False):
     for f in sorted(fields(Args), key=lambda f: list(groups).index(f.metadata["group"])):  # the usage line, by section
         name, section = "--" + f.name.replace("_", "-"), sections[f.metadata["group"]]
         extra = {} if suppress else {"default": f.default}
+        shown = "off" if f.default is False else repr(f.default) if f.default == "" else f.default
+        text = f"{docs[f.name]} (default: {shown})".replace("%", "%%")  # argparse formats help with %
         if f.type in (bool, "bool"):
-            section.add_argument(name, action="store_true", help=docs[f.name], **extra)
+            section.add_argument(name, action=argparse.BooleanOptionalAction, help=text, **extra)  # --no-x: off
         else:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            section.add_argument(name, type=kind, help=docs[f.name], choices=f.metadata.get("choices"), **extra)
+            section.add_argument(name, type=kind, help=text, choices=f.metadata.get("choices"), **extra)
+    sections.get("I/O", parser).add_argument(
+        "--config",
+        default=argparse.SUPPRESS,
+        metavar="FILE",
+        help="YAML or JSON file of flags (keys: the flag names, dashes or underscores; e.g. configs/*.yaml, or a "
+        "run's config.json); flags given on the command line override it",
+    )
     return parser
 
 
@@ -172,10 +187,20 @@ NOT_ON_RESUME = ("name", "overwrite")  # they choose or replace a run folder; --
 def parse_flags(argv, Args, groups, doc, script):
     """A script's Args (the class; `groups` and `doc` as make_parser's) from the command line. With --resume DIR the
     settings come from DIR/config.json and flags given now override them, except FIXED_ON_RESUME (refused with both
-    values named); the run must be one of `script`'s; the run folder is DIR itself, wherever it lies now."""
-    args = Args(**vars(make_parser(Args, groups, doc).parse_args(argv)))
+    values named); the run must be one of `script`'s; the run folder is DIR itself, wherever it lies now. With
+    --config FILE the file's values replace the defaults and flags given on the command line override them."""
+    parser = make_parser(Args, groups, doc)
+    config = vars(parser.parse_args(argv)).get("config")
+    if config is not None:
+        parser.set_defaults(**read_config_file(config, Args, script))
+    args = Args(**{k: v for k, v in vars(parser.parse_args(argv)).items() if k != "config"})
     if not args.resume:
         return args
+    if config is not None:
+        raise SystemExit(
+            f"--config {config} does not go with --resume {args.resume}, whose config.json gives the settings: "
+            "drop --config and give the flags to change on the command line"
+        )
     config = Path(args.resume) / "config.json"
     if not config.is_file():
         raise SystemExit(f"--resume {args.resume}: no config.json there; give the run folder of an earlier run")
@@ -225,18 +250,74 @@ def read_run_config(path, Args):
         problem = 'it does not hold an "args" object'
     if problem is None and config.get("script") not in ("recast", "rvge"):
         problem = f'its "script" is {config.get("script")!r}, not recast or rvge'
-    types = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
     for f in fields(Args) if problem is None else ():
-        value, kind = config["args"].get(f.name), f.type if isinstance(f.type, str) else f.type.__name__
-        fits = isinstance(value, types[kind]) and (kind == "bool" or not isinstance(value, bool))
-        if f.name in config["args"] and not fits and not (value is None and f.default is None):
-            problem = f"args.{f.name} is {value!r}, not of type {kind}"
+        if f.name in config["args"] and type_problem(f, config["args"][f.name]):
+            problem = f"args.{f.name} {type_problem(f, config['args'][f.name])}"
             break
     if problem:
         raise SystemExit(
             f"{path}: {problem}. Repair the file (the run's checkpoints are not affected), or start a new run"
         )
     return config, config["args"]
+
+
+def type_problem(f, value):
+    """What is wrong with `value` for the Args field f ("is 'x', not of type int"), or None (an int is also a
+    float; a bool is never a number)."""
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    types = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}[kind]
+    if isinstance(value, types) and (kind == "bool" or not isinstance(value, bool)) or value is f.default is None:
+        return None
+    return f"is {value!r}, not of type {kind}"
+
+
+NEW_RUN_ONLY = ("out", "resume", "overwrite")  # from a run's config.json given to --config: they chose its folder
+
+
+def read_config_file(path, Args, script):
+    """{field: value} of a --config file: YAML (.yaml, .yml) or JSON (.json) holding flag names (dashes or
+    underscores) and values, or a run's config.json (its "args", less NEW_RUN_ONLY, so that the new run gets a
+    folder of its own). Unknown keys, values of the wrong type and values outside a flag's range are refused naming
+    the file, the key and the fix."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".yaml", ".yml", ".json"):
+        raise SystemExit(f"--config {path}: give a .yaml, .yml or .json file (its suffix says how to read it)")
+    try:
+        text = Path(path).read_text()
+        data = json.loads(text) if suffix == ".json" else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as err:  # a missing file; a syntax error, with its line
+        raise SystemExit(f"--config {path}: cannot read it ({err}). Fix the file or the path") from None
+    if isinstance(data, dict) and isinstance(data.get("args"), dict) and "script" in data:  # a run's config.json
+        if data["script"] != script:
+            raise SystemExit(
+                f"--config {path}: a run of {data['script']}.py; give it to {data['script']}.py, or a {script} file"
+            )
+        data = {k: v for k, v in data["args"].items() if k not in NEW_RUN_ONLY}
+    if not isinstance(data, dict):
+        raise SystemExit(f"--config {path}: the file must hold key: value lines (a mapping), not {type(data).__name__}")
+    known = {f.name: f for f in fields(Args)}
+    values = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0].replace('_', '-')}? " if close else ""
+            raise SystemExit(
+                f"--config {path}: unknown key {key!r}; {hint}(the keys are the flags of `python {script}.py --help`). "
+                "Fix or remove it"
+            )
+        if known[name].type in (float, "float") and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as text
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        problem = type_problem(known[name], value)
+        quote = ' (quote a text value: budgets: "1")' if problem and known[name].type in (str, "str") else ""
+        problem = problem or range_problem(known[name], value)
+        if problem:
+            raise SystemExit(f"--config {path}: {key} {problem}. Fix it in the file{quote}")
+        values[name] = value
+    return values
 
 
 # =============================================================================
@@ -248,20 +329,29 @@ def check_ranges(args):
     """Each numeric flag against the bounds in its Args metadata (min / max inclusive, gt / lt strict),
     NaN and inf refused; each flag with choices against them. Raises SystemExit naming flag, value and fix."""
     for f in fields(args):
-        value, meta, flag = getattr(args, f.name), f.metadata, "--" + f.name.replace("_", "-")
-        if meta.get("choices") and value not in meta["choices"]:
-            raise SystemExit(f"{flag} {value!r}: choose one of {[c for c in meta['choices'] if c]}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        bounds = [
-            (meta.get("min"), ">=", value >= meta.get("min", -math.inf)),
-            (meta.get("gt"), ">", value > meta.get("gt", -math.inf)),
-            (meta.get("max"), "<=", value <= meta.get("max", math.inf)),
-            (meta.get("lt"), "<", value < meta.get("lt", math.inf)),
-        ]
-        if not math.isfinite(value) or any(bound is not None and not ok for bound, _, ok in bounds):
-            need = " and ".join(f"{op} {bound}" for bound, op, _ in bounds if bound is not None) or "finite"
-            raise SystemExit(f"{flag} {value}: must be a finite number {need}. Fix {flag}")
+        problem, flag = range_problem(f, getattr(args, f.name)), "--" + f.name.replace("_", "-")
+        if problem:
+            raise SystemExit(f"{flag} {problem}. Fix {flag}")
+
+
+def range_problem(f, value):
+    """What is wrong with `value` against the Args field f's choices or bounds ("-1: must be a finite number >= 0"),
+    or None."""
+    meta = f.metadata
+    if meta.get("choices") and value not in meta["choices"]:
+        return f"{value!r}: choose one of {[c for c in meta['choices'] if c]}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    bounds = [
+        (meta.get("min"), ">=", value >= meta.get("min", -math.inf)),
+        (meta.get("gt"), ">", value > meta.get("gt", -math.inf)),
+        (meta.get("max"), "<=", value <= meta.get("max", math.inf)),
+        (meta.get("lt"), "<", value < meta.get("lt", math.inf)),
+    ]
+    if not math.isfinite(value) or any(bound is not None and not ok for bound, _, ok in bounds):
+        need = " and ".join(f"{op} {bound}" for bound, op, _ in bounds if bound is not None) or "finite"
+        return f"{value}: must be a finite number {need}"
+    return None
 
 
 def check_report_to(report_to):

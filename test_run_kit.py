@@ -13,7 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -886,6 +886,8 @@ def test_help_reads_as_sections_with_every_flag_in_its_own(module, capsys):
     for f in fields(script.Args):
         at = re.search(rf"\n  --{f.name.replace('_', '-')}\b", text).start()
         assert text.index(f"\n{f.metadata['group']}:\n") < at < ends[f.metadata["group"]], f.name
+        shown = " ".join(text[at : text.find("\n  --", at + 1)].split())
+        assert re.search(r"\(default: \S", shown), f"--help shows no default of {f.name}"
     for name in ("pickscore_model", "pickscore_processor", "clip_model", "geneval_url", "geneval_key"):
         assert getattr(script.Args(), name) == reward_models.DEFAULTS[name]
 
@@ -916,7 +918,7 @@ def test_inherited_flags_keep_their_help_and_the_usage_line_follows_the_sections
         "lr": "the script's help for --lr",
     }
     parser = run_kit.make_parser(ScriptFlags, {"method": "m", "I/O": "io"}, "doc")
-    assert [a.dest for a in parser._actions] == ["help", "lr", "out", "name"]
+    assert [a.dest for a in parser._actions] == ["help", "lr", "out", "name", "config"]
     assert parser.parse_args([]).name == "mine"
     assert set(run_kit.field_docs(run_kit.RunArgs)) == {f.name for f in fields(run_kit.RunArgs)}
 
@@ -998,3 +1000,97 @@ def test_resume_never_takes_overwrite_from_the_saved_run(tmp_path, script):
     (run / "config.json").write_text(json.dumps({"script": script.__name__, "args": saved}))
     args = script.parse_args(["--resume", str(run)])
     assert args.overwrite is False and args.name == "" and args.out == str(run)
+
+
+# -----------------------------------------------------------------------------
+# --config files: the recipes in configs/, a run's config.json, bad files
+# -----------------------------------------------------------------------------
+
+SD35M = "--model stabilityai/stable-diffusion-3.5-medium --resolution 512 --steps 10"
+NFT = (
+    f"--credit nft --budgets 1 {SD35M} --sampler ode --n-roots 24 --prompts-per-iter 6 --train-steps-per-leaf 9 --ema "
+    "--eval-steps 40 --lr 3e-4 --rollout-batch 8 --train-batch 9 --train-prompts train_prompts.txt "
+    "--eval-prompts eval_prompts.txt"
+)
+GENEVAL_SERVER = "--geneval-url http://127.0.0.1:18085 --geneval-metadata geneval_train_metadata.jsonl"
+AESTHETIC = "--aesthetic-mlp sac+logos+ava1-l14-linearMSE.pth"
+RECIPES = {  # configs/<file>: the SD3.5-M commands as flags (DiffusionNFT's config/nft.py settings; see NOTES.md)
+    "nft-geneval.yaml": f"{NFT} --rewards geneval --updates-per-iter 1 --nft-b 1 --old-decay 1 {GENEVAL_SERVER}",
+    "nft-pickscore.yaml": f"{NFT} --rewards pickscore --updates-per-iter 1 --nft-b 1 --old-decay 1",
+    "nft-ocr.yaml": f"{NFT} --rewards ocr --updates-per-iter 2 --nft-b 0.1 --old-decay 2",
+    "nft-multi.yaml": f"{NFT} --rewards pickscore,clipscore,aesthetic --budgets 1,1,1 --updates-per-iter 1 "
+    f"--nft-b 0.1 --old-decay 1 --steps 25 {AESTHETIC}",
+    "recast-sd35m.yaml": f"--credit recast {SD35M} --rewards pickscore,clipscore,aesthetic,ocr --budgets "
+    f"0.4,0.3,0.2,0.1 {AESTHETIC} --train-prompts train_prompts.txt --eval-prompts eval_prompts.txt --n-roots 3 "
+    "--n-branch 8 --branch-steps rotate --prompts-per-iter 6 --updates-per-iter 1 --train-steps-per-leaf 9 "
+    "--nft-b 0.1 --ema --eval-steps 40 --lr 3e-4 --rollout-batch 8 --train-batch 9 --iterations 1000 "
+    "--eval-every 50 --save-every 25",
+    "rvge-sd35m.yaml": f"{SD35M} --rewards geneval,ocr,pickscore,clipscore,aesthetic --budgets 1,1,1,1,1 "
+    f"{GENEVAL_SERVER} {AESTHETIC} --train-prompts train_prompts.txt --n-roots 4 --n-branch 4 --branch-steps 7 "
+    "--prompts-per-iter 6 --updates-per-iter 1 --train-steps-per-leaf 9 --ema --eval-steps 40 --lr 3e-4 "
+    "--iterations 1000",
+    "recast-embedded.yaml": "",  # the embedded default: `python recast.py`
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_a_recipe_file_parsed_equals_the_same_flags(recipe):
+    """Each file in configs/ gives the Args its command gives (rvge-* for rvge.py, the rest recast.py), and the
+    README runs it by name."""
+    script = rvge if recipe.startswith("rvge") else recast
+    root = Path(__file__).resolve().parent
+    assert script.parse_args(["--config", str(root / "configs" / recipe)]) == script.parse_args(RECIPES[recipe].split())
+    assert f"--config configs/{recipe}" in (root / "README.md").read_text()
+    assert sorted(p.name for p in (root / "configs").iterdir()) == sorted(RECIPES)
+
+
+def test_flags_on_the_command_line_override_the_config_file(tmp_path):
+    """Keys take dashes or underscores; a flag given overrides the file's value, also a true switch (--no-ema);
+    YAML 1.1's 3e-4 (text to PyYAML) reads as a number; JSON files too."""
+    (tmp_path / "c.yaml").write_text("n_roots: 3\nn-branch: 5\nema: true\nlr: 3e-4\n")
+    args = recast.parse_args(["--config", str(tmp_path / "c.yaml"), "--n-branch", "6", "--no-ema"])
+    assert (args.n_roots, args.n_branch, args.ema, args.lr) == (3, 6, False, 3e-4)
+    assert args == recast.parse_args(["--n-roots", "3", "--n-branch", "6", "--lr", "3e-4"])
+    (tmp_path / "c.json").write_text(json.dumps({"seed": 5, "dry-run": True}))
+    assert rvge.parse_args(["--config", str(tmp_path / "c.json")]) == rvge.parse_args(["--seed", "5", "--dry-run"])
+
+
+def test_a_runs_config_json_is_a_config_file_for_a_new_run(finished_run):
+    """A run's saved config.json given to --config repeats its settings in a new run folder: out, resume and
+    overwrite are not taken from it."""
+    script, saved = finished_run.script, json.loads((finished_run.out / "config.json").read_text())["args"]
+    args = script.parse_args(["--config", str(finished_run.out / "config.json")])
+    assert asdict(args) == {**saved, "out": "", "resume": "", "overwrite": False}
+    other = rvge if script is recast else recast
+    with pytest.raises(SystemExit, match=f"a run of {script.__name__}.py; give it to {script.__name__}.py"):
+        other.parse_args(["--config", str(finished_run.out / "config.json")])
+
+
+@pytest.mark.parametrize(
+    "name, text, words",
+    [
+        ("c.yaml", "n-root: 3\n", "unknown key 'n-root'; did you mean n-roots?"),
+        ("c.yaml", "seed: 1.5\n", "seed is 1.5, not of type int. Fix it in the file"),
+        ("c.yaml", "budgets: 1\n", "budgets is 1, not of type str. Fix it in the file (quote a text value"),
+        ("c.yaml", "ema: yes please\n", "ema is 'yes please', not of type bool"),
+        ("c.yaml", "lr: -1.0\n", "lr -1.0: must be a finite number > 0. Fix it in the file"),
+        ("c.yaml", "credit: grpo\n", "credit 'grpo': choose one of ['recast', 'uniform', 'nft']"),
+        ("c.yaml", "- lr\n", "must hold key: value lines (a mapping), not list"),
+        ("c.yaml", "lr: [1\n", "cannot read it"),
+        ("c.toml", "lr = 1\n", "give a .yaml, .yml or .json file"),
+        ("c.json", "{lr: 1}", "cannot read it"),
+    ],
+)
+def test_a_bad_config_file_is_refused_naming_the_file_the_key_and_the_fix(tmp_path, name, text, words):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit) as err:
+        recast.parse_args(["--config", str(tmp_path / name)])
+    assert str(err.value).startswith(f"--config {tmp_path / name}: ") and words in str(err.value)
+
+
+def test_config_does_not_go_with_resume(finished_run, tmp_path):
+    """--resume takes its settings from the run's config.json; a --config beside it is refused, not merged."""
+    run = copy_of(finished_run, tmp_path)
+    (tmp_path / "c.yaml").write_text("iterations: 3\n")
+    with pytest.raises(SystemExit, match="does not go with --resume"):
+        finished_run.script.parse_args(["--resume", str(run), "--config", str(tmp_path / "c.yaml")])
