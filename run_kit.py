@@ -1466,3 +1466,44 @@ def plot_run(out, names):
         a.legend(fontsize=7)
     save_atomic(out / "credit.png", lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
     plt.close("all")
+
+
+def print_summary(out):
+    """The closing lines of a run on the console (first process, after the progress bar), from its config.json and
+    metrics.jsonl: the held-out evaluation before -> after per reward, weighted and judge (eval_before/*, logged
+    with iteration 0, and the last eval/*); for ReCAST's credit, W's departure from uniform per reward,
+    max_j |W_kj / (lambda_k / T) - 1| (0: W = lambda / T); the run folder; the checkpoint to load and the line of
+    Python that loads it (the README's). Returns the lines printed."""
+    config = json.loads((out / "config.json").read_text())
+    args, rows = config["args"], [json.loads(line) for _, line in metrics_lines(out / "metrics.jsonl")]
+    lines = []
+    after = next((m for m in reversed(rows) if "eval/weighted" in m), None)
+    before = next((m for m in rows if "eval_before/weighted" in m), {})
+    if after:
+        fix = "" if before else " (no evaluation of the pretrained model in this run: after only)"
+        lines.append(f"held-out evaluation, pretrained -> iteration {after['iteration'] + 1}{fix}:")
+        for key, value in after.items():
+            if key.startswith("eval/") and isinstance(value, (int, float)):
+                was = before.get(key.replace("eval/", "eval_before/"))
+                change = f"{was:9.4f} -> {value:9.4f}   ({value - was:+.4f})" if was is not None else f"{value:9.4f}"
+                lines.append(f"  {key[5:]:<24} {change}")
+    else:
+        lines.append("held-out evaluation: none in this run (--eval-every 0, or no held-out prompts)")
+    if config["script"] == "recast" and args.get("credit") == "recast" and rows and "recast/W" in rows[-1]:
+        W = np.asarray(rows[-1]["recast/W"])  # (K, T)
+        departure = np.abs(W / (W.sum(1, keepdims=True) / W.shape[1]) - 1).max(1)
+        each = ", ".join(f"{n} {d:.3f}" for n, d in zip(config["rewards"], departure))
+        lines.append(f"W's departure from uniform, max_j |W_kj / (lambda_k / T) - 1| (0: uniform): {each}")
+    lines.append(f"run folder: {out}")
+    latest = out / "checkpoints" / "latest"
+    if latest.is_file():
+        folder = out / "checkpoints" / latest.read_text().strip() / ("ema" if args.get("ema") else "")
+        embedded = is_embedded(args["model"])
+        local = ", local_files_only=True" if embedded else ""
+        lines.append(f"trained LoRA{' (its EMA, as evaluated)' if args.get('ema') else ''}: {folder}")
+        lines.append(
+            f'  pipe = StableDiffusion3Pipeline.from_pretrained("{args["model"]}"{local}); '
+            f'pipe.load_lora_weights("{folder}")' + ("  # sample with **shapes_world.GEN_KWARGS" if embedded else "")
+        )
+    print("\n".join(lines))
+    return lines

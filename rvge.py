@@ -40,7 +40,8 @@ Where to change what (run_kit.x: in run_kit.py)
     loss        rvge_loss, mix_targets, rvge_update; the loop shared with recast.py: update_loop
     old policy  old_decay (the soft update of "old" each iteration), ema_decay (--ema)
     logging     run_kit.reward_metrics + train's metrics line, run_kit.finish_iteration (metrics.jsonl,
-                run_kit.log_to_trackers, checkpoints), progress bar in train, figures in run_kit.plot_run, save_grid
+                run_kit.log_to_trackers, checkpoints), progress bar in train, figures in run_kit.plot_run, save_grid,
+                the closing lines (before -> after, the checkpoint to load) in run_kit.print_summary
     the loop    train (steps 1-4), setup_run (run_kit.Run), run_kit.start_or_resume
 """
 
@@ -76,6 +77,7 @@ from run_kit import (
     lora_params,
     parse_flags,
     plot_run,
+    print_summary,
     reward_metrics,
     run_folder,
     save_grid,
@@ -459,6 +461,7 @@ def train(args: Args, extra_rewards=None, judges=None):
         bar.set_postfix({"reward": f"{metrics['reward/weighted']:.3f}", "loss": f"{metrics['loss/policy']:.4g}"})
     if run.acc.is_main_process:
         plot_run(run.out, run.names)
+        print_summary(run.out)  # before -> after, W's departure (ReCAST), the checkpoint to load
     run.acc.end_training()  # closes the --report-to tracker
     return run.out
 
@@ -1134,9 +1137,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.dry_run:
         return dry_run(args)
-    out = train(args)
-    print(f"run folder: {out}")
-    return out
+    return train(args)  # the console: one progress bar, then print_summary's lines
 
 
 if __name__ == "__main__":

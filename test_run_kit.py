@@ -1094,3 +1094,52 @@ def test_config_does_not_go_with_resume(finished_run, tmp_path):
     (tmp_path / "c.yaml").write_text("iterations: 3\n")
     with pytest.raises(SystemExit, match="does not go with --resume"):
         finished_run.script.parse_args(["--resume", str(run), "--config", str(tmp_path / "c.yaml")])
+
+
+# -----------------------------------------------------------------------------
+# The closing summary
+# -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_the_run_ends_with_before_after_W_departure_and_the_checkpoint_to_load(tiny, tmp_path, module, capsys):
+    """After the progress bar the first process prints the held-out before -> after of each reward, the weighted
+    reward and each judge (eval_before/* and the last eval/* of metrics.jsonl), ReCAST's W departure from uniform
+    (recast.py only), the run folder and a line of Python that loads the newest checkpoint."""
+    from diffusers import StableDiffusion3Pipeline
+
+    script, out = __import__(module), tmp_path / "run"
+    judges = {"bright": brightness}
+    script.train(
+        script.parse_args(tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "1")),
+        extra_rewards=TINY_REWARDS,
+        judges=judges,
+    )
+    printed = capsys.readouterr().out.splitlines()
+    rows = read_metrics(out)
+    assert printed[0] == "held-out evaluation, pretrained -> iteration 2:"
+    for key in ("brightness", "redness", "weighted", "judge/bright"):
+        was, now = rows[0][f"eval_before/{key}"], rows[-1][f"eval/{key}"]
+        assert f"  {key:<24} {was:9.4f} -> {now:9.4f}   ({now - was:+.4f})" in printed
+    departure = [line for line in printed if line.startswith("W's departure from uniform")]
+    if module == "recast":
+        W = np.asarray(rows[-1]["recast/W"])
+        worst = np.abs(W / (W.sum(1, keepdims=True) / W.shape[1]) - 1).max(1)
+        assert departure == [
+            "W's departure from uniform, max_j |W_kj / (lambda_k / T) - 1| (0: uniform): "
+            f"brightness {worst[0]:.3f}, redness {worst[1]:.3f}"
+        ]
+    else:
+        assert departure == []
+    assert f"run folder: {out}" in printed
+    assert f"trained LoRA: {out / 'checkpoints' / 'iter_000001'}" in printed
+    namespace = {"StableDiffusion3Pipeline": StableDiffusion3Pipeline}
+    exec(printed[-1].strip(), namespace)  # the printed line loads the trained LoRA
+    (loaded,) = namespace["pipe"].transformer.peft_config.values()
+    assert (loaded.r, loaded.lora_alpha) == (4, 8)  # the run's --lora-rank 4 --lora-alpha 8, read from the folder
+
+
+def test_the_summary_of_a_run_without_evaluation_says_so(finished_run, capsys):
+    lines = run_kit.print_summary(finished_run.out)
+    assert lines[0].startswith("held-out evaluation: none in this run") and f"run folder: {finished_run.out}" in lines
+    assert capsys.readouterr().out.splitlines() == lines
