@@ -39,7 +39,7 @@ import yaml
 from tqdm import tqdm
 
 import shapes_world
-from reward_models import DEFAULTS, REWARD_MODELS, build_rewards, ocr_target
+from reward_models import DEFAULTS, REWARD_MODELS, build_rewards, missing_inputs, ocr_target
 
 if TYPE_CHECKING:  # the types Run's fields name; diffusers and accelerate load when a run starts (`load_run`)
     from accelerate import Accelerator
@@ -396,7 +396,8 @@ def parse_budgets(text: str) -> list[float]:
 
 def check_common(args, extra_rewards=None):
     """The checks both scripts make on the user's input, before any model is loaded or any file in a run folder
-    changes: flag ranges, tracker, resolution, device, model, budgets and rewards, branch steps. Returns (reward
+    changes: flag ranges, tracker, resolution, device, model, budgets and rewards (the reward models' weights, files
+    and server there: reward_models.missing_inputs), branch steps. Returns (reward
     names, budgets, branch steps). Raises SystemExit with the problem and the fix."""
     check_ranges(args)
     check_report_to(args.report_to)
@@ -449,6 +450,9 @@ def check_common(args, extra_rewards=None):
             "--train-prompts is not used with the embedded model (it samples prompts of its own world): "
             "omit it, or give --model"
         )
+    problems = missing_inputs([n for n in names if n not in reward_extras(args.model, extra_rewards)], args)
+    if problems:  # last: it may ask the hub or the GenEval server
+        raise SystemExit(f"--rewards {','.join(names)}: a reward model cannot start:\n  " + "\n  ".join(problems))
     return names, budgets, branch
 
 
