@@ -711,7 +711,9 @@ def dry_run(args):
         transformer = SD3Transformer2DModel.from_config(config)
         lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=LORA_TARGETS)
         transformer.add_adapter(lora, adapter_name="default")
-        transformer.add_adapter(lora, adapter_name="old")
+        with warnings.catch_warnings():  # several adapters on one model are the design here (as in load_pipeline)
+            warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+            transformer.add_adapter(lora, adapter_name="old")
     total = sum(p.numel() for p in transformer.parameters())
     trainable = sum(p.numel() for p in lora_params(transformer, "default"))
     targets = sum(1 for n, _ in transformer.named_modules() if n.endswith(".lora_A.default"))
@@ -736,9 +738,10 @@ def dry_run(args):
         f"SD3.5-Medium transformer: {total / 1e6:.1f}M parameters, LoRA on {targets} linear layers "
         f"(r={args.lora_rank}, alpha={args.lora_alpha}): {trainable / 1e6:.2f}M trainable"
     )
-    for key, value in plan.items():
-        print(f"  {key:<45} {value:8.2f} GiB")
-    print(f"  {'total (transformer training, excl. VAE/text encoders)':<45} {sum(plan.values()):8.2f} GiB")
+    rows = {**plan, "total (transformer training, excl. VAE/text encoders)": sum(plan.values())}
+    width = max(len(key) for key in rows)
+    for key, value in rows.items():
+        print(f"  {key:<{width}} {value:8.2f} GiB")
     return {"total_params": total, "trainable_params": trainable, "lora_layers": targets, "memory_gib": plan}
 
 
@@ -1505,9 +1508,11 @@ def print_summary(out):
         embedded = is_embedded(args["model"])
         local = ", local_files_only=True" if embedded else ""
         lines.append(f"trained LoRA{' (its EMA, as evaluated)' if args.get('ema') else ''}: {folder}")
-        lines.append(
+        lines.append(  # the README's two lines: the transformer's LoRA only, so diffusers logs no text-encoder notice
             f'  pipe = StableDiffusion3Pipeline.from_pretrained("{args["model"]}"{local}); '
-            f'pipe.load_lora_weights("{folder}")' + ("  # sample with **shapes_world.GEN_KWARGS" if embedded else "")
+            f'pipe.transformer.load_lora_adapter("{folder}", prefix="transformer", '
+            'weight_name="pytorch_lora_weights.safetensors")'
+            + ("  # sample with **shapes_world.GEN_KWARGS" if embedded else "")
         )
     print("\n".join(lines))
     return lines

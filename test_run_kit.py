@@ -8,6 +8,7 @@ Run: python -m pytest -q test_run_kit.py
 """
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -924,13 +925,17 @@ def test_inherited_flags_keep_their_help_and_the_usage_line_follows_the_sections
 
 
 @pytest.mark.parametrize("module", ["recast", "rvge"])
-def test_dry_run_attaches_lora_to_sd35_medium_on_the_meta_device(capsys, module):
+def test_dry_run_attaches_lora_to_sd35_medium_on_the_meta_device(capsys, recwarn, module):
+    """The plan's numbers, its GiB column aligned down to the total, and no peft warning about the second adapter
+    (several adapters on one model are the design)."""
     info = __import__(module).main(["--dry-run"])
     assert 2.0e9 < info["total_params"] < 3.0e9  # SD3.5-Medium's transformer is ~2.5B parameters
     # r = 32 on every targeted (in, out) linear; 24 blocks, the last one has no to_add_out
     assert info["lora_layers"] == 24 * 7 + 23
     assert info["trainable_params"] > 1e7
-    assert "GiB" in capsys.readouterr().out
+    plan = [line for line in capsys.readouterr().out.splitlines() if line.endswith(" GiB")]
+    assert len(plan) == 5 and plan[-1].lstrip().startswith("total") and len({len(line) for line in plan}) == 1
+    assert not [w for w in recwarn if "peft_config" in str(w.message)]
 
 
 # -----------------------------------------------------------------------------
@@ -1133,10 +1138,22 @@ def test_the_run_ends_with_before_after_W_departure_and_the_checkpoint_to_load(t
         assert departure == []
     assert f"run folder: {out}" in printed
     assert f"trained LoRA: {out / 'checkpoints' / 'iter_000001'}" in printed
-    namespace = {"StableDiffusion3Pipeline": StableDiffusion3Pipeline}
-    exec(printed[-1].strip(), namespace)  # the printed line loads the trained LoRA
+    notices, handler = [], logging.Handler()
+    handler.emit = lambda record: notices.append(record.getMessage())
+    logging.getLogger("diffusers").addHandler(handler)  # diffusers' loggers do not propagate to the root
+    try:
+        namespace = {"StableDiffusion3Pipeline": StableDiffusion3Pipeline}
+        exec(printed[-1].strip(), namespace)  # the printed line loads the trained LoRA, and diffusers says nothing
+        assert not [n for n in notices if "No LoRA keys" in n]
+        usual = StableDiffusion3Pipeline.from_pretrained(str(tiny / "pipe"))
+        usual.load_lora_weights(out / "checkpoints" / "iter_000001")  # diffusers' usual loader: the same weights
+        assert len([n for n in notices if "No LoRA keys associated to CLIPTextModelWithProjection" in n]) == 2
+    finally:
+        logging.getLogger("diffusers").removeHandler(handler)
     (loaded,) = namespace["pipe"].transformer.peft_config.values()
     assert (loaded.r, loaded.lora_alpha) == (4, 8)  # the run's --lora-rank 4 --lora-alpha 8, read from the folder
+    lora = {k: v for k, v in usual.transformer.state_dict().items() if "lora" in k}
+    assert lora and all(torch.equal(v, namespace["pipe"].transformer.state_dict()[k]) for k, v in lora.items())
 
 
 def test_the_summary_of_a_run_without_evaluation_says_so(finished_run, capsys):
