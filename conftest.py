@@ -208,9 +208,10 @@ def json_args_to_argv(saved, out, *more):
 
 def assert_loads_as_trained(script, out, folder, adapter="default"):
     """diffusers' own loader on a checkpoint folder gives the model the run trained: the transformer's output with
-    pipe.load_lora_weights(folder) equals the training model's (run_kit's load_pipeline + load_checkpoint, the
-    adapter active) to float tolerance, and the change from the base model is far above that tolerance (a LoRA
-    loaded at the wrong scale, as with alpha != r and no alpha recorded, moves it by the wrong amount)."""
+    pipe.transformer.load_lora_adapter(folder, ...) equals the training model's (run_kit's load_pipeline +
+    load_checkpoint, the adapter active) to float tolerance, and the change from the base model is far above that
+    tolerance (a LoRA loaded at the wrong scale, as with alpha != r and no alpha recorded, moves it by the wrong
+    amount)."""
     from diffusers import StableDiffusion3Pipeline
 
     args = script.parse_args(["--resume", str(out)])
@@ -220,7 +221,9 @@ def assert_loads_as_trained(script, out, folder, adapter="default"):
     trained.set_adapter(adapter)
     loaded = StableDiffusion3Pipeline.from_pretrained(args.model, local_files_only=True)
     base = loaded.transformer(**transformer_inputs(loaded.transformer)).sample
-    loaded.load_lora_weights(folder)  # the README's instruction, as a user runs it
+    loaded.transformer.load_lora_adapter(  # the README's instruction (and the closing summary's), as a user runs it
+        folder, prefix="transformer", weight_name="pytorch_lora_weights.safetensors"
+    )
     with torch.no_grad():
         y_loaded = loaded.transformer(**transformer_inputs(loaded.transformer)).sample
         y_trained = trained(**transformer_inputs(trained)).sample

@@ -299,6 +299,77 @@ REWARD_MODELS = {
 }
 
 
+WEIGHTS = {  # reward -> the flags naming the weights it loads (a folder or a hub id), each with a file they must hold
+    "pickscore": (("pickscore_model", "config.json"), ("pickscore_processor", "preprocessor_config.json")),
+    "clipscore": (("clip_model", "config.json"),),
+    "aesthetic": (("clip_model", "config.json"),),
+}
+
+
+def missing_inputs(names, opts):
+    """What the reward models among `names` need and cannot find, checked before any model loads (each would
+    otherwise fail after the pipeline has loaded, a hub download after five retries): their weights (a local
+    folder, else the hub's local cache, else a hub that answers; HF_HUB_OFFLINE forbids the last), the aesthetic
+    MLP file, the GenEval metadata file and server (a TCP connection to --geneval-url). One line per problem, naming
+    the flag, the file or address and the fix; [] when everything is there. ocr needs nothing (bundled models)."""
+    problems = [_weights_problem(flag, _opt(opts, flag), file) for n in names for flag, file in WEIGHTS.get(n, ())]
+    if "aesthetic" in names and not os.path.isfile(str(_opt(opts, "aesthetic_mlp"))):
+        problems.append(
+            f"--aesthetic-mlp {_opt(opts, 'aesthetic_mlp') or '(not given)'}: no such file; give the LAION MLP weights "
+            "sac+logos+ava1-l14-linearMSE.pth (christophschuhmann/improved-aesthetic-predictor)"
+        )
+    if "geneval" in names:
+        path, url = _opt(opts, "geneval_metadata"), _opt(opts, "geneval_url")
+        if not os.path.isfile(str(path)):
+            problems.append(
+                f"--geneval-metadata {path or '(not given)'}: no such file; give the prompts' GenEval metadata "
+                "(FlowGRPO's dataset/geneval/train_metadata.jsonl format)"
+            )
+        problems.append(_server_problem(url))
+    return list(dict.fromkeys(p for p in problems if p))  # clipscore and aesthetic share --clip-model
+
+
+def _weights_problem(flag, ref, filename):
+    """None when `ref` (a folder or a hub id) can be loaded: a folder holding filename, or a hub id in the local
+    cache or on a hub that answers now; else the problem and the fix."""
+    option = f"--{flag.replace('_', '-')} {ref}"
+    if os.path.isdir(ref):
+        return None if os.path.isfile(os.path.join(ref, filename)) else f"{option}: no {filename} in that folder"
+    if ref.startswith((".", "/", "~")) or ref.count("/") != 1:
+        return f"{option}: no such folder; give a transformers model folder or a hub id (owner/name)"
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(ref, filename), str):
+        return None
+    fix = f"download it where the hub is reachable (hf download {ref}) into {constants.HF_HUB_CACHE}, or give a folder"
+    if constants.HF_HUB_OFFLINE:
+        return f"{option}: not in the local hub cache and HF_HUB_OFFLINE is set; {fix}"
+    try:
+        model_info(ref, timeout=10)
+    except RepositoryNotFoundError:
+        return f"{option}: no such model on the hub (or gated: log in with hf auth login); fix the id"
+    except Exception as err:  # no network: a connection error of the HTTP client
+        return f"{option}: not in the local hub cache, and the hub cannot be reached ({type(err).__name__}); {fix}"
+    return None
+
+
+def _server_problem(url):
+    """None when a TCP connection to the GenEval server at `url` opens within 5 s; else the problem and the fix."""
+    import socket
+    from urllib.parse import urlparse
+
+    where = urlparse(url)
+    fix = "start FlowGRPO's reward server (yifan123/reward-server) there, or fix --geneval-url"
+    if where.scheme not in ("http", "https") or not where.hostname:
+        return f"--geneval-url {url}: give an address such as http://127.0.0.1:18085"
+    try:
+        socket.create_connection((where.hostname, where.port or {"http": 80, "https": 443}[where.scheme]), 5).close()
+    except OSError as err:
+        return f"--geneval-url {url}: no server answers there ({err.strerror or type(err).__name__}); {fix}"
+    return None
+
+
 def build_rewards(names, opts, extra=None):
     """Reward callables in the order of names (a list or "a,b,c"). extra: {name: reward callable},
     e.g. the shapes world's REWARDS; its names shadow REWARD_MODELS. Raises ValueError on an

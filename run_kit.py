@@ -2,13 +2,14 @@
 set up, kept and logged with (as diffusers' training examples import `diffusers.training_utils`).
 
 Flags (RunArgs: the evaluation, I/O and reward-model flags; NFTArgs: the rewards, rollout and optimisation flags both
-scripts share; each script's Args inherits them; Args -> argparse with --help sections; --resume's saved config), the
-input checks both scripts make, model loading, text encoding, the transformer's velocity, decoding and scoring, the
-update's frozen forwards and optimizer step, what a run holds (`Run`), the held-out evaluation (split over processes;
-evaluate.py runs it on any checkpoint), run folders, locks, resume, atomic checkpoints, trackers, figures and
---dry-run. The method and the DiffusionNFT training core it acts on (optimality, schedules, sampler steps, tree
-rollouts, the update loop and its loss) stay in each script, which passes in what is its own: its Args class and
---help sections, its checks, its default run name, its held-out sampler (`ode_sample`).
+scripts share; each script's Args inherits them; Args -> argparse with --help sections and defaults; --config files;
+--resume's saved config), the input checks both scripts make, model loading, text encoding, the transformer's
+velocity, decoding and scoring, the update's frozen forwards and optimizer step, what a run holds (`Run`), the
+held-out evaluation (split over processes; evaluate.py runs it on any checkpoint), run folders, locks, resume,
+atomic checkpoints, trackers, figures, the end-of-run summary and --dry-run. The method and the DiffusionNFT training
+core it acts on (optimality, schedules, sampler steps, tree rollouts, the update loop and its loss) stay in each
+script, which passes in what is its own: its Args class and --help sections, its checks, its default run name, its
+held-out sampler (`ode_sample`).
 diffusers, transformers, peft, accelerate and matplotlib are imported where first used, so that importing a script
 for its math (the toy, the notebook, the tests) does not load them.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import fcntl
 import importlib.util
 import inspect
@@ -35,10 +37,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import yaml
 from tqdm import tqdm
 
 import shapes_world
-from reward_models import DEFAULTS, REWARD_MODELS, build_rewards, ocr_target
+from reward_models import DEFAULTS, REWARD_MODELS, build_rewards, missing_inputs, ocr_target
 
 if TYPE_CHECKING:  # the types Run's fields name; diffusers and accelerate load when a run starts (`load_run`)
     from accelerate import Accelerator
@@ -220,8 +223,11 @@ class NFTArgs(RunArgs):
 
 def make_parser(Args, groups, doc, suppress=False):
     """argparse from a script's Args class, in the sections of `groups` (its ARG_GROUPS: title -> text), described by
-    the first paragraph of `doc` (its docstring); the string under each field is its --help line. With suppress=True
-    only the flags actually given appear in the result (used by --resume)."""
+    the first paragraph of `doc` (its docstring); the string under each field is its --help line, followed by its
+    default. --config FILE (not a field: it names where the others come from) sits in the I/O section. With
+    suppress=True only the flags actually given appear in the result (used by --resume). argparse rather than tyro:
+    tyro puts a flat dataclass's flags in one section, in base-class order, and cannot tell which flags were given,
+    which the sections and --resume's rules need."""
     parser = argparse.ArgumentParser(
         description=doc.split("\n\n")[0], argument_default=argparse.SUPPRESS if suppress else None
     )
@@ -230,11 +236,20 @@ def make_parser(Args, groups, doc, suppress=False):
     for f in sorted(fields(Args), key=lambda f: list(groups).index(f.metadata["group"])):  # the usage line, by section
         name, section = "--" + f.name.replace("_", "-"), sections[f.metadata["group"]]
         extra = {} if suppress else {"default": f.default}
+        shown = "off" if f.default is False else repr(f.default) if f.default == "" else f.default
+        text = f"{docs[f.name]} (default: {shown})".replace("%", "%%")  # argparse formats help with %
         if f.type in (bool, "bool"):
-            section.add_argument(name, action="store_true", help=docs[f.name], **extra)
+            section.add_argument(name, action=argparse.BooleanOptionalAction, help=text, **extra)  # --no-x: off
         else:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            section.add_argument(name, type=kind, help=docs[f.name], choices=f.metadata.get("choices"), **extra)
+            section.add_argument(name, type=kind, help=text, choices=f.metadata.get("choices"), **extra)
+    sections.get("I/O", parser).add_argument(
+        "--config",
+        default=argparse.SUPPRESS,
+        metavar="FILE",
+        help="YAML or JSON file of flags (keys: the flag names, dashes or underscores; e.g. configs/*.yaml, or a "
+        "run's config.json); flags given on the command line override it",
+    )
     return parser
 
 
@@ -250,10 +265,20 @@ NOT_ON_RESUME = ("name", "overwrite")  # they choose or replace a run folder; --
 def parse_flags(argv, Args, groups, doc, script):
     """A script's Args (the class; `groups` and `doc` as make_parser's) from the command line. With --resume DIR the
     settings come from DIR/config.json and flags given now override them, except FIXED_ON_RESUME (refused with both
-    values named); the run must be one of `script`'s; the run folder is DIR itself, wherever it lies now."""
-    args = Args(**vars(make_parser(Args, groups, doc).parse_args(argv)))
+    values named); the run must be one of `script`'s; the run folder is DIR itself, wherever it lies now. With
+    --config FILE the file's values replace the defaults and flags given on the command line override them."""
+    parser = make_parser(Args, groups, doc)
+    config = vars(parser.parse_args(argv)).get("config")
+    if config is not None:
+        parser.set_defaults(**read_config_file(config, Args, script))
+    args = Args(**{k: v for k, v in vars(parser.parse_args(argv)).items() if k != "config"})
     if not args.resume:
         return args
+    if config is not None:
+        raise SystemExit(
+            f"--config {config} does not go with --resume {args.resume}, whose config.json gives the settings: "
+            "drop --config and give the flags to change on the command line"
+        )
     config = Path(args.resume) / "config.json"
     if not config.is_file():
         raise SystemExit(f"--resume {args.resume}: no config.json there; give the run folder of an earlier run")
@@ -303,18 +328,74 @@ def read_run_config(path, Args):
         problem = 'it does not hold an "args" object'
     if problem is None and config.get("script") not in ("recast", "rvge"):
         problem = f'its "script" is {config.get("script")!r}, not recast or rvge'
-    types = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
     for f in fields(Args) if problem is None else ():
-        value, kind = config["args"].get(f.name), f.type if isinstance(f.type, str) else f.type.__name__
-        fits = isinstance(value, types[kind]) and (kind == "bool" or not isinstance(value, bool))
-        if f.name in config["args"] and not fits and not (value is None and f.default is None):
-            problem = f"args.{f.name} is {value!r}, not of type {kind}"
+        if f.name in config["args"] and type_problem(f, config["args"][f.name]):
+            problem = f"args.{f.name} {type_problem(f, config['args'][f.name])}"
             break
     if problem:
         raise SystemExit(
             f"{path}: {problem}. Repair the file (the run's checkpoints are not affected), or start a new run"
         )
     return config, config["args"]
+
+
+def type_problem(f, value):
+    """What is wrong with `value` for the Args field f ("is 'x', not of type int"), or None (an int is also a
+    float; a bool is never a number)."""
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    types = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}[kind]
+    if isinstance(value, types) and (kind == "bool" or not isinstance(value, bool)) or value is f.default is None:
+        return None
+    return f"is {value!r}, not of type {kind}"
+
+
+NEW_RUN_ONLY = ("out", "resume", "overwrite")  # from a run's config.json given to --config: they chose its folder
+
+
+def read_config_file(path, Args, script):
+    """{field: value} of a --config file: YAML (.yaml, .yml) or JSON (.json) holding flag names (dashes or
+    underscores) and values, or a run's config.json (its "args", less NEW_RUN_ONLY, so that the new run gets a
+    folder of its own). Unknown keys, values of the wrong type and values outside a flag's range are refused naming
+    the file, the key and the fix."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".yaml", ".yml", ".json"):
+        raise SystemExit(f"--config {path}: give a .yaml, .yml or .json file (its suffix says how to read it)")
+    try:
+        text = Path(path).read_text()
+        data = json.loads(text) if suffix == ".json" else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as err:  # a missing file; a syntax error, with its line
+        raise SystemExit(f"--config {path}: cannot read it ({err}). Fix the file or the path") from None
+    if isinstance(data, dict) and isinstance(data.get("args"), dict) and "script" in data:  # a run's config.json
+        if data["script"] != script:
+            raise SystemExit(
+                f"--config {path}: a run of {data['script']}.py; give it to {data['script']}.py, or a {script} file"
+            )
+        data = {k: v for k, v in data["args"].items() if k not in NEW_RUN_ONLY}
+    if not isinstance(data, dict):
+        raise SystemExit(f"--config {path}: the file must hold key: value lines (a mapping), not {type(data).__name__}")
+    known = {f.name: f for f in fields(Args)}
+    values = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0].replace('_', '-')}? " if close else ""
+            raise SystemExit(
+                f"--config {path}: unknown key {key!r}; {hint}(the keys are the flags of `python {script}.py --help`). "
+                "Fix or remove it"
+            )
+        if known[name].type in (float, "float") and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as text
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        problem = type_problem(known[name], value)
+        quote = ' (quote a text value: budgets: "1")' if problem and known[name].type in (str, "str") else ""
+        problem = problem or range_problem(known[name], value)
+        if problem:
+            raise SystemExit(f"--config {path}: {key} {problem}. Fix it in the file{quote}")
+        values[name] = value
+    return values
 
 
 # =============================================================================
@@ -326,20 +407,29 @@ def check_ranges(args):
     """Each numeric flag against the bounds in its Args metadata (min / max inclusive, gt / lt strict),
     NaN and inf refused; each flag with choices against them. Raises SystemExit naming flag, value and fix."""
     for f in fields(args):
-        value, meta, flag = getattr(args, f.name), f.metadata, "--" + f.name.replace("_", "-")
-        if meta.get("choices") and value not in meta["choices"]:
-            raise SystemExit(f"{flag} {value!r}: choose one of {[c for c in meta['choices'] if c]}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        bounds = [
-            (meta.get("min"), ">=", value >= meta.get("min", -math.inf)),
-            (meta.get("gt"), ">", value > meta.get("gt", -math.inf)),
-            (meta.get("max"), "<=", value <= meta.get("max", math.inf)),
-            (meta.get("lt"), "<", value < meta.get("lt", math.inf)),
-        ]
-        if not math.isfinite(value) or any(bound is not None and not ok for bound, _, ok in bounds):
-            need = " and ".join(f"{op} {bound}" for bound, op, _ in bounds if bound is not None) or "finite"
-            raise SystemExit(f"{flag} {value}: must be a finite number {need}. Fix {flag}")
+        problem, flag = range_problem(f, getattr(args, f.name)), "--" + f.name.replace("_", "-")
+        if problem:
+            raise SystemExit(f"{flag} {problem}. Fix {flag}")
+
+
+def range_problem(f, value):
+    """What is wrong with `value` against the Args field f's choices or bounds ("-1: must be a finite number >= 0"),
+    or None."""
+    meta = f.metadata
+    if meta.get("choices") and value not in meta["choices"]:
+        return f"{value!r}: choose one of {[c for c in meta['choices'] if c]}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    bounds = [
+        (meta.get("min"), ">=", value >= meta.get("min", -math.inf)),
+        (meta.get("gt"), ">", value > meta.get("gt", -math.inf)),
+        (meta.get("max"), "<=", value <= meta.get("max", math.inf)),
+        (meta.get("lt"), "<", value < meta.get("lt", math.inf)),
+    ]
+    if not math.isfinite(value) or any(bound is not None and not ok for bound, _, ok in bounds):
+        need = " and ".join(f"{op} {bound}" for bound, op, _ in bounds if bound is not None) or "finite"
+        return f"{value}: must be a finite number {need}"
+    return None
 
 
 def check_report_to(report_to):
@@ -384,7 +474,8 @@ def parse_budgets(text: str) -> list[float]:
 
 def check_common(args, extra_rewards=None):
     """The checks both scripts make on the user's input, before any model is loaded or any file in a run folder
-    changes: flag ranges, tracker, resolution, device, model, budgets and rewards, branch steps. Returns (reward
+    changes: flag ranges, tracker, resolution, device, model, budgets and rewards (the reward models' weights, files
+    and server there: reward_models.missing_inputs), branch steps. Returns (reward
     names, budgets, branch steps). Raises SystemExit with the problem and the fix."""
     check_ranges(args)
     check_report_to(args.report_to)
@@ -437,6 +528,9 @@ def check_common(args, extra_rewards=None):
             "--train-prompts is not used with the embedded model (it samples prompts of its own world): "
             "omit it, or give --model"
         )
+    problems = missing_inputs([n for n in names if n not in reward_extras(args.model, extra_rewards)], args)
+    if problems:  # last: it may ask the hub or the GenEval server
+        raise SystemExit(f"--rewards {','.join(names)}: a reward model cannot start:\n  " + "\n  ".join(problems))
     return names, budgets, branch
 
 
@@ -715,7 +809,9 @@ def dry_run(args):
         transformer = SD3Transformer2DModel.from_config(config)
         lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=LORA_TARGETS)
         transformer.add_adapter(lora, adapter_name="default")
-        transformer.add_adapter(lora, adapter_name="old")
+        with warnings.catch_warnings():  # several adapters on one model are the design here (as in load_pipeline)
+            warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+            transformer.add_adapter(lora, adapter_name="old")
     total = sum(p.numel() for p in transformer.parameters())
     trainable = sum(p.numel() for p in lora_params(transformer, "default"))
     targets = sum(1 for n, _ in transformer.named_modules() if n.endswith(".lora_A.default"))
@@ -740,9 +836,10 @@ def dry_run(args):
         f"SD3.5-Medium transformer: {total / 1e6:.1f}M parameters, LoRA on {targets} linear layers "
         f"(r={args.lora_rank}, alpha={args.lora_alpha}): {trainable / 1e6:.2f}M trainable"
     )
-    for key, value in plan.items():
-        print(f"  {key:<45} {value:8.2f} GiB")
-    print(f"  {'total (transformer training, excl. VAE/text encoders)':<45} {sum(plan.values()):8.2f} GiB")
+    rows = {**plan, "total (transformer training, excl. VAE/text encoders)": sum(plan.values())}
+    width = max(len(key) for key in rows)
+    for key, value in rows.items():
+        print(f"  {key:<{width}} {value:8.2f} GiB")
     return {"total_params": total, "trainable_params": trainable, "lora_layers": targets, "memory_gib": plan}
 
 
@@ -1607,7 +1704,8 @@ def plot_run(out, names):
     rewards.png: the training rewards per iteration; the held-out rewards and judges (eval/*) per evaluation, at the
     number of iterations trained (0: eval_before/*, the pretrained model).
     credit.png (recast.py, and rvge.py with --credit recast: wherever W is ReCAST's): the last W relative to each
-    reward's uniform share, W_kj / (lambda_k / T) (1 everywhere: the uniform W); D_k(t), measured levels +- 2 se and
+    reward's uniform share, W_kj / (lambda_k / T) (lambda_k c_j / Lam with unequal column sums c_j; 1 everywhere: the
+    uniform W); D_k(t), measured levels +- 2 se and
     the monotone fit, with each reward's evidence factor; and the profiles W was solved from, after the evidence
     shrinkage (identical profiles give the uniform W).
     directions.png (rvge.py): per regressed reward, along the run, its bandwidth (local or broad), the direction's
@@ -1656,7 +1754,7 @@ def plot_run(out, names):
     if "recast/W" in last and (config.get("script", "recast") == "recast" or config["args"].get("credit") == "recast"):
         fig, axes = plt.subplots(1, 3, figsize=(16, 3.6), gridspec_kw={"wspace": 0.35})
         W = np.array(last["recast/W"])
-        share = W.sum(1, keepdims=True) / W.shape[1]  # lambda_k / T: W's rows sum to the budgets
+        share = np.outer(W.sum(1), W.sum(0)) / W.sum()  # lambda_k c_j / Lam: lambda_k / T with equal columns
         ratio = np.divide(W, share, out=np.ones_like(W), where=share > 0)
         norm = matplotlib.colors.TwoSlopeNorm(vcenter=1.0, vmin=min(ratio.min(), 0.5), vmax=max(ratio.max(), 2.0))
         im = axes[0].imshow(ratio, aspect="auto", cmap="RdBu_r", norm=norm)
@@ -1702,3 +1800,47 @@ def plot_run(out, names):
         save(fig, "directions")
     plt.close("all")
     return drawn
+
+
+def print_summary(out):
+    """The closing lines of a run on the console (first process, after the progress bar), from its config.json and
+    metrics.jsonl: the held-out evaluation before -> after per reward, weighted and judge (eval_before/*, logged
+    with iteration 0, and the last eval/*); for ReCAST's credit, W's departure from uniform per reward,
+    max_j |W_kj / (lambda_k / T) - 1| (0: W = lambda / T; with --column-units gradient the uniform share is
+    lambda_k c_j / Lam); the run folder; the checkpoint to load and the line of
+    Python that loads it (the README's). Returns the lines printed."""
+    config = json.loads((out / "config.json").read_text())
+    args, rows = config["args"], [json.loads(line) for _, line in metrics_lines(out / "metrics.jsonl")]
+    lines = []
+    after = next((m for m in reversed(rows) if "eval/weighted" in m), None)
+    before = next((m for m in rows if "eval_before/weighted" in m), {})
+    if after:
+        fix = "" if before else " (no evaluation of the pretrained model in this run: after only)"
+        lines.append(f"held-out evaluation, pretrained -> iteration {after['iteration'] + 1}{fix}:")
+        for key, value in after.items():
+            if key.startswith("eval/") and isinstance(value, (int, float)):
+                was = before.get(key.replace("eval/", "eval_before/"))
+                change = f"{was:9.4f} -> {value:9.4f}   ({value - was:+.4f})" if was is not None else f"{value:9.4f}"
+                lines.append(f"  {key[5:]:<24} {change}")
+    else:
+        lines.append("held-out evaluation: none in this run (--eval-every 0, or no held-out prompts)")
+    if config["script"] == "recast" and args.get("credit") == "recast" and rows and "recast/W" in rows[-1]:
+        W = np.asarray(rows[-1]["recast/W"])  # (K, T)
+        departure = np.abs(W / (np.outer(W.sum(1), W.sum(0)) / W.sum()) - 1).max(1)  # uniform: lambda_k c_j / Lam
+        each = ", ".join(f"{n} {d:.3f}" for n, d in zip(config["rewards"], departure))
+        lines.append(f"W's departure from uniform, max_j |W_kj / (lambda_k / T) - 1| (0: uniform): {each}")
+    lines.append(f"run folder: {out}")
+    latest = out / "checkpoints" / "latest"
+    if latest.is_file():
+        folder = out / "checkpoints" / latest.read_text().strip() / ("ema" if args.get("ema") else "")
+        embedded = is_embedded(args["model"])
+        local = ", local_files_only=True" if embedded else ""
+        lines.append(f"trained LoRA{' (its EMA, as evaluated)' if args.get('ema') else ''}: {folder}")
+        lines.append(  # the README's two lines: the transformer's LoRA only, so diffusers logs no text-encoder notice
+            f'  pipe = StableDiffusion3Pipeline.from_pretrained("{args["model"]}"{local}); '
+            f'pipe.transformer.load_lora_adapter("{folder}", prefix="transformer", '
+            'weight_name="pytorch_lora_weights.safetensors")'
+            + ("  # sample with **shapes_world.GEN_KWARGS" if embedded else "")
+        )
+    print("\n".join(lines))
+    return lines

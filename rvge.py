@@ -44,7 +44,8 @@ Where to change what (run_kit.x: in run_kit.py)
     old policy  old_decay (the soft update of "old" each iteration), ema_decay (--ema)
     logging     run_kit.reward_metrics + train's metrics line, run_kit.finish_iteration (metrics.jsonl,
                 run_kit.log_to_trackers, checkpoints), progress bar in train, figures in run_kit.plot_run,
-                show_evaluation; the held-out evaluation run_kit.evaluate (the script's ode_sample)
+                show_evaluation; the held-out evaluation run_kit.evaluate (the script's ode_sample); the closing lines
+                (before -> after, the checkpoint to load) in run_kit.print_summary
     the loop    train (steps 1-4), setup_run (run_kit.Run), run_kit.start_or_resume
 """
 
@@ -83,6 +84,7 @@ from run_kit import (
     optimizer_step,
     parse_flags,
     plot_run,
+    print_summary,
     reward_metrics,
     run_folder,
     score,
@@ -465,6 +467,7 @@ def train(args: Args, extra_rewards=None, judges=None):
         bar.set_postfix({"reward": f"{metrics['reward/weighted']:.3f}", "loss": f"{metrics['loss/policy']:.4g}"})
     if run.acc.is_main_process:
         plot_run(run.out, run.names)
+        print_summary(run.out)  # before -> after, W's departure (ReCAST), the checkpoint to load
     run.acc.end_training()  # closes the --report-to tracker
     return run.out
 
@@ -915,8 +918,6 @@ def rollout_and_score(run: Run, args: Args, it, gen, probe_steps=()) -> Rollout:
     )
 
 
-
-
 # =============================================================================
 # The update loop: (leaf, timestep) samples, noised batches, the loss (NOTES.md §2)
 # =============================================================================
@@ -1003,9 +1004,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.dry_run:
         return dry_run(args)
-    out = train(args)
-    print(f"run folder: {out}")
-    return out
+    return train(args)  # the console: one progress bar, then print_summary's lines
 
 
 if __name__ == "__main__":

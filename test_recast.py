@@ -679,7 +679,8 @@ def test_where_to_change_what_names_functions_that_exist(module):
 
 def test_the_main_command_prints_one_progress_bar_with_reward_and_loss_and_no_warnings(tmp_path):
     """The README's first command (embedded model) for one small iteration, in a fresh process: stderr holds the
-    progress bar with its live reward and loss and nothing else (no library notice, no loading bar)."""
+    progress bar with its live reward and loss and nothing else (no library notice, no loading bar); stdout the
+    closing summary."""
     cmd = [sys.executable, str(Path(recast.__file__)), "--iterations", "1", "--prompts-per-iter", "2"]
     cmd += ["--eval-every", "0", "--updates-per-iter", "1", "--out", str(tmp_path / "run")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -688,7 +689,7 @@ def test_the_main_command_prints_one_progress_bar_with_reward_and_loss_and_no_wa
     lines = [line for line in re.split(r"[\r\n]+", done.stderr) if line.strip()]
     assert lines and all(line.startswith("recast: ") for line in lines), lines
     assert re.search(r"1/1 .*reward=[-0-9.]+, loss=[-0-9.e]+", lines[-1]), lines[-1]
-    assert done.stdout.strip() == f"run folder: {tmp_path / 'run'}"
+    assert done.stdout.splitlines() == run_kit.print_summary(tmp_path / "run")  # the closing summary, nothing else
 
 
 @pytest.mark.parametrize("credit, beta", [("budgets", None), ("recast", "0.5")])

@@ -5,6 +5,7 @@ import io
 import json
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import threading
@@ -307,3 +308,59 @@ def test_geneval_needs_metadata_a_valid_key_and_a_server():
         reward_models.build_rewards(["geneval"], dict(geneval_key="score"))
     with pytest.raises(RuntimeError, match="no GenEval server"):
         reward_models.geneval_request("http://127.0.0.1:9", [Image.new("RGB", (8, 8))], [{}], retries=1, timeout=2)
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """An empty hub cache and HF_HUB_OFFLINE: nothing here may reach the network."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return tmp_path / "hub"
+
+
+def test_missing_weights_files_and_servers_are_named_with_flag_and_fix(offline_hub, tiny_clip, tmp_path):
+    """missing_inputs: hub ids neither in the cache nor reachable (offline), a folder without the model's file, the
+    aesthetic MLP and GenEval metadata files, a GenEval address nobody answers at; a folder, a cached hub id and the
+    bundled OCR models pass."""
+    flags = dict(geneval_url="http://127.0.0.1:9", clip_model=str(tiny_clip))
+    assert reward_models.missing_inputs(["clipscore", "ocr"], flags) == []
+    problems = reward_models.missing_inputs(["pickscore", "aesthetic", "geneval"], {**flags, "aesthetic_mlp": "a.pth"})
+    assert [p.split(" ")[0] for p in problems] == [
+        "--pickscore-model",
+        "--pickscore-processor",
+        "--aesthetic-mlp",
+        "--geneval-metadata",
+        "--geneval-url",
+    ]
+    assert problems[0].startswith("--pickscore-model yuvalkirstain/PickScore_v1: not in the local hub cache and ")
+    assert "HF_HUB_OFFLINE is set; download it" in problems[0] and "a.pth: no such file" in problems[2]
+    assert "http://127.0.0.1:9: no server answers there" in problems[4]
+    snapshot = offline_hub / "models--yuvalkirstain--PickScore_v1" / "snapshots" / "abc"  # the hub cache's layout
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (offline_hub / "models--yuvalkirstain--PickScore_v1" / "refs").mkdir()
+    (offline_hub / "models--yuvalkirstain--PickScore_v1" / "refs" / "main").write_text("abc")
+    problems = reward_models.missing_inputs(["pickscore"], {"pickscore_processor": str(tmp_path)})
+    assert problems == [f"--pickscore-processor {tmp_path}: no preprocessor_config.json in that folder"]
+
+
+def test_a_reward_without_its_weights_or_server_fails_before_the_pipeline_loads(offline_hub, tmp_path, monkeypatch):
+    """`--rewards pickscore` offline without the weights once retried five times per file and ended in an OSError
+    after the pipeline had loaded; now validate refuses it, naming the flag and the hub id, and nothing is
+    written. A GenEval server that answers passes (here a socket that listens)."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\na dog\n")
+    argv = ["--model", "stabilityai/stable-diffusion-3.5-medium", "--device", "cpu", "--budgets", "1"]
+    argv += ["--train-prompts", str(prompts), "--out", str(tmp_path / "run")]
+    with pytest.raises(SystemExit) as err:
+        recast.validate(recast.parse_args([*argv, "--rewards", "pickscore"]))
+    assert str(err.value).startswith("--rewards pickscore: a reward model cannot start:\n  --pickscore-model ")
+    assert not (tmp_path / "run").exists()
+    meta = tmp_path / "meta.jsonl"
+    meta.write_text('{"tag": "counting", "include": [], "prompt": "a cat"}\n')
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        url = f"http://127.0.0.1:{server.getsockname()[1]}"
+        args = recast.parse_args([*argv, "--rewards", "geneval", "--geneval-url", url, "--geneval-metadata", str(meta)])
+        assert recast.validate(args)[0] == ["geneval"]

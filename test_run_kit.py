@@ -8,12 +8,13 @@ Run: python -m pytest -q test_run_kit.py
 """
 
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -973,6 +974,8 @@ def test_help_reads_as_sections_with_every_flag_in_its_own(module, capsys):
     for f in fields(script.Args):
         at = re.search(rf"\n  --{f.name.replace('_', '-')}\b", text).start()
         assert text.index(f"\n{f.metadata['group']}:\n") < at < ends[f.metadata["group"]], f.name
+        shown = " ".join(text[at : text.find("\n  --", at + 1)].split())
+        assert re.search(r"\(default: \S", shown), f"--help shows no default of {f.name}"
     for name in ("pickscore_model", "pickscore_processor", "clip_model", "geneval_url", "geneval_key"):
         assert getattr(script.Args(), name) == reward_models.DEFAULTS[name]
 
@@ -1003,19 +1006,23 @@ def test_inherited_flags_keep_their_help_and_the_usage_line_follows_the_sections
         "lr": "the script's help for --lr",
     }
     parser = run_kit.make_parser(ScriptFlags, {"method": "m", "I/O": "io"}, "doc")
-    assert [a.dest for a in parser._actions] == ["help", "lr", "out", "name"]
+    assert [a.dest for a in parser._actions] == ["help", "lr", "out", "name", "config"]
     assert parser.parse_args([]).name == "mine"
     assert set(run_kit.field_docs(run_kit.RunArgs)) == {f.name for f in fields(run_kit.RunArgs)}
 
 
 @pytest.mark.parametrize("module", ["recast", "rvge"])
-def test_dry_run_attaches_lora_to_sd35_medium_on_the_meta_device(capsys, module):
+def test_dry_run_attaches_lora_to_sd35_medium_on_the_meta_device(capsys, recwarn, module):
+    """The plan's numbers, its GiB column aligned down to the total, and no peft warning about the second adapter
+    (several adapters on one model are the design)."""
     info = __import__(module).main(["--dry-run"])
     assert 2.0e9 < info["total_params"] < 3.0e9  # SD3.5-Medium's transformer is ~2.5B parameters
     # r = 32 on every targeted (in, out) linear; 24 blocks, the last one has no to_add_out
     assert info["lora_layers"] == 24 * 7 + 23
     assert info["trainable_params"] > 1e7
-    assert "GiB" in capsys.readouterr().out
+    plan = [line for line in capsys.readouterr().out.splitlines() if line.endswith(" GiB")]
+    assert len(plan) == 5 and plan[-1].lstrip().startswith("total") and len({len(line) for line in plan}) == 1
+    assert not [w for w in recwarn if "peft_config" in str(w.message)]
 
 
 # -----------------------------------------------------------------------------
@@ -1104,3 +1111,158 @@ def test_resume_never_takes_overwrite_from_the_saved_run(tmp_path, script):
     (run / "config.json").write_text(json.dumps({"script": script.__name__, "args": saved}))
     args = script.parse_args(["--resume", str(run)])
     assert args.overwrite is False and args.name == "" and args.out == str(run)
+
+
+# -----------------------------------------------------------------------------
+# --config files: the recipes in configs/, a run's config.json, bad files
+# -----------------------------------------------------------------------------
+
+SD35M = "--model stabilityai/stable-diffusion-3.5-medium --resolution 512 --steps 10"
+NFT = (
+    f"--credit nft --budgets 1 {SD35M} --sampler ode --n-roots 24 --prompts-per-iter 6 --train-steps-per-leaf 9 --ema "
+    "--eval-steps 40 --lr 3e-4 --rollout-batch 8 --train-batch 9 --train-prompts train_prompts.txt "
+    "--eval-prompts eval_prompts.txt"
+)
+GENEVAL_SERVER = "--geneval-url http://127.0.0.1:18085 --geneval-metadata geneval_train_metadata.jsonl"
+AESTHETIC = "--aesthetic-mlp sac+logos+ava1-l14-linearMSE.pth"
+RECIPES = {  # configs/<file>: the SD3.5-M commands as flags (DiffusionNFT's config/nft.py settings; see NOTES.md)
+    "nft-geneval.yaml": f"{NFT} --rewards geneval --updates-per-iter 1 --nft-b 1 --old-decay 1 {GENEVAL_SERVER}",
+    "nft-pickscore.yaml": f"{NFT} --rewards pickscore --updates-per-iter 1 --nft-b 1 --old-decay 1",
+    "nft-ocr.yaml": f"{NFT} --rewards ocr --updates-per-iter 2 --nft-b 0.1 --old-decay 2",
+    "nft-multi.yaml": f"{NFT} --rewards pickscore,clipscore,aesthetic --budgets 1,1,1 --updates-per-iter 1 "
+    f"--nft-b 0.1 --old-decay 1 --steps 25 {AESTHETIC}",
+    "recast-sd35m.yaml": f"--credit recast {SD35M} --rewards pickscore,clipscore,aesthetic,ocr --budgets "
+    f"0.4,0.3,0.2,0.1 {AESTHETIC} --train-prompts train_prompts.txt --eval-prompts eval_prompts.txt --n-roots 3 "
+    "--n-branch 8 --branch-steps rotate --prompts-per-iter 6 --updates-per-iter 1 --train-steps-per-leaf 9 "
+    "--nft-b 0.1 --ema --eval-steps 40 --lr 3e-4 --rollout-batch 8 --train-batch 9 --iterations 1000 "
+    "--eval-every 50 --save-every 25",
+    "rvge-sd35m.yaml": f"{SD35M} --rewards geneval,ocr,pickscore,clipscore,aesthetic --budgets 1,1,1,1,1 "
+    f"{GENEVAL_SERVER} {AESTHETIC} --train-prompts train_prompts.txt --n-roots 4 --n-branch 4 --branch-steps 7 "
+    "--prompts-per-iter 6 --updates-per-iter 1 --train-steps-per-leaf 9 --ema --eval-steps 40 --lr 3e-4 "
+    "--iterations 1000",
+    "recast-embedded.yaml": "",  # the embedded default: `python recast.py`
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_a_recipe_file_parsed_equals_the_same_flags(recipe):
+    """Each file in configs/ gives the Args its command gives (rvge-* for rvge.py, the rest recast.py), and the
+    README runs it by name."""
+    script = rvge if recipe.startswith("rvge") else recast
+    root = Path(__file__).resolve().parent
+    assert script.parse_args(["--config", str(root / "configs" / recipe)]) == script.parse_args(RECIPES[recipe].split())
+    assert f"--config configs/{recipe}" in (root / "README.md").read_text()
+    assert sorted(p.name for p in (root / "configs").iterdir()) == sorted(RECIPES)
+
+
+def test_flags_on_the_command_line_override_the_config_file(tmp_path):
+    """Keys take dashes or underscores; a flag given overrides the file's value, also a true switch (--no-ema);
+    YAML 1.1's 3e-4 (text to PyYAML) reads as a number; JSON files too."""
+    (tmp_path / "c.yaml").write_text("n_roots: 3\nn-branch: 5\nema: true\nlr: 3e-4\n")
+    args = recast.parse_args(["--config", str(tmp_path / "c.yaml"), "--n-branch", "6", "--no-ema"])
+    assert (args.n_roots, args.n_branch, args.ema, args.lr) == (3, 6, False, 3e-4)
+    assert args == recast.parse_args(["--n-roots", "3", "--n-branch", "6", "--lr", "3e-4"])
+    (tmp_path / "c.json").write_text(json.dumps({"seed": 5, "dry-run": True}))
+    assert rvge.parse_args(["--config", str(tmp_path / "c.json")]) == rvge.parse_args(["--seed", "5", "--dry-run"])
+
+
+def test_a_runs_config_json_is_a_config_file_for_a_new_run(finished_run):
+    """A run's saved config.json given to --config repeats its settings in a new run folder: out, resume and
+    overwrite are not taken from it."""
+    script, saved = finished_run.script, json.loads((finished_run.out / "config.json").read_text())["args"]
+    args = script.parse_args(["--config", str(finished_run.out / "config.json")])
+    assert asdict(args) == {**saved, "out": "", "resume": "", "overwrite": False}
+    other = rvge if script is recast else recast
+    with pytest.raises(SystemExit, match=f"a run of {script.__name__}.py; give it to {script.__name__}.py"):
+        other.parse_args(["--config", str(finished_run.out / "config.json")])
+
+
+@pytest.mark.parametrize(
+    "name, text, words",
+    [
+        ("c.yaml", "n-root: 3\n", "unknown key 'n-root'; did you mean n-roots?"),
+        ("c.yaml", "seed: 1.5\n", "seed is 1.5, not of type int. Fix it in the file"),
+        ("c.yaml", "budgets: 1\n", "budgets is 1, not of type str. Fix it in the file (quote a text value"),
+        ("c.yaml", "ema: yes please\n", "ema is 'yes please', not of type bool"),
+        ("c.yaml", "lr: -1.0\n", "lr -1.0: must be a finite number > 0. Fix it in the file"),
+        ("c.yaml", "credit: grpo\n", "credit 'grpo': choose one of ['recast', 'uniform', 'nft']"),
+        ("c.yaml", "- lr\n", "must hold key: value lines (a mapping), not list"),
+        ("c.yaml", "lr: [1\n", "cannot read it"),
+        ("c.toml", "lr = 1\n", "give a .yaml, .yml or .json file"),
+        ("c.json", "{lr: 1}", "cannot read it"),
+    ],
+)
+def test_a_bad_config_file_is_refused_naming_the_file_the_key_and_the_fix(tmp_path, name, text, words):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit) as err:
+        recast.parse_args(["--config", str(tmp_path / name)])
+    assert str(err.value).startswith(f"--config {tmp_path / name}: ") and words in str(err.value)
+
+
+def test_config_does_not_go_with_resume(finished_run, tmp_path):
+    """--resume takes its settings from the run's config.json; a --config beside it is refused, not merged."""
+    run = copy_of(finished_run, tmp_path)
+    (tmp_path / "c.yaml").write_text("iterations: 3\n")
+    with pytest.raises(SystemExit, match="does not go with --resume"):
+        finished_run.script.parse_args(["--resume", str(run), "--config", str(tmp_path / "c.yaml")])
+
+
+# -----------------------------------------------------------------------------
+# The closing summary
+# -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_the_run_ends_with_before_after_W_departure_and_the_checkpoint_to_load(tiny, tmp_path, module, capsys):
+    """After the progress bar the first process prints the held-out before -> after of each reward, the weighted
+    reward and each judge (eval_before/* and the last eval/* of metrics.jsonl), ReCAST's W departure from uniform
+    (recast.py only), the run folder and a line of Python that loads the newest checkpoint."""
+    from diffusers import StableDiffusion3Pipeline
+
+    script, out = __import__(module), tmp_path / "run"
+    judges = {"bright": brightness}
+    script.train(
+        script.parse_args(tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "1")),
+        extra_rewards=TINY_REWARDS,
+        judges=judges,
+    )
+    printed = capsys.readouterr().out.splitlines()
+    rows = read_metrics(out)
+    assert printed[0] == "held-out evaluation, pretrained -> iteration 2:"
+    for key in ("brightness", "redness", "weighted", "judge/bright"):
+        was, now = rows[0][f"eval_before/{key}"], rows[-1][f"eval/{key}"]
+        assert f"  {key:<24} {was:9.4f} -> {now:9.4f}   ({now - was:+.4f})" in printed
+    departure = [line for line in printed if line.startswith("W's departure from uniform")]
+    if module == "recast":
+        W = np.asarray(rows[-1]["recast/W"])
+        worst = np.abs(W / (W.sum(1, keepdims=True) / W.shape[1]) - 1).max(1)
+        assert departure == [
+            "W's departure from uniform, max_j |W_kj / (lambda_k / T) - 1| (0: uniform): "
+            f"brightness {worst[0]:.3f}, redness {worst[1]:.3f}"
+        ]
+    else:
+        assert departure == []
+    assert f"run folder: {out}" in printed
+    assert f"trained LoRA: {out / 'checkpoints' / 'iter_000001'}" in printed
+    notices, handler = [], logging.Handler()
+    handler.emit = lambda record: notices.append(record.getMessage())
+    logging.getLogger("diffusers").addHandler(handler)  # diffusers' loggers do not propagate to the root
+    try:
+        namespace = {"StableDiffusion3Pipeline": StableDiffusion3Pipeline}
+        exec(printed[-1].strip(), namespace)  # the printed line loads the trained LoRA, and diffusers says nothing
+        assert not [n for n in notices if "No LoRA keys" in n]
+        usual = StableDiffusion3Pipeline.from_pretrained(str(tiny / "pipe"))
+        usual.load_lora_weights(out / "checkpoints" / "iter_000001")  # diffusers' usual loader: the same weights
+        assert len([n for n in notices if "No LoRA keys associated to CLIPTextModelWithProjection" in n]) == 2
+    finally:
+        logging.getLogger("diffusers").removeHandler(handler)
+    (loaded,) = namespace["pipe"].transformer.peft_config.values()
+    assert (loaded.r, loaded.lora_alpha) == (4, 8)  # the run's --lora-rank 4 --lora-alpha 8, read from the folder
+    lora = {k: v for k, v in usual.transformer.state_dict().items() if "lora" in k}
+    assert lora and all(torch.equal(v, namespace["pipe"].transformer.state_dict()[k]) for k, v in lora.items())
+
+
+def test_the_summary_of_a_run_without_evaluation_says_so(finished_run, capsys):
+    lines = run_kit.print_summary(finished_run.out)
+    assert lines[0].startswith("held-out evaluation: none in this run") and f"run folder: {finished_run.out}" in lines
+    assert capsys.readouterr().out.splitlines() == lines
