@@ -1861,12 +1861,8 @@ def final_evals(runs: list[Run], exp_dir: Path, noises: int):
     """The final evaluation of every finished run (and of the pretrained model), on a held-out set
     larger than the runs' own: every held-out caption x `noises` noises, at each of EVAL_SEEDS
     (same images for every method: paired). Cached next to each result as <run>.final.json (keyed by the
-    checkpoint's name); returns {run_id or "pretrained": {seed: scores}}."""
-    import torch
-
-    import recast
-    import run_kit
-
+    checkpoint's name); returns {run_id or "pretrained": {seed: scores}}. The model (torch, recast, run_kit) is
+    imported only when something is evaluated: a rebuild from cached evaluations needs none of it."""
     prompts = [c for c in shapes_world.splits()["heldout"] for _ in range(noises)]
     out, pipe = {}, None
     todo = [("pretrained", None, exp_dir / "runs" / "pretrained.final.json")]
@@ -1898,6 +1894,11 @@ def final_evals(runs: list[Run], exp_dir: Path, noises: int):
         if ckpts and not (latest / "state.pt").is_file():
             continue  # result without its checkpoint (work folder removed): no final evaluation
         if pipe is None:
+            import torch
+
+            import recast
+            import run_kit
+
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             pipe = run_kit.load_pipeline(recast.parse_args([]), "cpu", torch.float32)

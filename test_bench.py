@@ -775,7 +775,7 @@ def test_every_generated_section_of_results_md_regenerates_unchanged(tmp_path, m
     --results-md. ~40 s on one core."""
     here = Path(bench.__file__).resolve().parent
     text = (here / "RESULTS.md").read_text()
-    markers = re.findall(r"<!-- BEGIN (\S+) -->", text)
+    markers = re.findall(r"^<!-- BEGIN (\S+) -->$", text, flags=re.M)
     assert markers and len(markers) == len(set(markers))
     roots = {m.rpartition("/")[0] for m in markers}
     for root in roots:  # each experiment folder of a marker, and each root's profiles (read by recast-protocol)
