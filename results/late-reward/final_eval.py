@@ -53,7 +53,8 @@ def gate_table(out: dict) -> str:
     runs = [lbl for lbl in mean if lbl != "pretrained"]
     lines = [
         f"## {out['reward']}: single-reward NFT runs against the pretrained model, every held-out caption x "
-        f"{out['noises']} noises ({out['images_per_seed']} images, evaluation seed {s1}; the noise floor from seed {s2})",
+        f"{out['noises']} noises ({out['images_per_seed']} images, evaluation seed {s1}; the noise floor from seed "
+        f"{s2})",
         "",
         "| metric | pretrained | runs (per seed) | run - pretrained, mean [95% t] over seeds | noise floor |",
         "|---|---|---|---|---|",
