@@ -1132,7 +1132,10 @@ def fmt_speedup(r, lo, hi, n, p, p_holm=None):
     reached; 0.00x: the method's is not)."""
     if not n:
         return "n/a"
-    fmt = lambda x: "inf" if np.isinf(x) else "n/a" if np.isnan(x) else f"{x:.2f}"  # noqa: E731
+
+    def fmt(x):
+        return "inf" if np.isinf(x) else "n/a" if np.isnan(x) else f"{x:.2f}"
+
     text = f"{fmt(r)}{'x' if np.isfinite(r) else ''} [{fmt(lo)}, {fmt(hi)}] (n={n})"
     text += f" log-rank p {p:.2g}" if np.isfinite(p) else ""
     return text + (f" Holm {p_holm:.2g}" if p_holm is not None and np.isfinite(p_holm) else "")

@@ -216,7 +216,7 @@ def test_times_to_a_level_count_runs_that_never_reach_it_as_censored():
     assert bench.censored_speedup(base, faster) == bench.censored_speedup(base, faster)  # a fixed generator
 
 
-def test_frechet_is_compared_only_at_equal_n():
+def test_frechet_is_compared_only_at_equal_n(tmp_path):
     """Runs evaluated on other prompts (another N of images) are never compared on the Fréchet distance."""
     from types import SimpleNamespace
 
@@ -232,9 +232,35 @@ def test_frechet_is_compared_only_at_equal_n():
     assert bench.equal_n(res, "g", ("a", "b")) and not bench.equal_n(res, "g", ("a", "c"))
     assert bench.is_frechet("eval/judge/frechet") and bench.is_frechet("judge/frechet")
     assert not bench.is_frechet("eval/weighted")
+    exp = bench.EXPERIMENTS["rvge-joint"]  # the report marks the Fréchet cell and compares the rest
+    records = [
+        {
+            "group": "joint",
+            "label": label,
+            "seed": seed,
+            "settings": same if label == "nft" else other,
+            "rows": [
+                {
+                    "iteration": 0,
+                    "eval_before/weighted": 0.5,
+                    "eval_before/judge/frechet": 100.0,
+                    "loss/base_reg": 0.01,
+                    "eval/weighted": 0.5 + 0.1 * seed + (label == "rvge") * 0.01 * (1 + seed),
+                    "eval/judge/frechet": 100.0 + seed,
+                }
+            ],
+        }
+        for label in ("nft", "rvge")
+        for seed in range(3)
+    ]
+    report = bench.Results(exp, records, [])
+    report.exp_dir = tmp_path
+    row = next(x for x in bench.report_rvge_joint(report, tmp_path) if x.startswith("| rvge | ") and " [" in x)
+    assert row.split(" | ")[1] == bench.UNEQUAL_N and row.split(" | ")[2].startswith("+0.0200 [")
 
 
 def test_statistics_helpers():
+    """verdict's sign per metric, paired seeds, the held-out curve, the final evaluation's summaries."""
     assert bench.verdict("eval/judge/frechet", -5.0, -1.0) == 1 and bench.verdict("eval/weighted", -5.0, -1.0) == -1
     assert bench.verdict("judge/frechet", -5.0, -1.0) == 1 and bench.verdict("judge/frechet", 1.0, 5.0) == -1
     assert bench.verdict("eval/weighted", -1.0, 1.0) == 0 and bench.verdict("eval/weighted", np.nan, np.nan) == 0
