@@ -1225,7 +1225,8 @@ def curve_figure(res: Results, path: Path, metric="eval/weighted", x="seconds"):
         ax.set(
             title=group, xlabel="training seconds" if x == "seconds" else "iteration", ylabel=f"held-out {metric[5:]}"
         )
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a metric no run logged leaves the panel empty
+            ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.tight_layout()
