@@ -1174,8 +1174,8 @@ class Results:
             f"{len(self.records)} of {n} runs; seeds paired across methods (same prompts and noise); "
             f"{self.exp.iterations} iterations x {self.exp.prompts_per_iter} prompt groups, held-out eval every "
             f"{self.exp.eval_every}; "
-            "intervals: t, 95%, over seeds of paired differences; each table states its multiple-comparison "
-            "correction.",
+            "intervals: t, 95%, over seeds of paired differences; each table of differences states its "
+            "multiple-comparison correction.",
             "",
         ]
         if self.missing:
