@@ -15,9 +15,14 @@
 An experiment is data (`EXPERIMENTS`): a list of cells, each (script, extra flags, label, group),
 plus iterations, prompt groups per iteration, held-out evaluation cadence and seeds. Every cell
 runs once per seed; the seed alone fixes the prompts and the noise, so runs with the same seed
-are paired across cells, and every interval below is over seeds of paired differences (t, 95%).
-An interval that holds 0 also prints `n95 N`: the seeds that would resolve a difference of the measured size at
-the measured sd (`seeds_needed`), so an unresolved comparison says how large a run would resolve it.
+are paired across cells, and every interval below is over seeds of paired differences (t, 95%) with its paired-t p.
+Each table says its multiple-comparison correction: Holm's (`holm`) over the comparisons read together (e.g. every
+cell x comparison of one metric), or none where a table is read as a curve. An unresolved difference also prints
+`N80 N`: the seeds a paired t test at alpha 0.05 needs for 80% power (`seeds_for_power`, noncentral t) at the larger
+of the observed difference and two noise floors of one evaluation where that floor is measured (`effect_of_interest`),
+at the measured sd. The preference judge is summarised per seed as the mean of sigmoid(score difference), with an
+interval on the logit scale (inside (0, 1)); times to reach a level count the runs that never reach it as censored
+(Kaplan-Meier medians, log-rank p); a Fréchet distance is compared only between evaluations of the same N images.
 
 Runs and results. Each (cell, seed) is one run of `recast.py` or `rvge.py` (with --overwrite) in
 its run folder --out/<experiment>/work/<run>/ (checkpoints: large, git-ignored); once it finishes,
@@ -70,11 +75,9 @@ Sizes (`estimate_minutes`; `test_bench.py` checks each stays under the hour):
     recast-100            3      3      100 x 8                 10          9   ~59 min
     nft-steps             2      3      100 x 8                 10          6   ~35 min
 
-On a GPU machine the same command runs many processes at once: one H200 ran the embedded model at
-9 iterations/s in aggregate with 16 processes, ~31x the 2-core rate, so `--jobs 16` finishes each
-experiment in ~2 min, or buys ~30x the work in the hour (e.g. recast-protocol --seeds 6
---iterations 360, rvge-single --seeds 10 --iterations 1500: 30x each). Start-up (~12 s per run) does not
-shrink on a GPU: prefer more iterations per run over many short runs there.
+On a GPU machine the same command runs many processes at once (`--jobs 16`); no GPU rate is measured here, so the
+Power sections size runs on 2 cores only. Start-up (~12 s per run) does not shrink on a GPU: prefer more iterations
+per run over many short runs there.
 """
 
 from __future__ import annotations
@@ -948,14 +951,6 @@ def paired(a: dict, b: dict):
     return [a[s] - b[s] for s in sorted(set(a) & set(b))]
 
 
-def seeds_needed(m, lo, hi, n, most=10_000):
-    """Power of a paired comparison: the fewest seeds N whose 95% t interval would exclude 0 if the paired differences
-    kept their measured mean m and sd (`interval_sd`), i.e. the smallest N >= 2 with t(0.975, N - 1) sd / sqrt(N) <
-    |m|. None when it is over `most` (or m = 0)."""
-    sd = interval_sd(lo, hi, n)
-    return next((N for N in range(2, most + 1) if t_975(N - 1) * sd / np.sqrt(N) < abs(m)), None)
-
-
 def interval_sd(lo, hi, n):
     """The sd of the n paired differences behind a 95% t interval [lo, hi]: (hi - lo) / 2 = t(0.975, n - 1) sd /
     sqrt(n)."""
@@ -968,23 +963,182 @@ def t_975(dof):
     return stats.t.ppf(0.975, dof)
 
 
-def n95_text(m, lo, hi, n):
-    """' n95 N' for an interval that holds 0 (`seeds_needed`; ' n95 > 10000' past the search), else ''."""
-    if not lo <= 0 <= hi:
-        return ""
-    need = seeds_needed(m, lo, hi, n)
-    return f" n95 {need}" if need else " n95 > 10000"
+def p_value(m, lo, hi, n):
+    """Two-sided p of the paired t test behind `mean_ci`'s (m, lo, hi, n): t = m / (sd / sqrt(n)), n - 1 dof; NaN
+    below 2 values; 0 or 1 when the differences do not vary."""
+    from scipy import stats
+
+    if not (n > 1 and np.isfinite(lo)):
+        return np.nan
+    se = interval_sd(lo, hi, n) / np.sqrt(n)
+    if se == 0:
+        return 1.0 if m == 0 else 0.0
+    return float(2 * stats.t.sf(abs(m) / se, n - 1))
 
 
-def fmt_ci(m, lo, hi, n, digits=4):
-    """mean [95% t interval] and the sd of the paired differences; an interval that holds 0 (unresolved) also gives
-    the seeds that would resolve a difference of this size at this sd (`seeds_needed`): "n95 14" or "n95 > 10000"."""
+def holm(pvalues):
+    """Holm's step-down adjusted p-values (family-wise error over the family given): the i-th smallest of m p-values
+    becomes max over j <= i of min(1, (m - j + 1) p_(j)); NaN stays NaN and does not count in m."""
+    p = np.asarray(pvalues, dtype=float)
+    out = np.full_like(p, np.nan)
+    ok = np.flatnonzero(np.isfinite(p))
+    running = 0.0
+    for rank, i in enumerate(ok[np.argsort(p[ok], kind="stable")]):
+        running = max(running, min(1.0, (len(ok) - rank) * p[i]))
+        out[i] = running
+    return out
+
+
+POWER, ALPHA = 0.8, 0.05  # the power and two-sided level at which `seeds_for_power` sizes a comparison
+
+
+def seeds_for_power(effect, sd, alpha=ALPHA, power=POWER, most=10_000):
+    """The fewest seeds N >= 2 at which a two-sided paired t test at level alpha detects a true mean difference
+    `effect` (paired differences of sd `sd`) with the given power: P(|T| > t(1 - alpha/2, N - 1)) >= power, T
+    noncentral t with N - 1 dof and noncentrality effect sqrt(N) / sd. None past `most` (or effect = 0); 2 when sd
+    = 0. Cohen's d = 0.5 at alpha 0.05 and power 0.8 gives the textbook 34."""
+    from scipy import stats
+
+    if not (np.isfinite(effect) and np.isfinite(sd)) or effect == 0:
+        return None
+    if sd == 0:
+        return 2
+    for n in range(2, most + 1):
+        crit, nc = stats.t.ppf(1 - alpha / 2, n - 1), abs(effect) * np.sqrt(n) / sd
+        if stats.nct.sf(crit, n - 1, nc) + stats.nct.cdf(-crit, n - 1, nc) >= power:
+            return n
+    return None
+
+
+def effect_of_interest(m, floor=None):
+    """The difference a power statement is made at: the larger of |the observed mean| and two noise floors of one
+    evaluation (`floor`: its sd), or |m| alone where no floor was measured."""
+    return max(abs(m), 2 * floor) if floor is not None and np.isfinite(floor) else abs(m)
+
+
+def resolved(lo, hi, p_holm=None):
+    """Whether a difference is resolved: its 95% interval excludes 0 and, under a correction, its Holm-adjusted p is
+    below ALPHA."""
+    return bool(np.isfinite(lo) and not lo <= 0 <= hi and (p_holm is None or p_holm < ALPHA))
+
+
+def fmt_ci(m, lo, hi, n, digits=4, floor=None, p_holm=None, family=1):
+    """mean [95% t interval] sd (of the paired differences), p (paired t; with `p_holm`, the Holm-adjusted p of its
+    family of `family` tests as well). An unresolved difference (`resolved`) adds "N80 k": the seeds a paired t test
+    needs for 80% power at `effect_of_interest` (observed |mean|, or two noise floors when larger) and the measured sd,
+    at level alpha / family (Holm's first step, so enough for every step; alpha 0.05 uncorrected) (`seeds_for_power`;
+    "N80 > 10000" past the search)."""
     if not np.isfinite(m):
         return "n/a"
     if not np.isfinite(lo):
         return f"{m:+.{digits}f} (n={n})"
-    text = f"{m:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}] sd {interval_sd(lo, hi, n):.{digits}f}"
-    return text + n95_text(m, lo, hi, n)
+    sd, p = interval_sd(lo, hi, n), p_value(m, lo, hi, n)
+    text = f"{m:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}] sd {sd:.{digits}f} p {p:.2g}"
+    text += f" Holm {p_holm:.2g}" if p_holm is not None and np.isfinite(p_holm) else ""
+    if resolved(lo, hi, p_holm):
+        return text
+    need = seeds_for_power(effect_of_interest(m, floor), sd, alpha=ALPHA / family)
+    return text + (f" N80 {need}" if need else " N80 > 10000")
+
+
+def pref_share(a_scores, b_scores):
+    """The preference judge's summary of one pair of image sets (same prompt and noise per position): the mean over
+    images of sigmoid(s_a - s_b), the Bradley-Terry probability that it prefers a's image; 0.5 = no preference. Near
+    0.5 when the images barely differ, where a win rate (the share with s_a > s_b) swings from 0 to 1."""
+    from scipy.special import expit
+
+    return float(np.mean(expit(np.asarray(a_scores, dtype=float) - np.asarray(b_scores, dtype=float))))
+
+
+def share_logit(share):
+    """log(share / (1 - share)), the share clipped to [1e-6, 1 - 1e-6]."""
+    from scipy.special import logit
+
+    return float(logit(np.clip(share, 1e-6, 1 - 1e-6)))
+
+
+def share_logits(shares):
+    """(mean, low, high, n) of `mean_ci` over the logits of per-seed shares in (0, 1) (`share_logit`): the scale on
+    which a preference share is tested and its interval drawn."""
+    return mean_ci([share_logit(s) for s in shares if np.isfinite(s)])
+
+
+def fmt_share(m, lo, hi, n, floor=None, p_holm=None, family=1):
+    """A preference share from `share_logits`: the mean logit and its 95% t interval mapped back through the sigmoid
+    (so inside (0, 1)), the p of logit = 0 (share 0.5), and N80 on the logit scale when unresolved (`fmt_ci`)."""
+    from scipy.special import expit
+
+    if not n:
+        return "n/a"
+    if n < 2:
+        return f"{expit(m):.3f} (n={n})"
+    text = f"{expit(m):.3f} [{expit(lo):.3f}, {expit(hi):.3f}] p {p_value(m, lo, hi, n):.2g}"
+    text += f" Holm {p_holm:.2g}" if p_holm is not None and np.isfinite(p_holm) else ""
+    if resolved(lo, hi, p_holm):
+        return text
+    need = seeds_for_power(effect_of_interest(m, floor), interval_sd(lo, hi, n), alpha=ALPHA / family)
+    return text + (f" N80 {need}" if need else " N80 > 10000")
+
+
+def km_median(times, reached):
+    """Kaplan-Meier median time to reach a level: runs that never reach it are censored at their last evaluation
+    (they count as "not yet" up to then, never dropped). The first time the KM survival falls to 0.5 or below; inf
+    when it never does (too many runs never reach the level)."""
+    t, e = np.asarray(times, dtype=float), np.asarray(reached, dtype=bool)
+    surv = 1.0
+    for x in np.unique(t[e]):
+        surv *= 1 - np.sum(e & (t == x)) / np.sum(t >= x)
+        if surv <= 0.5:
+            return float(x)
+    return np.inf
+
+
+def median_ratio(base, other):
+    """base / other of two median times, where inf means "never reached": inf when only `other` reaches it (or
+    reaches it at 0), 0 when only `base` does, NaN when neither does (or both at 0)."""
+    if np.isinf(base) and np.isinf(other) or base == other == 0:
+        return np.nan
+    return np.inf if np.isinf(base) or other == 0 else base / other
+
+
+def censored_speedup(base: dict, other: dict, resamples=2000, seed=0):
+    """Speed-up of `other` over `base` at a level both try to reach, from {seed: (time, reached)}: the ratio of their
+    Kaplan-Meier median times (base / other; runs that never reach the level censored, `km_median`), a 95% percentile
+    interval from resampling seeds in pairs (fixed generator: the same table every rebuild), and the log-rank p
+    (scipy.stats.logrank) of the two time-to-reach curves. (ratio, low, high, n, p)."""
+    from scipy import stats
+
+    seeds = sorted(set(base) & set(other))
+    if not seeds:
+        return np.nan, np.nan, np.nan, 0, np.nan
+    b, o = (np.array([d[s] for s in seeds], dtype=float) for d in (base, other))
+
+    def ratio(idx):
+        return median_ratio(km_median(b[idx, 0], b[idx, 1] > 0), km_median(o[idx, 0], o[idx, 1] > 0))
+
+    rng = np.random.default_rng(seed)
+    boot = np.array([ratio(rng.integers(0, len(seeds), len(seeds))) for _ in range(resamples)])
+    boot = boot[~np.isnan(boot)]  # resamples where neither median is reached say nothing about the ratio
+    lo, hi = np.quantile(boot, [0.025, 0.975], method="inverted_cdf") if len(boot) else (np.nan, np.nan)
+    p = np.nan
+    if b[:, 1].any() or o[:, 1].any():
+        data = [stats.CensoredData(uncensored=x[x[:, 1] > 0, 0], right=x[x[:, 1] == 0, 0]) for x in (b, o)]
+        p = float(stats.logrank(*data).pvalue)
+    return ratio(np.arange(len(seeds))), float(lo), float(hi), len(seeds), p
+
+
+def fmt_speedup(r, lo, hi, n, p, p_holm=None):
+    """ "1.40x [0.80, inf] log-rank p 0.3": a speed-up from `censored_speedup` (inf: the baseline's median is never
+    reached; 0.00x: the method's is not)."""
+    if not n:
+        return "n/a"
+
+    def fmt(x):
+        return "inf" if np.isinf(x) else "n/a" if np.isnan(x) else f"{x:.2f}"
+
+    text = f"{fmt(r)}{'x' if np.isfinite(r) else ''} [{fmt(lo)}, {fmt(hi)}] (n={n})"
+    text += f" log-rank p {p:.2g}" if np.isfinite(p) else ""
+    return text + (f" Holm {p_holm:.2g}" if p_holm is not None and np.isfinite(p_holm) else "")
 
 
 def mean_std(values, digits=4):
@@ -1020,7 +1174,8 @@ class Results:
             f"{len(self.records)} of {n} runs; seeds paired across methods (same prompts and noise); "
             f"{self.exp.iterations} iterations x {self.exp.prompts_per_iter} prompt groups, held-out eval every "
             f"{self.exp.eval_every}; "
-            "intervals: t, 95%, over seeds of paired differences.",
+            "intervals: t, 95%, over seeds of paired differences; each table of differences states its "
+            "multiple-comparison correction.",
             "",
         ]
         if self.missing:
@@ -1070,7 +1225,8 @@ def curve_figure(res: Results, path: Path, metric="eval/weighted", x="seconds"):
         ax.set(
             title=group, xlabel="training seconds" if x == "seconds" else "iteration", ylabel=f"held-out {metric[5:]}"
         )
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a metric no run logged leaves the panel empty
+            ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.tight_layout()
@@ -1125,24 +1281,25 @@ def report_multi(res: Results, out: Path):
             target = np.mean([smooth([m["reward/weighted"] for m in rows])[-1] for rows in by_label["nft"].values()])
 
             def reach(rows):
-                return first_crossing(elapsed(rows), smooth([m["reward/weighted"] for m in rows]), target)
+                return time_to_reach(elapsed(rows), smooth([m["reward/weighted"] for m in rows]), target)
 
             nft_t = {s: reach(rows) for s, rows in by_label["nft"].items()}
+            times = {label: {s: reach(rows) for s, rows in runs.items()} for label, runs in by_label.items()}
+            speed = {label: censored_speedup(nft_t, t) for label, t in times.items() if label != "nft"}
+            adjusted = dict(zip(speed, holm([v[4] for v in speed.values()])))
             lines += [
                 "",
                 f"Time to reach DiffusionNFT's final budget-weighted training reward ({target:.4f}, smoothed over 3 "
-                "iterations); speed-up = NFT's time / the method's time, paired by seed, geometric mean [95%] "
-                "(n/a: not reached within the run):",
+                "iterations): Kaplan-Meier median seconds (runs that never reach it censored at their end; inf: the "
+                "median is not reached); speed-up = NFT's median / the method's [95% paired bootstrap over seeds], "
+                f"log-rank p, Holm over the {len(speed)} methods:",
                 "",
-                "| method | seconds | speed-up vs nft | runs that reached it |",
+                "| method | median seconds | speed-up vs nft | runs that reached it |",
                 "|---|---|---|---|",
             ]
-            for label, runs in by_label.items():
-                t = {s: reach(rows) for s, rows in runs.items()}
-                lines.append(
-                    f"| {label} | {mean_std(list(t.values()), 1)} | {fmt_ratio(nft_t, t)} | "
-                    f"{int(np.isfinite(list(t.values())).sum())}/{len(runs)} |"
-                )
+            for label, t in times.items():
+                cell = fmt_speedup(*speed[label], adjusted[label]) if label in speed else "1"
+                lines.append(f"| {label} | {km_median(*zip(*t.values())):.1f} | {cell} | {reach_counts(t)} |")
         lines += [
             "",
             "Share of an iteration's time per phase:",
@@ -1184,19 +1341,15 @@ def multi_figures(budgets, by_label, out):
     plt.close("all")
 
 
-def fmt_ratio(num: dict, den: dict):
-    """Paired ratio num[s] / den[s]: geometric mean with a 95% t interval on the log ratio; an interval that holds 1
-    also gives the seeds that would resolve a ratio of this size (`seeds_needed` on the log ratios)."""
-    logs = [
-        np.log(num[s] / den[s])
-        for s in sorted(set(num) & set(den))
-        if num[s] > 0 and den[s] > 0 and np.isfinite(num[s] / den[s])
-    ]
-    m, lo, hi, n = mean_ci(logs)
-    if n == 0:
-        return "n/a"
-    text = f"{np.exp(m):.2f}x" + (f" [{np.exp(lo):.2f}, {np.exp(hi):.2f}]" if n > 1 else "") + f" (n={n})"
-    return text + (n95_text(m, lo, hi, n) if n > 1 else "")
+def time_to_reach(x, y, level):
+    """(x at which y first reaches level, True), or (the last x, False): a run that never reaches the level is
+    censored at its last evaluation, not dropped."""
+    t = first_crossing(x, y, level)
+    return (t, True) if np.isfinite(t) else ((x[-1] if len(x) else np.nan), False)
+
+
+def reach_counts(reach: dict) -> str:
+    return f"{sum(r for _, r in reach.values())}/{len(reach)}"
 
 
 THRESHOLD_SHARES = (1 / 3, 2 / 3, 1.0)  # matched levels: pretrained + share x (NFT's final - pretrained)
@@ -1204,10 +1357,12 @@ THRESHOLD_SHARES = (1 / 3, 2 / 3, 1.0)  # matched levels: pretrained + share x (
 
 def report_rvge_single(res: Results, out: Path):
     """Per reward: final held-out reward, then the time and iterations each method needs to reach
-    matched thresholds (NFT's final value and two intermediate levels) and the paired speed-up."""
+    matched thresholds (NFT's final value and two intermediate levels) and the speed-up, runs that never reach a
+    level counted as censored (Kaplan-Meier medians, log-rank p, Holm over the reward's thresholds x measures)."""
     lines = res.banner() + [
         "Single-reward training (budget 1, so `eval/weighted` is the reward itself); thresholds on the held-out "
-        "curve (evaluations linearly interpolated; training seconds exclude evaluation).",
+        "curve (evaluations linearly interpolated; training seconds exclude evaluation). `final − nft`: one "
+        "comparison per reward, no correction; N80 at the observed difference (no noise floor is measured here).",
         "",
     ]
     base = res.exp.baseline
@@ -1237,42 +1392,41 @@ def report_rvge_single(res: Results, out: Path):
         if top <= pre:
             lines += ["", f"{base} did not improve on the pretrained model here, so no threshold is meaningful.", ""]
             continue
+        reach = {  # (share, label, 0 seconds | 1 iterations) -> {seed: (time, reached)}
+            (share, label, i): {
+                s: time_to_reach(eval_curve(rows)[1 - i], eval_curve(rows)[2], pre + share * (top - pre))
+                for s, rows in runs.items()
+            }
+            for share in THRESHOLD_SHARES
+            for label, runs in by_label.items()
+            for i in (0, 1)
+        }
+        speed = {k: censored_speedup(reach[(k[0], base, k[2])], r) for k, r in reach.items() if k[1] != base}
+        adjusted = dict(zip(speed, holm([v[4] for v in speed.values()])))
         lines += [
             "",
-            "| threshold | method | seconds | iterations | reached | speed-up in time [95%] | in iterations [95%] |",
+            f"Kaplan-Meier median time to each level (runs that never reach it censored at their last evaluation; "
+            f"inf: the median is not reached); speed-up = {base}'s median / the method's [95% paired bootstrap over "
+            f"seeds], log-rank p, Holm over this reward's {len(speed)} speed-ups:",
+            "",
+            "| threshold | method | median seconds | median iterations | reached | speed-up in time | in iterations |",
             "|---|---|---|---|---|---|---|",
         ]
         for share in THRESHOLD_SHARES:
-            level = pre + share * (top - pre)
-            reach = {
-                label: {
-                    s: (
-                        first_crossing(eval_curve(rows)[1], eval_curve(rows)[2], level),
-                        first_crossing(eval_curve(rows)[0], eval_curve(rows)[2], level),
-                    )
-                    for s, rows in runs.items()
-                }
-                for label, runs in by_label.items()
-            }
-            for label, r in reach.items():
-                secs, its = ({s: v[i] for s, v in r.items()} for i in (0, 1))
-                base_secs, base_its = ({s: v[i] for s, v in reach[base].items()} for i in (0, 1))
+            for label in by_label:
+                secs, its = reach[(share, label, 0)], reach[(share, label, 1)]
+                medians = [km_median(*zip(*r.values())) for r in (secs, its)]
+                cells = [
+                    fmt_speedup(*speed[(share, label, i)], adjusted[(share, label, i)]) if label != base else "1"
+                    for i in (0, 1)
+                ]
                 lines.append(
-                    f"| {share:.0%} ({level:.4f}) | {label} | {mean_std(list(secs.values()), 1)} | "
-                    f"{mean_std(list(its.values()), 1)} | "
-                    f"{int(np.isfinite(list(secs.values())).sum())}/{len(r)} | "
-                    f"{fmt_ratio(base_secs, secs) if label != base else '1'} | "
-                    f"{fmt_ratio(base_its, its) if label != base else '1'} |"
+                    f"| {share:.0%} ({pre + share * (top - pre):.4f}) | {label} | {medians[0]:.1f} | {medians[1]:.1f} "
+                    f"| {reach_counts(secs)} | {cells[0]} | {cells[1]} |"
                 )
         lines.append("")
     curve_figure(res, out / "reward_vs_time.png")
-    return lines + [
-        "Speed-up = the baseline's time / the method's time per seed (geometric mean; runs that never reach a "
-        "level are left out of its ratio and counted in `reached`).",
-        "",
-        "![](reward_vs_time.png)",
-        "",
-    ]
+    return lines + ["![](reward_vs_time.png)", ""]
 
 
 LOWER_IS_BETTER = ("judge/frechet",)  # with or without the "eval/" of metrics.jsonl
@@ -1283,6 +1437,25 @@ def better_sign(metric):
     "judge/frechet" in the final evaluation), else +1. Until 2026-12-02 only the first name was known, so the
     protocol's summaries counted a higher Fréchet distance as an improvement."""
     return -1.0 if metric.removeprefix("eval/") in LOWER_IS_BETTER else 1.0
+
+
+def is_frechet(metric):
+    return metric.removeprefix("eval/") == "judge/frechet"
+
+
+UNEQUAL_N = "n/a (unequal N)"  # a Fréchet distance depends on the number of images: never compared across N
+
+
+def eval_set(record: dict):
+    """The held-out prompts a run's in-run evaluations used: its --eval-prompts, or None for the embedded held-out
+    split (the same N images in every run of an experiment)."""
+    return flag_value(record_settings(record), "--eval-prompts")
+
+
+def equal_n(res, group: str, labels) -> bool:
+    """Whether every run of these labels in the group was evaluated on the same prompts (so the same N images):
+    the condition for comparing their Fréchet distances."""
+    return len({eval_set(r) for r in res.records if r["group"] == group and r["label"] in labels}) <= 1
 
 
 def verdict(metric, lo, hi):
@@ -1326,17 +1499,10 @@ def report_rvge_joint(res: Results, out: Path):
                 + " | ".join(mean_std([final(r, m) for r in runs.values()]) for m in metrics)
                 + " |"
             )
-        lines += [
-            "",
-            f"Paired differences method − {base} [95%]:",
-            "",
-            "| method | " + " | ".join(m[5:] for m in metrics) + " |",
-            "|---" * (1 + len(metrics)) + "|",
-        ]
-        summary = []
-
-        def compare(label, other):  # one table row (paired differences) and one summary line
-            diffs = {
+        rows = [(label, base) for label in by_label if label != base]
+        rows += [(a, b) for a, b in res.exp.pairs if a in by_label and b in by_label]
+        diffs = {
+            (label, other): {
                 m: mean_ci(
                     paired(
                         res.values(group, label, lambda r, m=m: final(r, m)),
@@ -1344,32 +1510,42 @@ def report_rvge_joint(res: Results, out: Path):
                     )
                 )
                 for m in metrics
+                if not is_frechet(m) or equal_n(res, group, (label, other))
             }
-            name = label if other == base else f"{label} − {other}"
-            lines.append(f"| {name} | " + " | ".join(fmt_ci(*diffs[m]) for m in metrics) + " |")
-            better = sum(better_sign(m) * d[0] > 0 for m, d in diffs.items() if np.isfinite(d[0]))
-            sig = [verdict(m, d[1], d[2]) for m, d in diffs.items()]
-            with_ci = sum(np.isfinite(d[1]) for d in diffs.values())
+            for label, other in rows
+        }
+        adjusted = {  # Holm per metric over every comparison of this table
+            m: dict(zip(rows, holm([p_value(*diffs[r][m]) if m in diffs[r] else np.nan for r in rows])))
+            for m in metrics
+        }
+        lines += [
+            "",
+            f"Paired differences method − {base}, then between methods (the variants against their parents) [95%]; "
+            f"Holm per metric over these {len(rows)} comparisons; N80 at the observed difference (no noise floor is "
+            f"measured for the in-run evaluation) and level 0.05 / {len(rows)}:",
+            "",
+            "| method | " + " | ".join(m[5:] for m in metrics) + " |",
+            "|---" * (1 + len(metrics)) + "|",
+        ]
+        summary = []
+        for label, other in rows:
+            d, name = diffs[(label, other)], label if other == base else f"{label} − {other}"
+            cells = [
+                fmt_ci(*d[m], p_holm=adjusted[m][(label, other)], family=len(rows)) if m in d else UNEQUAL_N
+                for m in metrics
+            ]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            better = sum(better_sign(m) * v[0] > 0 for m, v in d.items() if np.isfinite(v[0]))
+            sig = [verdict(m, v[1], v[2]) if adjusted[m][(label, other)] < ALPHA else 0 for m, v in d.items()]
             summary.append(
-                f"- {label} vs {other}: better on average on {better} of {len(metrics)} held-out metrics; "
+                f"- {label} vs {other}: better on average on {better} of {len(d)} held-out metrics; "
                 + (
-                    f"significantly better on {sig.count(1)}, significantly worse on {sig.count(-1)} "
-                    f"(matches or beats on {len(metrics) - sig.count(-1)} of {len(metrics)})."
-                    if with_ci
+                    f"resolved better on {sig.count(1)}, resolved worse on {sig.count(-1)}, unresolved on "
+                    f"{sig.count(0)} (after Holm; unresolved is not a match: no non-inferiority margin is tested)."
+                    if any(np.isfinite(v[1]) for v in d.values())
                     else "no intervals (fewer than 2 paired seeds)."
                 )
             )
-
-        for label in by_label:
-            if label != base:
-                compare(label, base)
-        pairs = [(a, b) for a, b in res.exp.pairs if a in by_label and b in by_label]
-        if pairs:
-            lines += ["", "Paired differences between methods (the variants against their parents) [95%]:", ""]
-            lines += ["| method − other | " + " | ".join(m[5:] for m in metrics) + " |"]
-            lines += ["|---" * (1 + len(metrics)) + "|"]
-        for label, other in pairs:
-            compare(label, other)
         lines += [""] + summary + [""] + along_the_run(res, group, by_label, base)
         lines += [
             "Distance to base: `loss/base_reg`, mean |v_theta - v_base|^2 of the trained velocity against the frozen",
@@ -1411,7 +1587,8 @@ def along_the_run(res: Results, group: str, by_label: dict, base: str) -> list[s
         return []
     iters = eval_curve(next(iter(by_label[base].values())), ALONG[0])[0]
     lines = [
-        f"Along the run: method − {base} at the same iteration [95%] (iteration 0: the pretrained model, identical).",
+        f"Along the run: method − {base} at the same iteration [95%] (iteration 0: the pretrained model, identical); "
+        "no correction: read as a curve, not as tests; N80 at the observed difference.",
         "",
         "| iteration | " + " | ".join(f"{lbl}: {m[5:]}" for lbl in full for m in ALONG) + " |",
         "|---" * (1 + len(full) * len(ALONG)) + "|",
@@ -1424,7 +1601,9 @@ def along_the_run(res: Results, group: str, by_label: dict, base: str) -> list[s
             )
 
         cells = [
-            fmt_ci(*mean_ci(paired(at(lbl, m), at(base, m))), digits=4 if m != "eval/judge/frechet" else 0)
+            fmt_ci(*mean_ci(paired(at(lbl, m), at(base, m))), digits=4 if not is_frechet(m) else 0)
+            if not is_frechet(m) or equal_n(res, group, (lbl, base))
+            else UNEQUAL_N
             for lbl in full
             for m in ALONG
         ]
@@ -1686,12 +1865,8 @@ def final_evals(runs: list[Run], exp_dir: Path, noises: int):
     """The final evaluation of every finished run (and of the pretrained model), on a held-out set
     larger than the runs' own: every held-out caption x `noises` noises, at each of EVAL_SEEDS
     (same images for every method: paired). Cached next to each result as <run>.final.json (keyed by the
-    checkpoint's name); returns {run_id or "pretrained": {seed: scores}}."""
-    import torch
-
-    import recast
-    import run_kit
-
+    checkpoint's name); returns {run_id or "pretrained": {seed: scores}}. The model (torch, recast, run_kit) is
+    imported only when something is evaluated: a rebuild from cached evaluations needs none of it."""
     prompts = [c for c in shapes_world.splits()["heldout"] for _ in range(noises)]
     out, pipe = {}, None
     todo = [("pretrained", None, exp_dir / "runs" / "pretrained.final.json")]
@@ -1723,6 +1898,11 @@ def final_evals(runs: list[Run], exp_dir: Path, noises: int):
         if ckpts and not (latest / "state.pt").is_file():
             continue  # result without its checkpoint (work folder removed): no final evaluation
         if pipe is None:
+            import torch
+
+            import recast
+            import run_kit
+
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             pipe = run_kit.load_pipeline(recast.parse_args([]), "cpu", torch.float32)
@@ -1758,38 +1938,17 @@ def final_value(scores: dict, metric: str, names=(), budgets=(), base: dict | No
     return float(np.nanmean(scores[metric]))
 
 
-def win_rate(a: dict, b: dict):
-    """Share of held-out images (same prompt, same noise) the preference judge prefers from a over b; ties count 1/2."""
-    sa, sb = np.asarray(a["judge/pref"]), np.asarray(b["judge/pref"])
-    return float(np.mean((sa > sb) + 0.5 * (sa == sb)))
-
-
 def report_protocol(res: Results, out: Path):
     """Issue 11: per (setting, budget) cell, recast minus each other method, paired by seed, on every
     training reward and judge of the large final evaluation, raw and scale-free, plus the preference
-    judge's win rate; the noise floor of one evaluation; then how often ReCAST improves each judge."""
+    judge's share (mean sigmoid of the score difference); Holm per metric over cells x comparisons; the noise floor
+    of one evaluation; then how often ReCAST improves each judge."""
     lines = res.banner()
     finals = final_evals(plan_runs(res.exp, res.exp_dir), res.exp_dir, res.exp.final_noises)
     seed_a, seed_b = (str(s) for s in EVAL_SEEDS)
     base = finals.get("pretrained", {})
     n_img = len(next(iter(base.values()))["judge/cnn"]) if base else 0
-    lines += [
-        f"Final evaluation: every held-out caption x {res.exp.final_noises} noises ({n_img} images, Euler ODE, 10 "
-        "steps), the same "
-        "images (prompt and noise) for every method and the pretrained model. Judges are never trained on: `cnn` "
-        "(learned "
-        "attribute judge), `frechet` (distance of the judge's features to the data; lower is better: its difference "
-        "counts "
-        "as an improvement when negative) and `pref` (pairwise preference judge, a Bradley-Terry CNN trained on its "
-        "own "
-        "render-vs-corruption pairs: the share of images where it prefers ReCAST's image to the other method's, 0.5 = "
-        "no preference). "
-        "`scale_free`: each training reward's change from the pretrained model in units of its pretrained per-image "
-        "spread, "
-        "budget-weighted; `weighted`: the budget-weighted raw mean.",
-        "",
-    ]
-    counts, floors = {}, {}
+    cells, floors = {}, {}  # group -> what its tables need; metric -> same weights' differences between noise sets
     for group, by_label in res.runs.items():
         cell = next(c for c in res.exp.cells if c.group == group)
         names, budgets = (
@@ -1802,17 +1961,61 @@ def report_protocol(res: Results, out: Path):
             for label, by_seed in by_label.items()
         }
 
-        def value(label, m, seed_key=seed_a):
+        def value(label, m, seed_key=seed_a, ids=ids, names=names, budgets=budgets):
             return {
                 s: final_value(finals[i][seed_key], m, names, budgets, base[seed_key])
                 for s, i in ids[label].items()
                 if i in finals
             }
 
+        def pref(mine, other, seed_key=seed_a, ids=ids):
+            return {
+                s: pref_share(
+                    finals[ids[mine][s]][seed_key]["judge/pref"], finals[ids[other][s]][seed_key]["judge/pref"]
+                )
+                for s in ids[mine]
+                if s in ids[other] and ids[mine][s] in finals and ids[other][s] in finals
+            }
+
         for label in ids:  # noise floor: the same weights, evaluated on the second noise set
             for m in metrics:
                 a, b = value(label, m), value(label, m, seed_b)
                 floors.setdefault(m, []).extend(a[s] - b[s] for s in a if s in b)
+        comparisons = [(r, o) for r in ids if r.startswith("recast") for o in ids if not o.startswith("recast")]
+        diffs = {}
+        for mine, other in comparisons:
+            diffs[(mine, other)] = {m: mean_ci(paired(value(mine, m), value(other, m))) for m in metrics}
+            shares = (pref(mine, other), pref(mine, other, seed_b))
+            diffs[(mine, other)]["pref"] = share_logits(shares[0].values())
+            floors.setdefault("pref", []).extend(  # on the logit scale, where the share is tested
+                share_logit(shares[0][s]) - share_logit(shares[1][s]) for s in shares[0] if s in shares[1]
+            )
+        cells[group] = (names, budgets, metrics, ids, value, diffs)
+    floor_sd = {m: np.std(v, ddof=1) / np.sqrt(2) for m, v in floors.items() if len(v) > 1}
+    family = [(g, c, m) for g, (*_, diffs) in cells.items() for c in diffs for m in diffs[c]]
+    adjusted = {}
+    for m in dict.fromkeys(k[2] for k in family):  # Holm per metric over every cell x comparison of the experiment
+        keys = [k for k in family if k[2] == m]
+        adjusted.update(zip(keys, holm([p_value(*cells[g][5][c][m]) for g, c, _ in keys])))
+    n_tests = max((sum(k[2] == m for k in family) for m in {k[2] for k in family}), default=0)
+    lines += [
+        f"Final evaluation: every held-out caption x {res.exp.final_noises} noises ({n_img} images, Euler ODE, 10 "
+        "steps), the same images (prompt and noise) for every method and the pretrained model, so every Fréchet "
+        "distance here is over the same N. Judges are never trained on: `cnn` (learned attribute judge), `frechet` "
+        "(distance of the judge's features to the data; lower is better: its difference counts as an improvement "
+        "when negative) and `pref` (pairwise preference judge, a Bradley-Terry CNN trained on its own "
+        "render-vs-corruption pairs: per seed, the mean over images of sigmoid(score of ReCAST's image − score of "
+        "the other's), 0.5 = no preference; across seeds the mean logit with a 95% t interval, mapped back). "
+        "`scale_free`: each training reward's change from the pretrained model in units of its pretrained per-image "
+        "spread, budget-weighted; `weighted`: the budget-weighted raw mean.",
+        "",
+        f"Correction: Holm per metric over every cell x comparison of this experiment ({n_tests} tests per metric); "
+        f"`Holm` is the adjusted p. N80: seeds for 80% power (paired t) at level 0.05 / {n_tests} (Holm's first step) "
+        "and the larger of the observed difference and two noise floors of one evaluation (the table at the end).",
+        "",
+    ]
+    counts = {}
+    for group, (names, budgets, metrics, ids, value, diffs) in cells.items():
         lines += [
             f"## setting {group.split('-')[0]} ({', '.join(names)}), budgets {','.join(f'{b:g}' for b in budgets)}",
             "",
@@ -1833,35 +2036,23 @@ def report_protocol(res: Results, out: Path):
             )
         lines += [
             "",
-            "| difference | n | " + " | ".join(metrics) + " | pref win rate |",
+            "| difference | n | " + " | ".join(metrics) + " | pref share |",
             "|---" * (3 + len(metrics)) + "|",
         ]
-        for mine, other in [(r, o) for r in ids if r.startswith("recast") for o in ids if not o.startswith("recast")]:
-            diffs = {m: mean_ci(paired(value(mine, m), value(other, m))) for m in metrics}
-            wins = {
-                s: win_rate(finals[ids[mine][s]][seed_a], finals[ids[other][s]][seed_a])
-                for s in ids[mine]
-                if s in ids[other] and ids[mine][s] in finals and ids[other][s] in finals
-            }
-            diffs["pref"] = mean_ci([w - 0.5 for w in wins.values()])
-            m_, lo, hi, n = diffs["pref"]
-            pref_txt = (
-                f"{0.5 + m_:.3f} [{0.5 + lo:.3f}, {0.5 + hi:.3f}] (n={n})"
-                if n > 1
-                else (f"{0.5 + m_:.3f} (n={n})" if n else "n/a")
-            )
+        for (mine, other), d in diffs.items():
+            adj = {m: adjusted[(group, (mine, other), m)] for m in d}
             lines.append(
-                f"| {mine} − {other} | {max(d[3] for d in diffs.values())} | "
-                + " | ".join(fmt_ci(*diffs[m]) for m in metrics)
-                + f" | {pref_txt} |"
+                f"| {mine} − {other} | {max(v[3] for v in d.values())} | "
+                + " | ".join(fmt_ci(*d[m], floor=floor_sd.get(m), p_holm=adj[m], family=n_tests) for m in metrics)
+                + f" | {fmt_share(*d['pref'], floor=floor_sd.get('pref'), p_holm=adj['pref'], family=n_tests)} |"
             )
-            for m, (mean, lo, hi, n) in diffs.items():
+            for m, (mean, lo, hi, n) in d.items():
                 if n == 0:
                     continue
                 c = counts.setdefault((mine, other, m), [0, 0, 0])
                 c[2] += 1
                 c[0] += better_sign(m) * mean > 0
-                c[1] += verdict(m, lo, hi) == 1
+                c[1] += verdict(m, lo, hi) == 1 and adj[m] < ALPHA
         lines.append("")
     lines += [
         "## How far ReCAST's W moved",
@@ -1893,15 +2084,15 @@ def report_protocol(res: Results, out: Path):
         "evaluation is sd(difference) / sqrt(2) over all finished runs; a method difference below ~2x this is not "
         "resolved by "
         "one evaluation (the paired intervals above include it, since each seed's difference is a separate "
-        "evaluation).",
+        "evaluation). `pref`: on the logit scale of its share, the same pair of methods on the two noise sets.",
         "",
         "| metric | noise sd of one evaluation | runs |",
         "|---|---|---|",
     ]
-    lines += [f"| {m} | {np.std(v, ddof=1) / np.sqrt(2):.4f} | {len(v)} |" for m, v in floors.items() if len(v) > 1]
-    tally = {  # (mine, other, metric) -> [improves, significant, cells with results, cells planned]
-        key: [int(n), int(sig), int(cells), sum(key[0] in by and key[1] in by for by in res.runs.values())]
-        for key, (n, sig, cells) in counts.items()
+    lines += [f"| {m} | {sd:.4f} | {len(floors[m])} |" for m, sd in floor_sd.items()]
+    tally = {  # (mine, other, metric) -> [improves, significant after Holm, cells with results, cells planned]
+        key: [int(n), int(sig), int(done), sum(key[0] in by and key[1] in by for by in res.runs.values())]
+        for key, (n, sig, done) in counts.items()
     }
     (res.exp_dir / "summary.json").write_text(json.dumps({" | ".join(k): v for k, v in sorted(tally.items())}) + "\n")
     lines += ["", "## Summary", ""] + summary_lines(tally)
@@ -1920,7 +2111,7 @@ def report_protocol(res: Results, out: Path):
             for text, v in tally_of_setting.items():
                 key = tuple(text.split(" | "))
                 both[key] = [a + b for a, b in zip(both.get(key, [0] * 4), v)]
-        lines += ["", f"## Summary over both settings ({', '.join(e.name for e in settings)})", ""]
+        lines += ["", f"## Summary over both settings ({', '.join(e.name for e in settings)}; Holm within each)", ""]
         lines += summary_lines(both)
     prof_path = res.exp_dir.parent / PROFILES_DIR / "profiles.json"
     prof, problem = read_json(prof_path) if prof_path.is_file() else (None, None)
@@ -1944,19 +2135,21 @@ def report_protocol(res: Results, out: Path):
 
 
 def summary_lines(tally: dict) -> list[str]:
-    """Markdown bullets: per (method, other, judge or summary metric) "improves ... in n of N cells (significant in
-    m)", from tally[(mine, other, metric)] = [improves, significant, cells with results, cells planned]."""
+    """Markdown bullets: per (method, other, judge or summary metric) "improves ... in n of N cells (significant
+    after Holm in m)", from tally[(mine, other, metric)] = [improves, significant, cells with results, cells
+    planned]."""
     lines = []
     for (mine, other, m), (n, sig, cells, planned) in sorted(tally.items()):
         if m.startswith("judge/") or m in ("scale_free", "weighted", "pref"):
             what = (
                 f"judge {m[len('judge/') :]}"
                 if m.startswith("judge/")
-                else ("judge pref (win rate > 0.5)" if m == "pref" else m)
+                else ("judge pref (share > 0.5)" if m == "pref" else m)
             )
             lines.append(
                 f"- {'ReCAST' if mine == 'recast' else mine} improves {what} over {other} in {n} of {planned} cells "
-                f"(significant in {sig})" + (f"; {planned - cells} cell(s) without results" if cells < planned else "")
+                f"(significant after Holm in {sig})"
+                + (f"; {planned - cells} cell(s) without results" if cells < planned else "")
             )
     return lines
 
@@ -2034,26 +2227,34 @@ def report_recast_100(res: Results, out: Path):
     pairs = [
         (a, b) for a, b in (("recast", "nft"), ("recast", "uniform"), ("uniform", "nft")) if a in labels and b in labels
     ]
+    diffs = {
+        (a, b): {
+            m: mean_ci(
+                paired(res.values("A", a, lambda r, m=m: final(r, m)), res.values("A", b, lambda r, m=m: final(r, m)))
+            )
+            for m in metrics
+            if not is_frechet(m) or equal_n(res, "A", (a, b))
+        }
+        for a, b in pairs
+    }
+    adjusted = {
+        m: dict(zip(pairs, holm([p_value(*diffs[k][m]) if m in diffs[k] else np.nan for k in pairs]))) for m in metrics
+    }
     lines += [
         "",
-        "Paired differences at the final evaluation (same seeds: same prompts and noise), mean [95% t interval]:",
+        "Paired differences at the final evaluation (same seeds: same prompts and noise), mean [95% t interval]; Holm "
+        f"per metric over these {len(pairs)} comparisons; N80 at the observed difference and level 0.05 / "
+        f"{len(pairs)}:",
         "",
         "| difference | " + " | ".join(m[5:] for m in metrics) + " |",
         "|---" * (1 + len(metrics)) + "|",
     ]
     for a, b in pairs:
+        d = diffs[(a, b)]
         lines.append(
             f"| {a} − {b} | "
             + " | ".join(
-                fmt_ci(
-                    *mean_ci(
-                        paired(
-                            res.values("A", a, lambda r, m=m: final(r, m)),
-                            res.values("A", b, lambda r, m=m: final(r, m)),
-                        )
-                    )
-                )
-                for m in metrics
+                fmt_ci(*d[m], p_holm=adjusted[m][(a, b)], family=len(pairs)) if m in d else UNEQUAL_N for m in metrics
             )
             + " |"
         )
@@ -2102,7 +2303,8 @@ def report_nft_steps(res: Results, out: Path):
         its = sorted({i for c in curves.values() for per_seed in c.values() for i in per_seed})
         others = [lbl for lbl in labels if lbl != base]
         lines += [
-            "Held-out `eval/weighted` (mean ± sd over seeds) and the paired difference to " + base + " [95%]:",
+            "Held-out `eval/weighted` (mean ± sd over seeds) and the paired difference to " + base + " [95%]; "
+            "no correction: read as a curve, not as tests; N80 at the observed difference:",
             "",
             "| iteration | " + " | ".join(labels) + " | " + " | ".join(f"{o} − {base}" for o in others) + " |",
             "|---" * (1 + len(labels) + len(others)) + "|",
@@ -2174,30 +2376,28 @@ def build_report(exp: Experiment, exp_dir: Path, planned: list[Run]) -> tuple[st
     return text, res
 
 
-GPU_RATE = 31  # one H200, 16 processes of the embedded model, against the 2-core rate (module docstring)
-
-
 def power_lines(exp: Experiment, text: str) -> list[str]:
-    """Markdown: how large a run would resolve the table's unresolved paired differences. Reads the `n95 N` that
-    fmt_ci printed beside each interval holding 0; sizes this experiment at the smallest, median and largest N
-    (estimate_minutes on 2 cores with --jobs 2, and at GPU_RATE times that rate with --jobs 16 on one GPU)."""
-    needs = [int(n) for n in re.findall(r"n95 (\d+)", text)]
-    over = len(re.findall(r"n95 > ", text))
+    """Markdown: how large a run would resolve the table's unresolved paired differences. Reads the `N80 N` that
+    fmt_ci printed beside each unresolved difference (80% power, alpha 0.05, at the effect its table states); sizes
+    this experiment at the smallest, median and largest N (estimate_minutes on 2 cores with --jobs 2). No GPU rate is
+    given: none has been measured here."""
+    needs = [int(n) for n in re.findall(r"N80 (\d+)", text)]
+    over = len(re.findall(r"N80 > ", text))
     if not needs and not over:
         return []
     lines = [
         "",
         "## Power",
         "",
-        f"{len(needs) + over} paired difference(s) above are unresolved (their interval holds 0; `sd` is the sd of "
-        "the paired differences, `n95` the seeds that would resolve a difference of the measured size at that sd"
+        f"{len(needs) + over} paired difference(s) above are unresolved (`sd` is the sd of the paired differences, "
+        "`N80` the seeds a paired t test needs for 80% power at the effect and level each table names"
         + (f"; {over} would need more than 10,000" if over else "")
         + "). This experiment at those sizes (all cells; `--seeds N`):",
         "",
-        "| seeds | which | 2 cores, --jobs 2 | one GPU machine, --jobs 16 |",
-        "|---|---|---|---|",
+        "| seeds | which | 2 cores, --jobs 2 |",
+        "|---|---|---|",
     ]
-    sizes = {}  # seeds -> which (the smallest, median and largest n95; one row when they coincide)
+    sizes = {}  # seeds -> which (the smallest, median and largest N80; one row when they coincide)
     for which, n in (
         ("largest", max(needs, default=0)),
         ("median", int(np.median(needs or [0]))),
@@ -2206,10 +2406,7 @@ def power_lines(exp: Experiment, text: str) -> list[str]:
         sizes[n] = which
     for n, which in sorted(sizes.items()):
         if n:
-            minutes = estimate_minutes(replace(exp, seeds=n), 2)
-            gpu = minutes / GPU_RATE
-            gpu_text = f"~{gpu / 60:.1f} h" if gpu >= 120 else f"~{gpu:.0f} min"
-            lines.append(f"| {n} | {which} | ~{minutes / 60:.1f} h | {gpu_text} |")
+            lines.append(f"| {n} | {which} | ~{estimate_minutes(replace(exp, seeds=n), 2) / 60:.1f} h |")
     return lines + [""]
 
 
@@ -2231,6 +2428,29 @@ def results_block(text: str, records: list[dict], exp_dir: Path, md: Path, comma
         line = "##" + line if line.startswith("#") else line
         lines.append(re.sub(r"!\[([^\]]*)\]\(([^/():]+\.png)\)", lambda m: f"![{m[1] or m[2]}]({rel}/{m[2]})", line))
     return "\n".join(lines).strip("\n")
+
+
+def check_one_world(planned: list[Run], exp_dir: Path):
+    """Refuse tables of results from two embedded worlds (one table, one world): name each world's files and the fix.
+    A run refuses such a folder before anything runs (`check_results`); this guards --tables-only."""
+    worlds = {}
+    for run in planned:
+        if (record := load_result(run)) is not None:
+            worlds.setdefault(record.get("world") or "not recorded", []).append(run.result.name)
+    if len(worlds) > 1:
+        raise SystemExit(
+            f"{exp_dir / 'runs'} holds results of {len(worlds)} embedded worlds ("
+            + "; ".join(f"{w}: {len(f)} result(s), e.g. {f[0]}" for w, f in worlds.items())
+            + "); one table never mixes worlds. Move one world's results (with their .final.json) to their own folder, "
+            "e.g. results/world-<name>/<experiment>/runs/, and rebuild each with --tables-only --out; nothing was "
+            "changed"
+        )
+
+
+def section_world(text: str):
+    """The embedded world(s) a generated RESULTS.md section names in its first line (`results_block`), or None."""
+    found = re.search(r"embedded world ([^,]+), ", text.split("\n", 1)[0])
+    return found[1] if found else None
 
 
 def check_results_md(md: Path, name: str):
@@ -2269,6 +2489,14 @@ def write_results_md(md: Path, name: str, block: str):
     old = md.read_text() if md.is_file() else ""
     new = f"{begin}\n{block}\n{end}"
     i = old.find(begin)
+    was = section_world(old[i + len(begin) :].lstrip("\n")) if i >= 0 else None
+    if was is not None and was != section_world(block):
+        raise SystemExit(
+            f"{md}: its section {name} holds tables of embedded world {was}; these results are of world "
+            f"{section_world(block)}, and one world's tables never replace another's. Keep the old section as a dated "
+            f"record (rename its markers, e.g. <!-- BEGIN world-<name>/{name} -->, with its results moved to "
+            f"results/world-<name>/{name}/) or delete it, then rerun; nothing was changed"
+        )
     if i >= 0:
         text = old[:i] + new + old[old.index(end, i) + len(end) :]
     else:
@@ -2322,8 +2550,8 @@ def main(argv=None):
         "--results-md",
         default=None,
         help="the file whose <!-- BEGIN/END <experiment> --> section the report replaces (the marker: OUT/<experiment> "
-        "under results/, e.g. world-amp0.3/recast-protocol) (default: RESULTS.md when OUT is the default results/; "
-        "else none)",
+        "under results/, e.g. world-amp0.3/recast-protocol) (default: RESULTS.md when OUT is results/ or a folder in "
+        "it, e.g. results/world-amp0.3; else none)",
     )
     parser.add_argument(
         "--replace-results",
@@ -2332,9 +2560,11 @@ def main(argv=None):
         "world (refused without it): they are moved to OUT/<experiment>/set-aside/<time>/, never deleted",
     )
     args = parser.parse_args(argv)
-    committed = args.out is None and not args.quick  # the committed results: their report goes into RESULTS.md
     # every path absolute, once: the runs' processes start in the project folder, wherever bench.py was started
     args.out = Path(args.out).resolve() if args.out else HERE / ("runs/bench-quick" if args.quick else "results")
+    root = HERE / "results"
+    # the committed results (results/, or an earlier world's under it): their report goes into RESULTS.md
+    committed = not args.quick and (args.out == root or root in args.out.parents)
     args.results_md = (
         Path(args.results_md).resolve() if args.results_md else (HERE / "RESULTS.md" if committed else None)
     )
@@ -2351,7 +2581,7 @@ def main(argv=None):
     sizes = [
         f"--{k.replace('_', '-')} {v}" for k in ("seeds", "iterations", "prompts_per_iter") if (v := getattr(args, k))
     ]
-    marker, root = exp.name, HERE / "results"
+    marker = exp.name
     if root in args.out.parents:  # e.g. results/world-amp0.3: an earlier world's results
         sizes.append(f"--out {Path(os.path.relpath(args.out, HERE)).as_posix()}")
         marker = Path(os.path.relpath(exp_dir, root)).as_posix()  # world-amp0.3/<experiment>
@@ -2363,7 +2593,10 @@ def main(argv=None):
             print(f"warning: {path}: {why}; left where it is and not in the tables", flush=True)
     else:
         check_results(planned, exp, exp_dir, args.replace_results)
-    failed, reused = {}, reuse_results(planned, exp, exp_dir)
+    failed, reused = (
+        {},
+        (0 if args.tables_only else reuse_results(planned, exp, exp_dir)),
+    )  # tables-only writes no result
     if reused:
         print(f"{exp.name}: {reused} identical run(s) taken from {exp_dir.parent / exp.reuse / 'runs'}", flush=True)
     if args.tables_only:
@@ -2372,6 +2605,7 @@ def main(argv=None):
                 f"--tables-only: no results of these settings under {exp_dir / 'runs'} yet; run the experiment first "
                 f"(without --tables-only{', with --quick' if args.quick else ''})"
             )
+        check_one_world(planned, exp_dir)
     else:
         check_flags(planned)
         print(

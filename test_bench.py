@@ -6,6 +6,7 @@ pytest -q test_bench.py
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -129,31 +130,141 @@ def test_statistics_by_hand():
     assert np.isnan(bench.mean_ci([1.0])[1])
 
 
-def test_seeds_needed_resolves_the_observed_difference_at_its_sd():
-    """mean 1, sd 1 over 3 seeds (unresolved): t(0.975, N - 1) / sqrt(N) < 1 first at N = 7 (2.447 < 2.646; at N = 6
-    2.571 > 2.449); a resolved interval prints no n95, an unresolved one does."""
-    m, lo, hi, n = bench.mean_ci([0.0, 1.0, 2.0])
-    assert lo < 0 < hi and bench.seeds_needed(m, lo, hi, n) == 7
-    assert bench.fmt_ci(m, lo, hi, n).endswith(" sd 1.0000 n95 7")
-    exp = bench.EXPERIMENTS["rvge-single"]  # the power section sizes the experiment at the printed n95 values
-    power = "\n".join(bench.power_lines(exp, "| a | +0.1 [-1, +1] sd 1 n95 7 | b n95 3 | c n95 > 10000 |"))
-    assert "3 paired difference(s) above are unresolved" in power and "1 would need more than 10,000" in power
-    from dataclasses import replace
+def test_seeds_for_power_matches_the_textbook_paired_t():
+    """Two-sided paired (one-sample) t at alpha 0.05, power 0.8: Cohen's d = 0.5 needs 34, d = 0.8 needs 15 (G*Power's
+    and Cohen's tables); the N found has power >= 0.8 and N - 1 has less; a stricter level (Holm's first step over 4
+    tests) needs more."""
+    from scipy import stats
 
-    hours = bench.estimate_minutes(replace(exp, seeds=7), 2) / 60
-    assert f"| 7 | largest | ~{hours:.1f} h |" in power and "| 3 | smallest |" in power
+    assert bench.seeds_for_power(0.5, 1.0) == 34 and bench.seeds_for_power(0.8, 1.0) == 15
+    assert bench.seeds_for_power(1.6, 2.0) == 15  # only the ratio effect / sd matters
+
+    def power(n, d=0.5, alpha=0.05):
+        crit = stats.t.ppf(1 - alpha / 2, n - 1)
+        return stats.nct.sf(crit, n - 1, d * np.sqrt(n)) + stats.nct.cdf(-crit, n - 1, d * np.sqrt(n))
+
+    assert power(34) >= 0.8 > power(33)
+    assert bench.seeds_for_power(0.5, 1.0, alpha=0.05 / 4) > 34 and bench.seeds_for_power(0.0, 1.0) is None
+    assert bench.effect_of_interest(-0.1, floor=0.2) == 0.4 and bench.effect_of_interest(-0.1) == 0.1
+
+
+def test_p_values_and_holm_by_hand():
+    """p from the interval equals scipy's paired t test; Holm's adjusted p-values by hand: sorted 0.005, 0.01, 0.03,
+    0.04 -> 4 x 0.005, 3 x 0.01, 2 x 0.03, max(0.06, 1 x 0.04); NaN stays out of the family."""
+    from scipy import stats
+
+    v = [0.3, 1.1, 0.8, 1.9]
+    assert bench.p_value(*bench.mean_ci(v)) == pytest.approx(stats.ttest_1samp(v, 0.0).pvalue, rel=1e-9)
+    adjusted = bench.holm([0.01, 0.04, np.nan, 0.03, 0.005])
+    assert np.allclose(adjusted[[0, 1, 3, 4]], [0.03, 0.06, 0.06, 0.02]) and np.isnan(adjusted[2])
+    assert bench.holm([0.5, 0.9]).tolist() == [1.0, 1.0]
+
+
+def test_fmt_ci_prints_p_holm_and_N80_only_for_unresolved_differences():
+    """mean 1, sd 1 over 3 seeds (unresolved): N80 at the observed difference is seeds_for_power(1, 1) = 10; with a
+    noise floor of 1 the effect is 2 (N80 5); a resolved difference prints none, one resolved only before Holm does;
+    the Power section sizes the experiment at the N80 values, on 2 cores only (no GPU rate is measured)."""
+    m, lo, hi, n = bench.mean_ci([0.0, 1.0, 2.0])
+    assert bench.fmt_ci(m, lo, hi, n).endswith(" sd 1.0000 p 0.23 N80 10")
+    assert bench.fmt_ci(m, lo, hi, n, floor=1.0).endswith(" N80 5")
+    assert bench.fmt_ci(m, lo, hi, n, family=5).endswith(f" N80 {bench.seeds_for_power(1.0, 1.0, alpha=0.01)}")
+    clear = bench.mean_ci([1.0, 1.1, 0.9])
+    assert "N80" not in bench.fmt_ci(*clear) and " Holm 0.06 N80 " in bench.fmt_ci(*clear, p_holm=0.06)
+    exp = bench.EXPERIMENTS["rvge-single"]
+    power = "\n".join(bench.power_lines(exp, "| a | +0.1 [-1, +1] sd 1 N80 7 | b N80 3 | c N80 > 10000 |"))
+    assert "3 paired difference(s) above are unresolved" in power and "1 would need more than 10,000" in power
+    hours = bench.estimate_minutes(bench.replace(exp, seeds=7), 2) / 60
+    assert f"| 7 | largest | ~{hours:.1f} h |" in power and "| 3 | smallest |" in power and "GPU" not in power
     assert bench.power_lines(exp, "all resolved") == []
-    assert "n95" not in bench.fmt_ci(*bench.mean_ci([1.0, 1.1, 0.9]))
-    assert bench.seeds_needed(0.0, -1.0, 1.0, 3) is None
+
+
+def test_the_preference_share_is_a_mean_sigmoid_and_its_interval_stays_inside_0_1():
+    """Per seed: mean over images of sigmoid(s_a - s_b) (0.5 and sigmoid(-log 3) = 0.25 -> 0.375); across seeds a t
+    interval on the logits, mapped back: inside (0, 1) where the plain interval of the shares leaves [0, 1]."""
+    from scipy.special import expit
+
+    assert bench.pref_share([0.0, 0.0], [0.0, np.log(3)]) == pytest.approx(0.375)
+    shares = [0.05, 0.95, 0.5]
+    assert bench.mean_ci(shares)[1] < 0 and bench.mean_ci(shares)[2] > 1
+    m, lo, hi, n = bench.share_logits(shares)
+    assert 0 < expit(lo) < expit(m) < expit(hi) < 1 and n == 3
+    text = bench.fmt_share(m, lo, hi, n)
+    low, high = (float(x) for x in text.split("[")[1].split("]")[0].split(", "))
+    assert 0 < low < 0.5 < high < 1 and "N80" in text
+    assert (
+        bench.fmt_share(*bench.share_logits([0.30, 0.32, 0.31])).split(" p ")[0] == "0.310 [0.286, 0.335]"
+    )  # logits -0.847, -0.754, -0.800
+
+
+def test_times_to_a_level_count_runs_that_never_reach_it_as_censored():
+    """Kaplan-Meier: times 1, 2 (censored), 2.5 (censored), 10: survival 0.75 after 1, 0 at 10, so the median is 10,
+    where dropping the censored runs would give a median of 1-5.5. A method that reaches the level in 1 of 4 seeds
+    (at 5) while the baseline reaches it in all (at 10) has no median: speed-up 0, not the 2x of its one run."""
+    assert bench.km_median([1, 2, 2.5, 10], [True, False, False, True]) == 10
+    assert bench.km_median([1, 2, 3], [True, True, True]) == 2 and bench.km_median([4, 5], [False, False]) == np.inf
+    x, y = np.array([0.0, 10.0, 20.0]), np.array([0.1, 0.3, 0.5])
+    assert bench.time_to_reach(x, y, 0.4) == (15.0, True) and bench.time_to_reach(x, y, 0.9) == (20.0, False)
+    base = {s: (10.0, True) for s in range(4)}
+    other = {0: (5.0, True), 1: (20.0, False), 2: (20.0, False), 3: (20.0, False)}
+    r, lo, hi, n, p = bench.censored_speedup(base, other)
+    assert r == 0 and n == 4 and 0 <= lo <= hi and np.isfinite(p)
+    assert bench.fmt_speedup(r, lo, hi, n, p).startswith("0.00x [")
+    faster = {s: (5.0, True) for s in range(4)}
+    r, lo, hi, n, p = bench.censored_speedup(base, faster)
+    assert r == 2.0 and lo == hi == 2.0 and p < 0.01
+    assert bench.censored_speedup(faster, other)[0] == 0 and bench.censored_speedup(other, base)[0] == np.inf
+    assert bench.censored_speedup(base, faster) == bench.censored_speedup(base, faster)  # a fixed generator
+
+
+def test_frechet_is_compared_only_at_equal_n(tmp_path):
+    """Runs evaluated on other prompts (another N of images) are never compared on the Fréchet distance."""
+    from types import SimpleNamespace
+
+    same = ["--seed", "0"]
+    other = [*same, "--eval-prompts", "mine.txt"]
+    res = SimpleNamespace(
+        records=[
+            {"group": "g", "label": "a", "settings": same},
+            {"group": "g", "label": "b", "settings": same},
+            {"group": "g", "label": "c", "settings": other},
+        ]
+    )
+    assert bench.equal_n(res, "g", ("a", "b")) and not bench.equal_n(res, "g", ("a", "c"))
+    assert bench.is_frechet("eval/judge/frechet") and bench.is_frechet("judge/frechet")
+    assert not bench.is_frechet("eval/weighted")
+    exp = bench.EXPERIMENTS["rvge-joint"]  # the report marks the Fréchet cell and compares the rest
+    records = [
+        {
+            "group": "joint",
+            "label": label,
+            "seed": seed,
+            "settings": same if label == "nft" else other,
+            "rows": [
+                {
+                    "iteration": 0,
+                    "eval_before/weighted": 0.5,
+                    "eval_before/judge/frechet": 100.0,
+                    "loss/base_reg": 0.01,
+                    "eval/weighted": 0.5 + 0.1 * seed + (label == "rvge") * 0.01 * (1 + seed),
+                    "eval/judge/frechet": 100.0 + seed,
+                }
+            ],
+        }
+        for label in ("nft", "rvge")
+        for seed in range(3)
+    ]
+    report = bench.Results(exp, records, [])
+    report.exp_dir = tmp_path
+    row = next(x for x in bench.report_rvge_joint(report, tmp_path) if x.startswith("| rvge | ") and " [" in x)
+    assert row.split(" | ")[1] == bench.UNEQUAL_N and row.split(" | ")[2].startswith("+0.0200 [")
+
+
+def test_statistics_helpers():
+    """verdict's sign per metric, paired seeds, the held-out curve, the final evaluation's summaries."""
     assert bench.verdict("eval/judge/frechet", -5.0, -1.0) == 1 and bench.verdict("eval/weighted", -5.0, -1.0) == -1
     assert bench.verdict("judge/frechet", -5.0, -1.0) == 1 and bench.verdict("judge/frechet", 1.0, 5.0) == -1
     assert bench.verdict("eval/weighted", -1.0, 1.0) == 0 and bench.verdict("eval/weighted", np.nan, np.nan) == 0
     assert bench.paired({0: 1.0, 1: 5.0, 2: 2.0}, {0: 0.5, 2: 1.0}) == [0.5, 1.0]
-    assert bench.fmt_ratio({0: 4.0, 1: 9.0}, {0: 2.0, 1: 3.0}).startswith(
-        f"{np.sqrt(6):.2f}x ["
-    )  # geometric mean of 2 and 3
-    e = np.e  # log ratios 0, 1, 2: mean 1, sd 1 over 3 seeds, as above: unresolved, n95 7
-    assert bench.fmt_ratio({0: 1.0, 1: e, 2: e * e}, {0: 1.0, 1: 1.0, 2: 1.0}).endswith("(n=3) n95 7")
     rows = [
         {"iteration": 0, "eval_before/weighted": 0.4, "time/rollout": 1.0, "time/update": 1.0},
         {"iteration": 1, "time/rollout": 1.0, "time/update": 2.0, "eval/weighted": 0.6},
@@ -167,7 +278,6 @@ def test_seeds_needed_resolves_the_observed_difference_at_its_sd():
     )
     assert bench.final_value(scores, "weighted", ["a", "b"], [3.0, 1.0]) == pytest.approx((3 * 3.0 + 0.5) / 4)
     assert bench.final_value(scores, "judge/frechet") == 7.0 and bench.final_value(scores, "a") == 3.0
-    assert bench.win_rate(scores, {"judge/pref": [0.0, 0.0, 3.0, 1.0]}) == pytest.approx((1 + 0.5 + 0 + 1) / 4)
 
 
 def test_a_result_from_other_settings_is_not_the_runs(tmp_path):
@@ -408,7 +518,7 @@ def test_recast_protocol_quick_reports_paired_differences_and_judge_counts(tmp_p
     table = (exp_dir / "table.md").read_text()
     assert (
         "| difference | n | " + " | ".join(bench.SETTINGS["A"]) + " | weighted | scale_free | judge/cnn "
-        "| judge/frechet | pref win rate |" in table
+        "| judge/frechet | pref share |" in table
     )
     for mine in ("recast", "recast_prior"):
         assert f"| {mine} − nft | 1 |" in table and f"| {mine} − uniform | 1 |" in table
@@ -417,7 +527,7 @@ def test_recast_protocol_quick_reports_paired_differences_and_judge_counts(tmp_p
         assert (
             f"ReCAST improves judge cnn over {other} in 0 of 1 cells" in table
             or f"ReCAST improves judge cnn over {other} in 1 of 1 cells" in table
-        ) and f"ReCAST improves judge pref (win rate > 0.5) over {other} in " in table
+        ) and f"ReCAST improves judge pref (share > 0.5) over {other} in " in table
     final = json.loads((exp_dir / "runs" / "A_uniform_recast-seed0.final.json").read_text())
     assert final["n"] == len(shapes_world.splits()["heldout"]) and set(final["scores"]) == {"1", "2"}
     assert all(len(final["scores"]["1"][k]) == final["n"] for k in ("geneval", "judge/cnn", "judge/pref"))
@@ -431,7 +541,8 @@ def test_recast_protocol_quick_reports_paired_differences_and_judge_counts(tmp_p
     both = (exp_dir / "table.md").read_text().split("Summary over both settings")[1]
     n, sig, cells, planned = tally["recast | nft | judge/cnn"]
     assert (
-        planned == 1 and f"ReCAST improves judge cnn over nft in {2 * n} of 2 cells (significant in {2 * sig})" in both
+        planned == 1
+        and f"ReCAST improves judge cnn over nft in {2 * n} of 2 cells (significant after Holm in {2 * sig})" in both
     )
 
 
@@ -643,6 +754,75 @@ def test_a_stop_in_the_single_process_mode(tmp_path, monkeypatch, capsys):
     assert err.value.code == 130 and started == [runs[0].run_id, runs[1].run_id]
     assert "stopped by SIGINT: 1 finished result(s) kept" in capsys.readouterr().err
     assert runs[0].result.exists() and not runs[1].result.exists()
+
+
+def test_tables_only_never_mixes_worlds_nor_takes_runs_from_the_reused_experiment(tmp_path):
+    """--tables-only runs nothing and writes no result: an experiment whose results are gone (rvge-joint-why) is
+    refused, not filled with rvge-joint's runs; a folder holding two worlds' results makes no table."""
+    why = bench.EXPERIMENTS["rvge-joint-why"]
+    world = shapes_world.world_id()
+    for run in bench.plan_runs(bench.EXPERIMENTS[why.reuse], tmp_path / why.reuse):
+        run.result.parent.mkdir(parents=True, exist_ok=True)
+        run.result.write_text(json.dumps({"settings": list(run.settings), "rows": [{"iteration": 0}], "world": world}))
+    with pytest.raises(SystemExit):
+        bench.main(["rvge-joint-why", "--tables-only", "--out", str(tmp_path)])
+    assert not (tmp_path / why.name / "runs").exists()
+    exp = bench.quick_version(bench.EXPERIMENTS["nft-steps"])
+    runs = bench.plan_runs(exp, tmp_path / exp.name)
+    runs[0].result.parent.mkdir(parents=True)
+    for run, made_on in zip(runs, (world, "0123456789ab")):
+        run.result.write_text(
+            json.dumps({"settings": list(run.settings), "rows": [{"iteration": 0}], "world": made_on})
+        )
+    with pytest.raises(SystemExit, match="holds results of 2 embedded worlds .*one table never mixes worlds"):
+        bench.check_one_world(runs, tmp_path / exp.name)
+    runs[1].result.write_text(
+        json.dumps({"settings": list(runs[1].settings), "rows": [{"iteration": 0}], "world": world})
+    )
+    bench.check_one_world(runs, tmp_path / exp.name)
+
+
+def test_one_worlds_section_of_results_md_is_never_replaced_by_anothers(tmp_path):
+    md = tmp_path / "RESULTS.md"
+    text = "# R\n\n<!-- BEGIN x -->\n`c` (3 runs made at commit abc, embedded world aaa, 2026-12-01):\n\nold\n"
+    text += "<!-- END x -->\n"
+    md.write_text(text)
+    with pytest.raises(SystemExit, match="holds tables of embedded world aaa; these results are of world bbb"):
+        bench.write_results_md(md, "x", "`c` (3 runs made at commit abd, embedded world bbb, 2026-12-02):\n\nnew")
+    assert md.read_text() == text
+    bench.write_results_md(md, "x", "`c` (4 runs made at commit abd, embedded world aaa, 2026-12-02):\n\nnew")
+    assert "\n\nnew\n<!-- END x -->" in md.read_text() and "old" not in md.read_text()
+
+
+def test_every_generated_section_of_results_md_regenerates_unchanged(tmp_path, monkeypatch):
+    """Each <!-- BEGIN ... --> section of RESULTS.md, rebuilt by its --tables-only command from the committed results
+    alone (a copy of them: the tables, figures and RESULTS.md here are not touched), is the same text, and so is each
+    table.md: no generated number is stale, and an earlier world's sections (world-amp0.3/...) regenerate without
+    --results-md. ~40 s on one core."""
+    here = Path(bench.__file__).resolve().parent
+    text = (here / "RESULTS.md").read_text()
+    markers = re.findall(r"^<!-- BEGIN (\S+) -->$", text, flags=re.M)
+    assert markers and len(markers) == len(set(markers))
+    roots = {m.rpartition("/")[0] for m in markers}
+    for root in roots:  # each experiment folder of a marker, and each root's profiles (read by recast-protocol)
+        for name in {m.rpartition("/")[2] for m in markers if m.rpartition("/")[0] == root} | {bench.PROFILES_DIR}:
+            if (here / "results" / root / name).is_dir():
+                shutil.copytree(here / "results" / root / name, tmp_path / "results" / root / name)
+    shutil.copyfile(here / "RESULTS.md", tmp_path / "RESULTS.md")
+    monkeypatch.setattr(bench, "HERE", tmp_path)
+    for marker in sorted(markers, key=lambda m: "-B" not in m):  # setting B's summary first: A's report reads it
+        root, _, name = marker.rpartition("/")
+        bench.main([name, "--tables-only"] + (["--out", str(tmp_path / "results" / root)] if root else []))
+        table = Path("results", root, name, "table.md")
+        assert (tmp_path / table).read_text() == (here / table).read_text(), f"{table} is stale: rebuild it"
+    new = (tmp_path / "RESULTS.md").read_text()
+    stale = [m for m in markers if section(new, m) != section(text, m)]
+    assert not stale, f"RESULTS.md sections not what their commands make: {stale}; rerun them with --tables-only"
+    assert new == text
+
+
+def section(text, marker):
+    return text.split(f"<!-- BEGIN {marker} -->")[1].split(f"<!-- END {marker} -->")[0]
 
 
 @pytest.mark.parametrize(

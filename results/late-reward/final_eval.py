@@ -44,6 +44,30 @@ def scores_of(images, prompts, names):
     return out
 
 
+def gate_table(out: dict) -> str:
+    """The gate's table from a result of `main` (its means, paired differences and noise floors): each metric, the
+    pretrained model, each run, run − pretrained over seeds (bench.fmt_ci: t interval, p; N80 when unresolved, no
+    correction: each metric is read on its own) and the largest same-weights difference between the two noise sets."""
+    s1, s2 = (str(s) for s in out["eval_seeds"])
+    mean = out["means"]
+    runs = [lbl for lbl in mean if lbl != "pretrained"]
+    lines = [
+        f"## {out['reward']}: single-reward NFT runs against the pretrained model, every held-out caption x "
+        f"{out['noises']} noises ({out['images_per_seed']} images, evaluation seed {s1}; the noise floor from seed "
+        f"{s2})",
+        "",
+        "| metric | pretrained | runs (per seed) | run - pretrained, mean [95% t] over seeds | noise floor |",
+        "|---|---|---|---|---|",
+    ]
+    for m, p in out["paired"].items():
+        per = ", ".join(f"{mean[lbl][s1][m]:.4f}" for lbl in runs)
+        lines.append(
+            f"| {m} | {mean['pretrained'][s1][m]:.4f} | {per} | {bench.fmt_ci(p['mean'], p['lo'], p['hi'], p['n'])} | "
+            f"{out['noise_floor'][m]:.4f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reward", required=True, help="the reward the runs trained on (the gate's metric)")
@@ -102,21 +126,7 @@ def main(argv=None):
         mm, lo, hi, n = bench.mean_ci(d)
         out["paired"][m] = {"per_seed": d, "per_seed_eval2": d2, "mean": mm, "lo": lo, "hi": hi, "n": n}
         out["noise_floor"][m] = max(abs(mean[lbl][s1][m] - mean[lbl][s2][m]) for lbl in results)
-    lines = [
-        f"## {a.reward}: single-reward NFT runs against the pretrained model, every held-out caption x {a.noises} "
-        f"noises ({len(prompts)} images, evaluation seed {s1}; the noise floor from seed {s2})",
-        "",
-        "| metric | pretrained | runs (per seed) | run - pretrained, mean [95% t] over seeds | noise floor |",
-        "|---|---|---|---|---|",
-    ]
-    for m in metrics:
-        p = out["paired"][m]
-        per = ", ".join(f"{mean[lbl][s1][m]:.4f}" for lbl in runs)
-        lines.append(
-            f"| {m} | {mean['pretrained'][s1][m]:.4f} | {per} | {bench.fmt_ci(p['mean'], p['lo'], p['hi'], p['n'])} | "
-            f"{out['noise_floor'][m]:.4f} |"
-        )
-    out["table"] = "\n".join(lines)
+    out["table"] = gate_table(out)
     print(out["table"])
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))

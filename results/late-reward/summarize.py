@@ -8,12 +8,15 @@
    band" at a timestep when its 5% quantile is above the band's 95%.
 2. The profiles (profiles192/profiles.md, written by profiles.py) as they are.
 3. The single-reward NFT runs: their training reward per 10 iterations (runs/*.metrics.jsonl.gz, copies of the
-   runs' metrics.jsonl), then the gate's full held-out evaluation (nft_*.json, written by final_eval.py) as it is.
+   runs' metrics.jsonl), then the gate's full held-out evaluation (nft_*.json, written by final_eval.py), its table
+   rebuilt from the file's numbers by `final_eval.gate_table`.
 """
 
 import gzip
 import json
 from pathlib import Path
+
+import final_eval  # this folder's: the gate's table from its result file
 
 HERE = Path(__file__).resolve().parent
 LATE = 0.5
@@ -66,7 +69,7 @@ def main():
         )
     out.append("")
     for path in sorted(HERE.glob("nft_*.json")):
-        out += ["## Single-reward NFT: " + path.stem, "", json.loads(path.read_text())["table"], ""]
+        out += ["## Single-reward NFT: " + path.stem, "", final_eval.gate_table(json.loads(path.read_text())), ""]
     print("\n".join(out))
 
 
