@@ -81,13 +81,14 @@ def main(argv=None):
     import torch
 
     import recast
+    import run_kit
 
     torch.set_num_threads(1)
     names = list(dict.fromkeys(a.scores.split(",") + [a.reward]))
     prompts = [c for c in shapes_world.splits()["heldout"] for _ in range(a.noises)]
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
-    pipe = recast.load_pipeline(recast.parse_args([]), "cpu", torch.float32)
+    pipe = run_kit.load_pipeline(recast.parse_args([]), "cpu", torch.float32)
     models = {"pretrained": None} | {Path(r).name: checkpoint(r, a.iteration) for r in a.runs}
     results = {}
     for label, ckpt in models.items():
