@@ -77,6 +77,7 @@ from run_kit import (
     lora_params,
     optimizer_step,
     parse_flags,
+    permute_within_groups,
     plot_run,
     print_summary,
     read_level_stats,
@@ -1063,6 +1064,7 @@ def rollout_and_score(run: Run, args: Args, it, gen, probe_steps=()) -> Rollout:
     run.transformer.set_adapter("default")
     t_rollout = time.perf_counter()
     R = score(run.rewards, decode(run.pipe, leaves), [prompts[g] for g in groups])
+    R = permute_within_groups(R, groups, run.names, args.permute_rewards, args.seed, it, run.acc.process_index)
     probe_R = [(j, score(run.rewards, decode(run.pipe, x0h), [prompts[g] for g in gp]), gp) for j, x0h, gp in probes]
     return Rollout(
         prompts=prompts,

@@ -156,6 +156,10 @@ class NFTArgs(RunArgs):
     """comma-separated reward names, in budget order (default for the embedded model: its four default rewards)"""
     budgets: str = flag("0.4,0.3,0.2,0.1", "method")
     """reward budgets lambda_k, one per reward (W's row sums)"""
+    permute_rewards: str = flag("", "method")
+    """the permuted-reward control: these rewards' training scores (comma-separated names from --rewards) are shuffled
+    among the leaves of each prompt group, so they keep their values but no longer belong to the images; held-out
+    evaluation scores the true rewards"""
     # rollout
     prompts_per_iter: int = flag(8, "rollout", min=1)
     """prompt groups per iteration and process"""
@@ -522,6 +526,12 @@ def check_common(args, extra_rewards=None):
             f"{len(budgets)} budgets for {len(names)} rewards ({','.join(names)}): "
             "give one budget per reward with --budgets"
         )
+    permuted = [n.strip() for n in args.permute_rewards.split(",") if n.strip()]
+    if any(n not in names for n in permuted) or len(set(permuted)) != len(permuted):
+        raise SystemExit(
+            f"--permute-rewards {args.permute_rewards}: name each permuted reward once, from --rewards "
+            f"({','.join(names)})"
+        )
     branch = parse_branch_steps(args.branch_steps, args.steps)
     if is_embedded(args.model) and args.train_prompts:
         raise SystemExit(
@@ -795,6 +805,21 @@ def reward_extras(model, extra=None):
 def score(rewards, images, prompts):
     """Rewards (N, K) float64; non-finite values are kept (NaN) and handled by `optimality`."""
     return np.stack([np.asarray(fn(images, prompts), dtype=np.float64).reshape(len(images)) for fn in rewards], 1)
+
+
+def permute_within_groups(R, groups, names, permute, seed, it, rank=0):
+    """--permute-rewards, the control that could prove a method wrong: the columns of R (N, K) named in `permute`
+    (comma-separated, from `names`) shuffled among the leaves of each prompt group by a permutation fixed by
+    (seed, iteration, process). Each group keeps its values (its mean and spread, so the optimality's scale), which
+    no longer belong to its images. Returns R itself when nothing is permuted, else a copy."""
+    cols = [names.index(n.strip()) for n in permute.split(",") if n.strip()]
+    if not cols:
+        return R
+    rng, out, groups = np.random.default_rng([seed, it, rank, 7]), R.copy(), np.asarray(groups)
+    for g in np.unique(groups):
+        rows = np.flatnonzero(groups == g)
+        out[np.ix_(rows, cols)] = R[np.ix_(rng.permutation(rows), cols)]
+    return out
 
 
 def dry_run(args):

@@ -271,12 +271,44 @@ def test_nan_rewards_are_left_out_and_an_all_nan_reward_stops_with_a_checkpoint(
     assert (out / "checkpoints" / "latest").read_text() == "iter_000000"
 
 
+def test_permute_within_groups_shuffles_the_named_rewards_inside_each_group_only():
+    rng = np.random.default_rng(0)
+    groups = np.repeat(np.arange(4), 6)
+    R = rng.random((24, 3))
+    out = run_kit.permute_within_groups(R, groups, ["a", "b", "c"], "c,a", seed=3, it=5)
+    assert np.array_equal(out[:, 1], R[:, 1])  # an unnamed reward is left as it is
+    for g in range(4):  # each group keeps its values (mean, spread), the leaves they belong to change
+        rows = groups == g
+        for k in (0, 2):
+            assert np.array_equal(np.sort(out[rows, k]), np.sort(R[rows, k]))
+    assert not np.array_equal(out[:, [0, 2]], R[:, [0, 2]])
+    assert np.array_equal(out, run_kit.permute_within_groups(R, groups, ["a", "b", "c"], "c,a", seed=3, it=5))
+    assert not np.array_equal(out, run_kit.permute_within_groups(R, groups, ["a", "b", "c"], "c,a", seed=3, it=6))
+    assert run_kit.permute_within_groups(R, groups, ["a", "b", "c"], "", seed=3, it=5) is R
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_permuted_reward_control_keeps_the_logged_means_and_changes_the_update(tiny, tmp_path, module):
+    """--permute-rewards redness: the same rollouts (same seed) and the same per-group values, so the logged
+    training means are the true run's; the values no longer belong to the images, so the update differs."""
+    script = __import__(module)
+    rows = {}
+    for label, more in (("true", []), ("permuted", ["--permute-rewards", "redness"])):
+        argv = tiny_argv(tiny, tmp_path / label, "--iterations", "1", "--eval-every", "0", "--seed", "0", *more)
+        script.train(script.parse_args(argv), extra_rewards=TINY_REWARDS)
+        rows[label] = read_metrics(tmp_path / label)[0]
+    for key in ("reward/redness", "reward/brightness"):
+        assert rows["true"][key] == pytest.approx(rows["permuted"][key], rel=1e-12)
+    assert rows["true"]["loss/policy"] != rows["permuted"]["loss/policy"]
+
+
 @pytest.mark.parametrize(
     "change, words",
     [
         (["--budgets", "0.4,x"], "not a number"),
         (["--budgets", "1,2,3"], "3 budgets for 2 rewards"),
         (["--rewards", "brightness,nope"], "unknown or repeated reward"),
+        (["--permute-rewards", "nope"], "--permute-rewards nope: name each permuted reward once, from --rewards"),
         (["--model", "/no/such/folder"], "no such folder"),
         (["--model", "stabilityai/stable-diffusion-3.5-medium"], "needs a CUDA GPU"),
         (["--alpha", "3"], "--alpha 2"),
