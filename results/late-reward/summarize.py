@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import final_eval  # this folder's: the gate's table from its result file
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
 LATE = 0.5
@@ -70,7 +71,43 @@ def main():
     out.append("")
     for path in sorted(HERE.glob("nft_*.json")):
         out += ["## Single-reward NFT: " + path.stem, "", final_eval.gate_table(json.loads(path.read_text())), ""]
+    for a, b in PAIRED:
+        if (HERE / f"{a}.json").is_file() and (HERE / f"{b}.json").is_file():
+            out += paired_table(a, b)
     print("\n".join(out))
+
+
+PAIRED = [  # (arm, the arm it is read against), paired by training seed
+    ("nft_texture_lines_gradient_units", "nft_texture_lines_100"),
+    ("nft_texture_lines_gradient_units", "nft_texture_lines_gradient_units_permuted"),
+]
+
+
+def paired_table(a, b, metrics=("texture_lines", "texture", "lines_along", "saturation", "geneval", "judge/cnn")):
+    """Two final_eval.py files of runs paired by training seed (the n-th run of each, same seeds): per evaluation
+    seed, the mean over seeds of (a's run - b's run) with a 95% t interval (one comparison per table, no correction).
+    """
+    from scipy import stats
+
+    A, B = (json.loads((HERE / f"{x}.json").read_text()) for x in (a, b))
+    runs = [[k for k in X["means"] if k != "pretrained"] for X in (A, B)]
+    seeds = sorted(A["means"]["pretrained"])
+    lines = [
+        f"## Paired by training seed: {a} - {b}",
+        "",
+        "| metric | " + " | ".join(f"evaluation seed {s}: mean [95% t], per seed" for s in seeds) + " |",
+        "|---" * (len(seeds) + 1) + "|",
+    ]
+    for m in metrics:
+        cells = []
+        for s in seeds:
+            d = np.array([A["means"][ra][s][m] - B["means"][rb][s][m] for ra, rb in zip(*runs)])
+            h = stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))
+            cells.append(
+                f"{d.mean():+.4f} [{d.mean() - h:+.4f}, {d.mean() + h:+.4f}] ({', '.join(f'{x:+.4f}' for x in d)})"
+            )
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 if __name__ == "__main__":
