@@ -815,10 +815,18 @@ def permute_within_groups(R, groups, names, permute, seed, it, rank=0):
     cols = [names.index(n.strip()) for n in permute.split(",") if n.strip()]
     if not cols:
         return R
-    rng, out, groups = np.random.default_rng([seed, it, rank, 7]), R.copy(), np.asarray(groups)
+    out = R.copy()
+    out[:, cols] = shuffle_within_groups(R[:, cols], groups, np.random.default_rng([seed, it, rank, 7]))
+    return out
+
+
+def shuffle_within_groups(R, groups, rng):
+    """R (N, ...) with each group's rows shuffled among themselves: one rng.permutation per group, in the order of
+    np.unique(groups). Returns a copy. (--permute-rewards; the trainable toy's permuted control.)"""
+    out, groups = R.copy(), np.asarray(groups)
     for g in np.unique(groups):
         rows = np.flatnonzero(groups == g)
-        out[np.ix_(rows, cols)] = R[np.ix_(rng.permutation(rows), cols)]
+        out[rows] = R[rng.permutation(rows)]
     return out
 
 

@@ -38,6 +38,7 @@ from scipy.special import expit, iv, logsumexp
 from scipy.stats import kstest, norm
 
 import recast
+import run_kit
 import rvge
 
 # E[f(y)], y ~ N(0, 1)  ~=  sum_i Q_W_i f(Q_Y_i): trapezoid rule on [-8.5, 8.5], step 1/8. For f analytic
@@ -1667,12 +1668,7 @@ REWARD_COLUMN = {"coarse": 0, "fine": 1, "smooth": 0, "discrete": 2}
 def permute_within_groups(R, groups, seed, it):
     """The control: each group's rewards shuffled among its leaves (a fixed permutation per seed and iteration).
     R (N,) -> (N,)."""
-    rng = np.random.default_rng([seed, it, 7])
-    out = R.copy()
-    for g in np.unique(groups):
-        rows = np.flatnonzero(groups == g)
-        out[rows] = R[rng.permutation(rows)]
-    return out
+    return run_kit.shuffle_within_groups(R, groups, np.random.default_rng([seed, it, 7]))
 
 
 @dataclass
