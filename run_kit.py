@@ -1787,7 +1787,7 @@ def plot_run(out, names):
     if "recast/W" in last and (config.get("script", "recast") == "recast" or config["args"].get("credit") == "recast"):
         fig, axes = plt.subplots(1, 3, figsize=(16, 3.6), gridspec_kw={"wspace": 0.35})
         W = np.array(last["recast/W"])
-        share = np.outer(W.sum(1), W.sum(0)) / W.sum()  # lambda_k c_j / Lam: lambda_k / T with equal columns
+        share = uniform_share(W)
         ratio = np.divide(W, share, out=np.ones_like(W), where=share > 0)
         norm = matplotlib.colors.TwoSlopeNorm(vcenter=1.0, vmin=min(ratio.min(), 0.5), vmax=max(ratio.max(), 2.0))
         im = axes[0].imshow(ratio, aspect="auto", cmap="RdBu_r", norm=norm)
@@ -1835,6 +1835,12 @@ def plot_run(out, names):
     return drawn
 
 
+def uniform_share(W):
+    """The uniform W with W's marginals, lambda_k c_j / Lam (K, T): lambda_k / T when the columns are equal, the
+    reference W is read against in credit.png and the closing summary."""
+    return np.outer(W.sum(1), W.sum(0)) / W.sum()
+
+
 def print_summary(out):
     """The closing lines of a run on the console (first process, after the progress bar), from its config.json and
     metrics.jsonl: the held-out evaluation before -> after per reward, weighted and judge (eval_before/*, logged
@@ -1859,7 +1865,7 @@ def print_summary(out):
         lines.append("held-out evaluation: none in this run (--eval-every 0, or no held-out prompts)")
     if config["script"] == "recast" and args.get("credit") == "recast" and rows and "recast/W" in rows[-1]:
         W = np.asarray(rows[-1]["recast/W"])  # (K, T)
-        departure = np.abs(W / (np.outer(W.sum(1), W.sum(0)) / W.sum()) - 1).max(1)  # uniform: lambda_k c_j / Lam
+        departure = np.abs(W / uniform_share(W) - 1).max(1)
         each = ", ".join(f"{n} {d:.3f}" for n, d in zip(config["rewards"], departure))
         lines.append(f"W's departure from uniform, max_j |W_kj / (lambda_k / T) - 1| (0: uniform): {each}")
     lines.append(f"run folder: {out}")

@@ -17,7 +17,6 @@ import json
 from pathlib import Path
 
 import final_eval  # this folder's: the gate's table from its result file
-import numpy as np
 
 HERE = Path(__file__).resolve().parent
 LATE = 0.5
@@ -87,8 +86,6 @@ def paired_table(a, b, metrics=("texture_lines", "texture", "lines_along", "satu
     """Two final_eval.py files of runs paired by training seed (the n-th run of each, same seeds): per evaluation
     seed, the mean over seeds of (a's run - b's run) with a 95% t interval (one comparison per table, no correction).
     """
-    from scipy import stats
-
     A, B = (json.loads((HERE / f"{x}.json").read_text()) for x in (a, b))
     runs = [[k for k in X["means"] if k != "pretrained"] for X in (A, B)]
     seeds = sorted(A["means"]["pretrained"])
@@ -101,11 +98,9 @@ def paired_table(a, b, metrics=("texture_lines", "texture", "lines_along", "satu
     for m in metrics:
         cells = []
         for s in seeds:
-            d = np.array([A["means"][ra][s][m] - B["means"][rb][s][m] for ra, rb in zip(*runs)])
-            h = stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))
-            cells.append(
-                f"{d.mean():+.4f} [{d.mean() - h:+.4f}, {d.mean() + h:+.4f}] ({', '.join(f'{x:+.4f}' for x in d)})"
-            )
+            d = [A["means"][ra][s][m] - B["means"][rb][s][m] for ra, rb in zip(*runs)]
+            mean, lo, hi, _ = final_eval.bench.mean_ci(d)  # final_eval imports the repository's bench.py
+            cells.append(f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}] ({', '.join(f'{x:+.4f}' for x in d)})")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines + [""]
 
