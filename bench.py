@@ -5,6 +5,7 @@
     python bench.py rvge-joint       # all five world rewards: RVGE vs NFT at equal compute and at 1/5 of it
     python bench.py rvge-joint-why   # why RVGE trails jointly: broad groups for every reward, or half the lr
     python bench.py rvge-joint-eta   # and whether a smaller step (--eta 0.1, 0.05) stops its drift
+    python bench.py rvge-drift       # RVGE's drift on one reward: a noisy direction or a longer step? (permuted, --eta)
     python bench.py recast-protocol  # setting A x 5 budget vectors x {nft, uniform, recast, recast_prior}
     python bench.py recast-protocol-B  # the same for setting B
     python bench.py recast-100       # the embedded default for 100 iterations: DiffusionNFT vs uniform W vs ReCAST
@@ -68,8 +69,9 @@ Sizes (`estimate_minutes`; `test_bench.py` checks each stays under the hour):
     multi                12      3       30 x 4                 30         36   ~31 min
     rvge-single           4      5       60 x 4                  5         20   ~56 min
     rvge-joint            6      4       60 x 4 (RVGE 1/5: 12)  10         24   ~59 min
-    rvge-joint-why        4      3       60 x 4                 10         12   ~33 min (6 taken from rvge-joint)
-    rvge-joint-eta        4      3       60 x 4                 10         12   ~33 min (6 reused from -why)
+    rvge-joint-why        4      3       60 x 4                 10         12   ~17 min (6 taken from rvge-joint)
+    rvge-joint-eta        4      3       60 x 4                 10         12   ~17 min (6 taken from -why)
+    rvge-drift            6      5       60 x 4                  5         30   ~56 min (10 taken from rvge-single)
     recast-protocol      20      3       24 x 3                  8         60   ~39 min (+ final evaluation, profiles)
     recast-protocol-B    20      3       24 x 3                  8         60   ~39 min (+ final evaluation)
     recast-100            3      3      100 x 8                 10          9   ~59 min
@@ -300,6 +302,31 @@ EXPERIMENTS = {
             common=TREE,
             seconds_per_prompt_iter=1.3,
             reuse="rvge-joint",
+        ),
+        Experiment(  # RVGE's drift on one reward: a noisy direction (it drifts on a permuted reward too) or a
+            # longer step (reward against distance to the base model overlays NFT's, smaller --eta moves less)?
+            "rvge-drift",
+            tuple(
+                Cell(script, (*flags, "--rewards", SMOOTH_REWARD, "--budgets", "1"), label, SMOOTH_REWARD)
+                for script, flags, label in [
+                    ("recast", ("--credit", "nft"), "nft"),  # rvge-single's two cells, taken from its results
+                    ("rvge", (), "rvge"),
+                    ("recast", ("--credit", "nft", "--permute-rewards", SMOOTH_REWARD), "nft_permuted"),
+                    ("rvge", ("--permute-rewards", SMOOTH_REWARD), "rvge_permuted"),
+                    ("rvge", ("--eta", "0.1"), "rvge_eta_0.1"),
+                    ("rvge", ("--eta", "0.05"), "rvge_eta_0.05"),
+                ]
+            ),
+            iterations=60,
+            prompts_per_iter=4,
+            eval_every=5,
+            seeds=5,
+            report="report_rvge_drift",
+            common=TREE,
+            seconds_per_prompt_iter=1.3,
+            reuse="rvge-single",
+            quick_keep=(SMOOTH_REWARD,),
+            quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 2, "eval_every": 1},
         ),
         Experiment(  # rvge-joint-why's reading: is the drift set by the size of the targets (--eta)?
             "rvge-joint-eta",
@@ -878,11 +905,21 @@ def execute(runs, jobs):
 SECONDS_PER_EVAL, SECONDS_PER_START = 1.0, 12.0
 
 
+def planned_not_reused(exp: Experiment) -> list[Run]:
+    """The runs the experiment makes itself: all, less those `exp.reuse` plans identically (same id and settings),
+    whose results are taken from it."""
+    runs = plan_runs(exp, Path("."))
+    if not exp.reuse or exp.reuse not in EXPERIMENTS:
+        return runs
+    other = {(r.run_id, r.settings) for r in plan_runs(replace(EXPERIMENTS[exp.reuse], seeds=exp.seeds), Path("."))}
+    return [r for r in runs if (r.run_id, r.settings) not in other]
+
+
 def estimate_minutes(exp: Experiment, jobs=2):
     """Wall-clock estimate on a 2-core machine: each run's time from the measured rates, runs handed
-    in their order to whichever of the `jobs` workers frees first."""
+    in their order to whichever of the `jobs` workers frees first; runs taken from `exp.reuse` cost nothing."""
     workers = np.zeros(jobs)
-    for run in plan_runs(exp, Path(".")):
+    for run in planned_not_reused(exp):
         its = cell_iterations(exp, run.cell)
         evals = 1 + (its // exp.eval_every + (its % exp.eval_every > 0) if exp.eval_every else 0)
         workers[workers.argmin()] += (
@@ -1559,6 +1596,164 @@ def report_rvge_joint(res: Results, out: Path):
 def distance_to_base(rows, last=10):
     """Mean `loss/base_reg` (|v_theta - v_base|^2 on the training queries) over the run's last `last` iterations."""
     return float(np.mean([m["loss/base_reg"] for m in rows[-last:] if "loss/base_reg" in m] or [np.nan]))
+
+
+def distance_curve(rows, k=5):
+    """The distance to the base model along a run, at each held-out evaluation (`eval_curve`'s points): `loss/base_reg`
+    averaged over the `k` iterations up to the evaluation, as a running maximum (the farthest the run has been by
+    then, so that "distance needed to reach a level" is well defined); 0 at the pretrained model."""
+    base = [m.get("loss/base_reg", np.nan) for m in rows]
+    pts = [0.0] if rows and "eval_before/weighted" in rows[0] else []
+    pts += [float(np.mean(base[max(0, i - k + 1) : i + 1])) for i, m in enumerate(rows) if "eval/weighted" in m]
+    return np.maximum.accumulate(np.array(pts, dtype=float)) if pts else np.zeros(0)
+
+
+DRIFT_CONTRASTS = (  # (method, against): distance to base, compared as a ratio; one Holm family
+    ("rvge_permuted", "rvge"),  # a noisy direction drifts as far with the reward shuffled within groups
+    ("rvge_permuted", "nft_permuted"),  # RVGE's noise against NFT's
+    ("nft_permuted", "nft"),
+    ("rvge_eta_0.1", "rvge"),  # a longer step: a smaller eta moves less
+    ("rvge_eta_0.05", "rvge"),
+)
+
+
+def report_rvge_drift(res: Results, out: Path):
+    """RVGE's drift on one reward, decided: distance to the base model of RVGE and NFT with the reward and with it
+    shuffled within groups, and of RVGE at smaller --eta (ratios over paired seeds, Holm over `DRIFT_CONTRASTS`);
+    the held-out reward against that distance; speed-ups at matched iterations and at matched distance (censored)."""
+    lines = res.banner()
+    base = res.exp.baseline
+    for reward, by_label in res.runs.items():
+        if not by_label.get(base):
+            lines += [f"## {reward}", "", f"no {base} run finished yet", ""]
+            continue
+        metric = "eval/weighted"
+
+        def value(label, fn):
+            return res.values(reward, label, fn)
+
+        dist = {label: value(label, distance_to_base) for label in by_label}
+        fin = {label: value(label, lambda r: final(r, metric)) for label in by_label}
+        pre = np.nanmean([eval_curve(rows)[2][0] for rows in by_label[base].values()])
+        top = np.nanmean(list(fin[base].values()))
+        lines += [
+            f"## {reward}",
+            "",
+            f"Pretrained {pre:.4f}; {base}'s final {top:.4f}. Distance to base: `loss/base_reg` (mean |v_theta - "
+            "v_base|^2 on the training queries) over the run's last 10 iterations. Held-out reward: the true reward "
+            "for every arm (the permuted arms shuffle only their training scores). Final − " + base + ": paired t, "
+            "no correction.",
+            "",
+            "| method | n | final held-out | distance to base | final Fréchet | final CNN judge | final − "
+            + base
+            + " [95%] |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for label, runs in by_label.items():
+            if not runs:
+                continue
+            diff = fmt_ci(*mean_ci(paired(fin[label], fin[base]))) if label != base else "—"
+            frechet = [final(r, "eval/judge/frechet") for r in runs.values()]
+            cnn = [final(r, "eval/judge/cnn") for r in runs.values()]
+            lines.append(
+                f"| {label} | {len(runs)} | {mean_std(list(fin[label].values()))} | "
+                f"{mean_std(list(dist[label].values()), 5)} | {mean_std(frechet, 0)} | {mean_std(cnn)} | {diff} |"
+            )
+        contrasts = [(a, b) for a, b in DRIFT_CONTRASTS if by_label.get(a) and by_label.get(b)]
+        logs = {
+            (a, b): mean_ci(
+                paired({s: np.log(v) for s, v in dist[a].items()}, {s: np.log(v) for s, v in dist[b].items()})
+            )
+            for a, b in contrasts
+        }
+        adjusted = holm([p_value(*logs[c]) for c in contrasts])
+        lines += [
+            "",
+            f"Distance to base as a ratio (paired over seeds on the log scale: exp of the mean log ratio [95% t "
+            f"interval]); Holm over these {len(contrasts)} comparisons. A noisy direction predicts rvge_permuted / "
+            "rvge near 1; a longer step predicts it well below 1 and smaller ratios at smaller --eta.",
+            "",
+            "| distance ratio | n | ratio [95%] | log ratio, its sd, p, Holm |",
+            "|---|---|---|---|",
+        ]
+        for (a, b), p_holm in zip(contrasts, adjusted):
+            m, lo, hi, n = logs[(a, b)]
+            lines.append(
+                f"| {a} / {b} | {n} | {np.exp(m):.3g} [{np.exp(lo):.3g}, {np.exp(hi):.3g}] | "
+                f"{fmt_ci(m, lo, hi, n, digits=3, p_holm=p_holm, family=len(contrasts))} |"
+            )
+        if top <= pre:
+            lines += ["", f"{base} did not improve on the pretrained model here, so no threshold is meaningful.", ""]
+            continue
+        movers = [label for label in by_label if label != base and "permuted" not in label and by_label[label]]
+        reach = {  # (share, label, 0 iterations | 1 distance) -> {seed: (x, reached)}
+            (share, label, i): {
+                s: time_to_reach(
+                    (eval_curve(rows)[0], distance_curve(rows))[i], eval_curve(rows)[2], pre + share * (top - pre)
+                )
+                for s, rows in by_label[label].items()
+            }
+            for share in THRESHOLD_SHARES
+            for label in (base, *movers)
+            for i in (0, 1)
+        }
+        speed = {k: censored_speedup(reach[(k[0], base, k[2])], r) for k, r in reach.items() if k[1] != base}
+        adjusted = dict(zip(speed, holm([v[4] for v in speed.values()])))
+        lines += [
+            "",
+            f"Matched iterations and matched distance: the Kaplan-Meier median iterations, and distance to base "
+            f"(`distance_curve`: its running maximum), at which the held-out reward first reaches each level (runs "
+            f"that never reach it censored, never dropped); speed-up = {base}'s median / the method's (> 1: the "
+            f"method needs fewer iterations, or moves less far from the base model) [95% paired bootstrap], log-rank "
+            f"p, Holm over these {len(speed)} speed-ups:",
+            "",
+            "| threshold | method | median iterations | median distance | reached | speed-up in iterations | "
+            "in distance |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for share in THRESHOLD_SHARES:
+            for label in (base, *movers):
+                its, far = reach[(share, label, 0)], reach[(share, label, 1)]
+                medians = [km_median(*zip(*r.values())) for r in (its, far)]
+                cells = [
+                    fmt_speedup(*speed[(share, label, i)], adjusted[(share, label, i)]) if label != base else "1"
+                    for i in (0, 1)
+                ]
+                lines.append(
+                    f"| {share:.0%} ({pre + share * (top - pre):.4f}) | {label} | {medians[0]:.1f} | "
+                    f"{medians[1]:.5f} | {reach_counts(its)} | {cells[0]} | {cells[1]} |"
+                )
+        lines.append("")
+        drift_figure(reward, by_label, out / f"reward_vs_distance_{slug(reward)}.png")
+        lines += [f"![](reward_vs_distance_{slug(reward)}.png)", ""]
+    return lines
+
+
+def drift_figure(reward, by_label, path):
+    """Held-out reward against distance to the base model (`distance_curve`, log scale), one line per run, and its
+    Fréchet distance against the same."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for k, (label, runs) in enumerate(by_label.items()):
+        for j, rows in enumerate(runs.values()):
+            x = distance_curve(rows)
+            for ax, metric in zip(axes, ("eval/weighted", "eval/judge/frechet")):
+                y = eval_curve(rows, metric)[2]
+                n = min(len(x), len(y))
+                ax.plot(
+                    x[1:n], y[1:n], color=f"C{k}", alpha=0.7, lw=1, label=f"{label} (n={len(runs)})" if j == 0 else None
+                )
+    for ax, name in zip(axes, (f"held-out {reward}", "held-out Fréchet distance")):
+        ax.set(xscale="log", xlabel="distance to base (running max of loss/base_reg)", ylabel=name)
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def direction_sizes(by_label: dict) -> list[str]:
