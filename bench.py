@@ -8,6 +8,7 @@
     python bench.py rvge-drift       # RVGE's drift on one reward: a noisy direction or a longer step? (permuted, --eta)
     python bench.py recast-protocol  # setting A x 5 budget vectors x {nft, uniform, recast, recast_prior}
     python bench.py recast-protocol-B  # the same for setting B
+    python bench.py recast-reversed  # the control for credit in time: W from the profiles vs the same W reversed
     python bench.py recast-100       # the embedded default for 100 iterations: DiffusionNFT vs uniform W vs ReCAST
     python bench.py nft-steps        # DiffusionNFT with 1 vs 8 optimizer steps per iteration
     options: [--quick] [--jobs N] [--seeds N] [--out DIR] [--tables-only] [--iterations N] [--prompts-per-iter N]
@@ -74,6 +75,7 @@ Sizes (`estimate_minutes`; `test_bench.py` checks each stays under the hour):
     rvge-drift            6      5       60 x 4                  5         30   ~56 min (10 taken from rvge-single)
     recast-protocol      20      3       24 x 3                  8         60   ~39 min (+ final evaluation, profiles)
     recast-protocol-B    20      3       24 x 3                  8         60   ~39 min (+ final evaluation)
+    recast-reversed      12      8       24 x 3                  8         96   ~45 min (+ final evaluation; 27 taken)
     recast-100            3      3      100 x 8                 10          9   ~59 min
     nft-steps             2      3      100 x 8                 10          6   ~35 min
 
@@ -190,20 +192,26 @@ def budget_vectors(k=4, high=0.55):
     return out
 
 
+PROTOCOL_SETTINGS = ("recast-protocol", "recast-protocol-B")  # the two settings' experiments, summarised together
+REVERSED_CELLS = ("A-uniform", "A-emph3", "A-emph4")  # uniform budgets, and 0.55 on each late reward (texture, grain)
 PROFILES_DIR = "recast-protocol"  # both settings' ReCAST-from-prior cells start from the one profile measurement there
 PROFILE_ITERATIONS = 192  # x 8 prompt groups over 8 rotated inner levels: 192 per level (at 48, W is uniform)
 
 
-def _protocol_cells(setting):
+def _protocol_cells(setting, reversed_arm=False):
     """Per setting and budget vector: DiffusionNFT's faithful step, uniform W (NFT with per-reward normalisation),
     ReCAST learning W online from its own rollouts (no prior), and ReCAST started from the pretrained model's
     measured profiles (--gain-init; at the default --gain-ema 0.999 the prior keeps 0.98 of its weight over 24
-    iterations)."""
+    iterations). With `reversed_arm`, the control for credit in time as well: the same prior with W solved from each
+    profile flipped in time (`--credit recast_reversed`: the same marginals), labelled `reversed` so that the report
+    compares both ReCAST arms with it."""
+    prior = ("--gain-init", f"{{exp_dir}}/../{PROFILES_DIR}/profiles.json")
     methods = {
         "nft": ("--credit", "nft"),
         "uniform": ("--credit", "uniform"),
         "recast": ("--credit", "recast"),
-        "recast_prior": ("--credit", "recast", "--gain-init", f"{{exp_dir}}/../{PROFILES_DIR}/profiles.json"),
+        "recast_prior": ("--credit", "recast", *prior),
+        **({"reversed": ("--credit", "recast_reversed", *prior)} if reversed_arm else {}),
     }
     rewards = SETTINGS[setting]
     return tuple(
@@ -369,6 +377,24 @@ EXPERIMENTS = {
             )
             for setting, name in (("A", "recast-protocol"), ("B", "recast-protocol-B"))
         ),
+        Experiment(  # the control for credit in time (issue 36.1): W from the profiles against the same W reversed
+            "recast-reversed",
+            tuple(
+                c
+                for c in _protocol_cells("A", reversed_arm=True)
+                if c.group in REVERSED_CELLS and c.label in ("nft", "uniform", "recast_prior", "reversed")
+            ),
+            iterations=24,
+            prompts_per_iter=3,
+            eval_every=8,
+            seeds=8,
+            report="report_protocol",
+            quick_keep=("A-uniform",),
+            seconds_per_prompt_iter=0.85,
+            final_noises=4,
+            reuse="recast-protocol",  # its nft, uniform and recast_prior runs of seeds 0-2, final evaluations too
+            quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1},
+        ),
         Experiment(
             "recast-100",
             tuple(
@@ -476,6 +502,10 @@ def reuse_results(runs, exp: Experiment, exp_dir: Path) -> int:
             shutil.copyfile(source, tmp)
             os.replace(tmp, run.result)
             taken += 1
+            evaluated = source.with_name(run.run_id + ".final.json")  # its final evaluation (report_protocol's)
+            if evaluated.is_file() and not (mine := run.result.with_name(evaluated.name)).exists():
+                shutil.copyfile(evaluated, mine.with_name(mine.name + ".tmp"))
+                os.replace(mine.with_name(mine.name + ".tmp"), mine)
     return taken
 
 
@@ -911,7 +941,7 @@ def planned_not_reused(exp: Experiment) -> list[Run]:
     runs = plan_runs(exp, Path("."))
     if not exp.reuse or exp.reuse not in EXPERIMENTS:
         return runs
-    other = {(r.run_id, r.settings) for r in plan_runs(replace(EXPERIMENTS[exp.reuse], seeds=exp.seeds), Path("."))}
+    other = {(r.run_id, r.settings) for r in plan_runs(EXPERIMENTS[exp.reuse], Path("."))}  # at its own seeds
     return [r for r in runs if (r.run_id, r.settings) not in other]
 
 
@@ -2257,7 +2287,13 @@ def report_protocol(res: Results, out: Path):
     lines += ["|---|---|---|---|---|"]
     for setting in sorted({g.split("-")[0] for g in res.runs}):
         for label in sorted(
-            {lbl for g, by in res.runs.items() if g.startswith(setting + "-") for lbl in by if lbl.startswith("recast")}
+            {
+                lbl
+                for g, by in res.runs.items()
+                if g.startswith(setting + "-")
+                for lbl in by
+                if lbl.startswith("recast") or lbl == "reversed"
+            }
         ):
             devs = [
                 [w_departure(row["recast/W"]) for row in rows]
@@ -2291,16 +2327,16 @@ def report_protocol(res: Results, out: Path):
     }
     (res.exp_dir / "summary.json").write_text(json.dumps({" | ".join(k): v for k, v in sorted(tally.items())}) + "\n")
     lines += ["", "## Summary", ""] + summary_lines(tally)
-    settings = [e for e in EXPERIMENTS.values() if e.report == "report_protocol"]
+    settings = [EXPERIMENTS[name] for name in PROTOCOL_SETTINGS]
     files = [res.exp_dir.parent / e.name / "summary.json" for e in settings]
-    tallies = [read_json(f) for f in files if f.is_file()]
+    tallies = [read_json(f) for f in files if f.is_file()] if res.exp.name in PROTOCOL_SETTINGS else []
     for f, (_, problem) in zip(files, tallies):
         if problem:
             print(
                 f"warning: {f}: {problem}; the summary over both settings is left out (rebuild that setting's "
                 "table with --tables-only to rewrite it)"
             )
-    if len(tallies) == len(files) and all(t is not None for t, _ in tallies):  # every setting has run
+    if tallies and len(tallies) == len(files) and all(t is not None for t, _ in tallies):  # every setting has run
         both = {}
         for tally_of_setting, _ in tallies:
             for text, v in tally_of_setting.items():

@@ -540,12 +540,13 @@ class CreditSettings(NamedTuple):
     estimator: str = "pairs"  # gain estimator: pairs (branched trees) or denoised
     alpha: float = 2.0  # Renyi order (pairs: 2 only)
     column_units: str = "loss"  # W's columns equal in loss units, or in gradient units (c_j propto 1 / s_j)
+    reverse_time: bool = False  # --credit recast_reversed: W solved from each profile flipped in time (the control)
 
 
 def credit_settings(args):
     """recast.py's flags for credit."""
     return CreditSettings(
-        args.credit == "recast",
+        args.credit in ("recast", "recast_reversed"),
         args.gain_ema,
         args.evidence,
         args.tau,
@@ -553,6 +554,7 @@ def credit_settings(args):
         args.gain_estimator,
         args.alpha,
         args.column_units,
+        args.credit == "recast_reversed",
     )
 
 
@@ -567,7 +569,8 @@ def credit(settings: CreditSettings, stats, r, std, b, budgets, sigmas, reduce):
     D, se = level_curves(*stats, c.estimator, c.alpha)
     D_grid, gains, P, rho = credit_profiles(D, se, sigmas, stats[0], c.evidence)
     cols = gradient_unit_columns(sigmas, budgets) if c.column_units == "gradient" else None
-    W = solve_W(budgets, P, c.tau, c.eps, col_sums=cols) if c.learn_W else uniform_W(budgets, T, cols)
+    P_W = P[:, ::-1] if c.reverse_time else P  # the control: the same marginals, each profile flipped in time
+    W = solve_W(budgets, P_W, c.tau, c.eps, col_sums=cols) if c.learn_W else uniform_W(budgets, T, cols)
     info = {
         "recast/D": D_grid.tolist(),
         "recast/D_measured": np.where(np.isfinite(D), D, -1.0).tolist(),
@@ -707,9 +710,10 @@ class Args(NFTArgs):
     run_kit.NFTArgs's, the evaluation, I/O and reward-model flags run_kit.RunArgs's."""
 
     # method
-    credit: str = flag("recast", "method", choices=["recast", "uniform", "nft"])
+    credit: str = flag("recast", "method", choices=["recast", "uniform", "nft", "recast_reversed"])
     """recast: W from Renyi gains; uniform: W = lambda / T (per-reward normalisation); nft: DiffusionNFT's raw weighted
-    sum"""
+    sum; recast_reversed: the control for credit in time, W from each reward's profile flipped in time (the same
+    marginals as recast's W; with equal columns it is recast's W flipped)"""
     gain_estimator: str = flag("pairs", "method", choices=["pairs", "denoised"])
     """pairs: sibling-leaf pair products (alpha = 2; levels exact as the SDE steps shrink, see --sde-substeps);
     denoised: rewards of decoded x0_hat at the layout's steps (any alpha, plug-in biased)"""
@@ -744,9 +748,9 @@ def validate(args: Args, extra_rewards=None):
     ones (check_common, check_files) and this method's. Resolves the run folder (args.out). Returns (reward names,
     budgets, branch steps). Raises SystemExit with the problem and the fix."""
     names, budgets, branch = check_common(args, extra_rewards)
-    if args.credit == "recast" and args.gain_estimator == "pairs" and args.sampler == "ode":
+    if args.credit in ("recast", "recast_reversed") and args.gain_estimator == "pairs" and args.sampler == "ode":
         raise SystemExit(
-            "--credit recast with --gain-estimator pairs needs branched rollouts: use --sampler tree, "
+            f"--credit {args.credit} with --gain-estimator pairs needs branched rollouts: use --sampler tree, "
             "or --gain-estimator denoised with --sampler ode"
         )
     if args.gain_estimator == "pairs":

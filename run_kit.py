@@ -1863,7 +1863,7 @@ def print_summary(out):
                 lines.append(f"  {key[5:]:<24} {change}")
     else:
         lines.append("held-out evaluation: none in this run (--eval-every 0, or no held-out prompts)")
-    if config["script"] == "recast" and args.get("credit") == "recast" and rows and "recast/W" in rows[-1]:
+    if config["script"] == "recast" and args.get("credit", "").startswith("recast") and rows and "recast/W" in rows[-1]:
         W = np.asarray(rows[-1]["recast/W"])  # (K, T)
         departure = np.abs(W / uniform_share(W) - 1).max(1)
         each = ", ".join(f"{n} {d:.3f}" for n, d in zip(config["rewards"], departure))

@@ -409,6 +409,20 @@ def test_column_units_gradient_in_a_run(tiny, tmp_path, monkeypatch, credit):
     assert np.abs(np.asarray(got[0]) - want).max() < 1e-9
 
 
+def test_time_reversed_W_is_W_flipped_with_the_same_marginals():
+    """--credit recast_reversed, the control for credit in time: W from each profile flipped in time. With equal
+    columns (loss units) it is recast's W flipped (solve_W treats the steps alike), so rows (budgets) and columns are
+    unchanged; with gradient-unit columns, whose sums differ per step, it keeps those marginals instead."""
+    lam, P = random_instance(10)
+    W, Wr = recast.solve_W(lam, P), recast.solve_W(lam, P[:, ::-1])
+    assert np.abs(Wr - W[:, ::-1]).max() < 1e-9 and np.abs(Wr - W).max() > 1e-3
+    sigmas = np.linspace(1, 0, P.shape[1] + 1)
+    sigmas[-2] = 0.01
+    cols = recast.gradient_unit_columns(sigmas, lam)
+    Wg = recast.solve_W(lam, P[:, ::-1], col_sums=cols)
+    assert np.abs(Wg.sum(1) - lam).max() < 1e-9 and np.abs(Wg.sum(0) - cols).max() < 1e-9
+
+
 def test_W_input_errors():
     lam, P = random_instance(10)
     with pytest.raises(ValueError, match="shape"):
@@ -638,7 +652,9 @@ def test_gain_init_reads_the_runs_rewards_rows_and_refuses_a_mismatch(tmp_path):
 # -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("credit, estimator", [("recast", "pairs"), ("recast", "denoised"), ("nft", "pairs")])
+@pytest.mark.parametrize(
+    "credit, estimator", [("recast", "pairs"), ("recast", "denoised"), ("nft", "pairs"), ("recast_reversed", "pairs")]
+)
 def test_recast_two_iterations_write_metrics_W_figures_and_a_loadable_lora(tiny, tmp_path, credit, estimator):
     out = tmp_path / "run"
     argv = tiny_argv(
@@ -654,8 +670,11 @@ def test_recast_two_iterations_write_metrics_W_figures_and_a_loadable_lora(tiny,
         assert np.abs(W.sum(1) - [0.6, 0.4]).max() < 1e-9 and np.abs(W.sum(0) - 1.0 / 10).max() < 1e-9
         D = np.array(m["recast/D"])
         assert D.shape == (2, 11) and np.allclose(D[:, 0], 0) and (np.diff(D, axis=1) >= -1e-12).all()
+        P = np.array(m["recast/profile"])
         if credit == "recast":  # the logged profiles (credit.png's) are those W is solved from, after the shrinkage
-            assert np.allclose(recast.solve_W([0.6, 0.4], np.array(m["recast/profile"])), W, atol=1e-12)
+            assert np.allclose(recast.solve_W([0.6, 0.4], P), W, atol=1e-12)
+        if credit == "recast_reversed":  # the control: W from the same profiles flipped in time
+            assert np.allclose(recast.solve_W([0.6, 0.4], P[:, ::-1]), W, atol=1e-12)
         assert np.isfinite([m["loss/policy"], m["reward/weighted"], m["eval/brightness"]]).all()
     assert "eval_before/brightness" in rows[0]
     for fig in ("rewards.png", "credit.png", "samples.png"):
