@@ -1608,12 +1608,13 @@ def report_rvge_joint(res: Results, out: Path):
                 f"- {label} vs {other}: better on average on {better} of {len(d)} held-out metrics; "
                 + (
                     f"resolved better on {sig.count(1)}, resolved worse on {sig.count(-1)}, unresolved on "
-                    f"{sig.count(0)} (after Holm; unresolved is not a match: no non-inferiority margin is tested)."
+                    f"{sig.count(0)} (after Holm; unresolved is not a match)."
                     if any(np.isfinite(v[1]) for v in d.values())
                     else "no intervals (fewer than 2 paired seeds)."
                 )
             )
-        lines += [""] + summary + [""] + along_the_run(res, group, by_label, base)
+        lines += [""] + summary + [""] + non_inferiority_lines(res, group, by_label, metrics, diffs, rows)
+        lines += along_the_run(res, group, by_label, base)
         lines += [
             "Distance to base: `loss/base_reg`, mean |v_theta - v_base|^2 of the trained velocity against the frozen",
             "pretrained one on the training queries, averaged over the run's last 10 iterations (how far it moved).",
@@ -1621,6 +1622,138 @@ def report_rvge_joint(res: Results, out: Path):
         ] + direction_sizes(by_label)
     curve_figure(res, out / "reward_vs_time.png", metric=ALONG)
     return lines + ["![](reward_vs_time.png)", ""]
+
+
+EVAL_FLOOR_NOISES = 16  # noise sets of the in-run evaluation's noise floor (`measure_eval_floor`)
+
+
+def measure_eval_floor(exp: Experiment, exp_dir: Path, noises=EVAL_FLOOR_NOISES) -> dict:
+    """The noise floor of one in-run held-out evaluation: the pretrained model evaluated as every run evaluates
+    (`run_kit.evaluate`: the held-out prompts, the ODE sampler, the first cell's rewards and judges) from `noises`
+    noise sets (run_kit.EVAL_SEED, the runs' own, and the next noises - 1 seeds); per metric the sd over them.
+    report_rvge_joint's non-inferiority margin is two of these. Cached in exp_dir/eval_floor.json (measured again
+    when the settings, the world or `noises` differ). The model is imported only when something is measured."""
+    path, cell = exp_dir / "eval_floor.json", exp.cells[0]
+    settings, world = [*exp.common, *cell.flags], shapes_world.world_id()
+    cached, problem = read_json(path) if path.is_file() else (None, None)
+    if isinstance(cached, dict) and [cached.get(k) for k in ("settings", "world", "noises")] == [
+        settings,
+        world,
+        noises,
+    ]:
+        return cached
+    import importlib
+    import tempfile
+
+    import run_kit
+
+    script = importlib.import_module(cell.script)
+    seeds = [run_kit.EVAL_SEED + k for k in range(noises)]
+    values, default = {}, run_kit.EVAL_SEED
+    with tempfile.TemporaryDirectory() as tmp:
+        args = script.parse_args([*settings, "--out", str(Path(tmp) / "run")])
+        names, budgets, branch = run_kit.check_common(args)
+        run = run_kit.load_run(args, names, budgets, branch, cell.script, lock=False)
+        try:
+            for seed in seeds:
+                run_kit.EVAL_SEED = seed
+                for m, v in run_kit.evaluate(run, args, script.ode_sample)[0].items():
+                    values.setdefault(m, []).append(float(v))
+        finally:
+            run_kit.EVAL_SEED = default
+    record = {
+        "what": "the pretrained model's in-run held-out evaluation from several noise sets (bench.measure_eval_floor)",
+        "settings": settings,
+        "world": world,
+        "noises": noises,
+        "seeds": seeds,
+        "values": values,
+        "sd": {m: float(np.std(v, ddof=1)) for m, v in values.items()},
+    }
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
+    return record
+
+
+def non_inferiority(diff, margin, better=1):
+    """One-sided paired t test that a method is not worse than the baseline by more than `margin`: H0 better * (mean
+    difference) <= -margin. From `mean_ci`'s (m, lo, hi, n); returns its p (NaN below 2 seeds)."""
+    from scipy import stats
+
+    m, lo, hi, n = diff
+    if not (n > 1 and np.isfinite(lo)):
+        return np.nan
+    se = interval_sd(lo, hi, n) / np.sqrt(n)
+    if se == 0:
+        return 0.0 if better * m > -margin else 1.0
+    return float(stats.t.sf((better * m + margin) / se, n - 1))
+
+
+def non_inferiority_lines(res: Results, group, by_label, metrics, diffs, rows) -> list[str]:
+    """Markdown: "matches" as a test. Each method − baseline against a non-inferiority margin of two noise floors of
+    one in-run evaluation (exp_dir/eval_floor.json, `measure_eval_floor`); one-sided paired t, Holm per metric over
+    the methods. Nothing when the floor was not measured (an earlier world's results)."""
+    path = getattr(res, "exp_dir", Path(".")) / "eval_floor.json"
+    floor, problem = read_json(path) if path.is_file() else (None, None)
+    if not isinstance(floor, dict) or "sd" not in floor:
+        return []
+    base = res.exp.baseline
+    mine = [r for r in rows if r[1] == base]
+    margins = {m: 2 * floor["sd"][m] for m in metrics if m in floor["sd"]}
+    p = {
+        m: dict(
+            zip(
+                mine,
+                holm(
+                    [
+                        non_inferiority(diffs[r][m], margins[m], better_sign(m)) if m in diffs[r] else np.nan
+                        for r in mine
+                    ]
+                ),
+            )
+        )
+        for m in margins
+    }
+    lines = [
+        f'Non-inferiority to {base} ("matches or beats"): margin = two noise floors of one in-run evaluation (the '
+        f"pretrained model's sd over {floor['noises']} noise sets, `eval_floor.json`; the rule the claims table "
+        'names, fixed before this table was read but after the runs); one-sided paired t of H0 "worse by the margin '
+        f'or more", Holm per metric over these {len(mine)} methods; ✓ non-inferior (Holm p < 0.05).',
+        "",
+        "| method | " + " | ".join(f"{m[5:]} (margin {margins[m]:.4g})" for m in margins) + " | non-inferior on |",
+        "|---" * (2 + len(margins)) + "|",
+    ]
+    for r in mine:
+        ok = [m for m in margins if p[m][r] < ALPHA]
+        cells = [f"{'✓ ' if m in ok else ''}Holm {p[m][r]:.2g}" if np.isfinite(p[m][r]) else "n/a" for m in margins]
+        lines.append(f"| {r[0]} | " + " | ".join(cells) + f" | {len(ok)} of {len(margins)} |")
+    # the control that could prove the margin useless: the pretrained model itself against the baseline's final
+    before = {
+        m: mean_ci(
+            paired(
+                res.values(group, base, lambda r, m=m: r[0].get(m.replace("eval/", "eval_before/"), np.nan)),
+                res.values(group, base, lambda r, m=m: final(r, m)),
+            )
+        )
+        for m in margins
+    }
+    control = {m: non_inferiority(before[m], margins[m], better_sign(m)) for m in margins}
+    ok = [m for m in margins if control[m] < ALPHA]
+    lines.append(
+        "| pretrained (control: no training) | "
+        + " | ".join(
+            f"{'✓ ' if m in ok else ''}p {control[m]:.2g}" if np.isfinite(control[m]) else "n/a" for m in margins
+        )
+        + f" | {len(ok)} of {len(margins)} |"
+    )
+    return lines + [
+        "",
+        "The control row tests the pretrained model (iteration 0, no correction) against the same margin: where it "
+        "is non-inferior too, the margin is wider than the baseline's own gain and a ✓ there says nothing.",
+        "",
+    ]
 
 
 def distance_to_base(rows, last=10):
@@ -2846,6 +2979,8 @@ def main(argv=None):
             flush=True,
         )
         exp_dir.mkdir(parents=True, exist_ok=True)
+        if exp.report == "report_rvge_joint":  # the margin of "matches": two noise floors of one evaluation
+            measure_eval_floor(exp, exp_dir, noises=2 if args.quick else EVAL_FLOOR_NOISES)
         if exp.report == "report_protocol":  # the gains ReCAST starts from (--gain-init), measured before any run
             profile_sizes = (
                 dict(iterations=2, prompts=1) if args.quick else dict(iterations=PROFILE_ITERATIONS, prompts=8)

@@ -526,6 +526,14 @@ def test_rvge_joint_quick_in_parallel_processes_resumes_and_marks_partial(tmp_pa
     assert "Along the run" in table and "rvge: weighted" in table and "rvge_fifth: weighted" not in table
     assert "distance to base" in table and np.isfinite(bench.distance_to_base(by_label["rvge"][0]))
     assert "- rvge: direction rms per reward" in table and "- nft: direction rms" not in table
+    # "matches" as a test: the margin is two noise floors of the pretrained model's in-run evaluation, whose first
+    # noise set is the runs' own (so it reproduces their eval_before/*)
+    floor = json.loads((out / "eval_floor.json").read_text())
+    first = by_label["nft"][0][0]
+    assert floor["noises"] == 2 and floor["values"]["eval/weighted"][0] == first["eval_before/weighted"]
+    assert floor["sd"]["eval/weighted"] == pytest.approx(np.std(floor["values"]["eval/weighted"], ddof=1))
+    margin = 2 * floor["sd"]["eval/weighted"]
+    assert f"weighted (margin {margin:.4g})" in table and "| rvge_fifth | " in table.split("Non-inferiority")[1]
 
     def must_not_run(run):
         raise AssertionError(f"{run.run_id} has a result and must be skipped")
@@ -854,7 +862,12 @@ def test_every_generated_section_of_results_md_regenerates_unchanged(tmp_path, m
     monkeypatch.setattr(bench, "HERE", tmp_path)
     for marker in sorted(markers, key=lambda m: "-B" not in m):  # setting B's summary first: A's report reads it
         root, _, name = marker.rpartition("/")
-        bench.main([name, "--tables-only"] + (["--out", str(tmp_path / "results" / root)] if root else []))
+        command = re.search(r"`python bench\.py (.+?) --tables-only`", section(text, marker))  # the one it names
+        assert command and command[1].split()[0] == name, f"section {marker} names no --tables-only command"
+        argv = command[1].split() + ["--tables-only"]
+        if "--out" in argv:
+            argv[argv.index("--out") + 1] = str(tmp_path / argv[argv.index("--out") + 1])
+        bench.main(argv)
         table = Path("results", root, name, "table.md")
         assert (tmp_path / table).read_text() == (here / table).read_text(), f"{table} is stale: rebuild it"
     new = (tmp_path / "RESULTS.md").read_text()
