@@ -182,6 +182,17 @@ JOINT_REWARDS = SETTINGS["A"]  # RVGE's joint runs: setting A (the main command'
 JOINT_BUDGETS = ",".join(["0.25"] * len(JOINT_REWARDS))
 
 
+def _joint_cells(methods):
+    """rvge-joint's cells: setting A's rewards at uniform budgets, one cell per (script, flags, label[, compute])."""
+    return tuple(
+        Cell(script, ("--rewards", ",".join(JOINT_REWARDS), "--budgets", JOINT_BUDGETS, *flags), label, "joint", *more)
+        for script, flags, label, *more in methods
+    )
+
+
+TREE_RUNS = dict(iterations=60, prompts_per_iter=4, common=TREE, seconds_per_prompt_iter=1.3)  # RVGE's experiments
+
+
 def budget_vectors(k=4, high=0.55):
     """Five budget vectors for k = 4 rewards: uniform, and one emphasising each reward in turn
     (high on it, the rest shared equally). Returns {name: "l1,l2,l3,l4"}."""
@@ -248,27 +259,17 @@ EXPERIMENTS = {
                     Cell("rvge", ("--rewards", reward, "--budgets", "1"), "rvge", reward),
                 )
             ),
-            iterations=60,
-            prompts_per_iter=4,
             eval_every=5,
             seeds=5,
             report="report_rvge_single",
-            common=TREE,
-            seconds_per_prompt_iter=1.3,
             quick_keep=(DISCRETE_REWARD,),
+            **TREE_RUNS,
             quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 2, "eval_every": 1},
         ),
         Experiment(
             "rvge-joint",
-            tuple(
-                Cell(
-                    script,
-                    ("--rewards", ",".join(JOINT_REWARDS), "--budgets", JOINT_BUDGETS, *flags),
-                    label,
-                    "joint",
-                    compute,
-                )
-                for script, flags, label, compute in [
+            _joint_cells(
+                [
                     ("recast", ("--credit", "nft"), "nft", 1.0),
                     ("rvge", (), "rvge", 1.0),
                     ("rvge", (), "rvge_fifth", 0.2),
@@ -277,39 +278,27 @@ EXPERIMENTS = {
                     ("recast", ("--credit", "recast"), "recast", 1.0),  # its other parent, on the same tree
                 ]
             ),
-            iterations=60,
-            prompts_per_iter=4,
             eval_every=10,
             seeds=4,
             report="report_rvge_joint",
-            common=TREE,
-            seconds_per_prompt_iter=1.3,
             pairs=(("rvge_one_direction", "rvge"), ("rvge_recast", "rvge"), ("rvge_recast", "recast")),
+            **TREE_RUNS,
         ),
         Experiment(  # why RVGE trails in rvge-joint: is it the step (lr) or the bandwidth (broad for every reward)?
             "rvge-joint-why",
-            tuple(
-                Cell(
-                    script,
-                    ("--rewards", ",".join(JOINT_REWARDS), "--budgets", JOINT_BUDGETS, *flags),
-                    label,
-                    "joint",
-                )
-                for script, flags, label in [
+            _joint_cells(
+                [
                     ("recast", ("--credit", "nft"), "nft"),
                     ("rvge", (), "rvge"),
                     ("rvge", ("--bandwidth", "broad"), "rvge_broad"),
                     ("rvge", ("--lr", "5e-05"), "rvge_half_lr"),
                 ]
             ),
-            iterations=60,
-            prompts_per_iter=4,
             eval_every=10,
             seeds=3,
             report="report_rvge_joint",
-            common=TREE,
-            seconds_per_prompt_iter=1.3,
             reuse="rvge-joint",
+            **TREE_RUNS,
         ),
         Experiment(  # RVGE's drift on one reward: a noisy direction (it drifts on a permuted reward too) or a
             # longer step (reward against distance to the base model overlays NFT's, smaller --eta moves less)?
@@ -325,41 +314,29 @@ EXPERIMENTS = {
                     ("rvge", ("--eta", "0.05"), "rvge_eta_0.05"),
                 ]
             ),
-            iterations=60,
-            prompts_per_iter=4,
             eval_every=5,
             seeds=5,
             report="report_rvge_drift",
-            common=TREE,
-            seconds_per_prompt_iter=1.3,
             reuse="rvge-single",
+            **TREE_RUNS,
             quick_keep=(SMOOTH_REWARD,),
             quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 2, "eval_every": 1},
         ),
         Experiment(  # rvge-joint-why's reading: is the drift set by the size of the targets (--eta)?
             "rvge-joint-eta",
-            tuple(
-                Cell(
-                    script,
-                    ("--rewards", ",".join(JOINT_REWARDS), "--budgets", JOINT_BUDGETS, *flags),
-                    label,
-                    "joint",
-                )
-                for script, flags, label in [
+            _joint_cells(
+                [
                     ("recast", ("--credit", "nft"), "nft"),
                     ("rvge", (), "rvge"),
                     ("rvge", ("--eta", "0.1"), "rvge_eta_0.1"),
                     ("rvge", ("--eta", "0.05"), "rvge_eta_0.05"),
                 ]
             ),
-            iterations=60,
-            prompts_per_iter=4,
             eval_every=10,
             seeds=3,
             report="report_rvge_joint",
-            common=TREE,
-            seconds_per_prompt_iter=1.3,
             reuse="rvge-joint-why",  # which holds rvge-joint's nft and rvge runs of seeds 0-2
+            **TREE_RUNS,
         ),
         *(  # one experiment per setting, so that each fits the hour
             Experiment(
@@ -1422,6 +1399,39 @@ def reach_counts(reach: dict) -> str:
 THRESHOLD_SHARES = (1 / 3, 2 / 3, 1.0)  # matched levels: pretrained + share x (NFT's final - pretrained)
 
 
+def speedup_table(by_label, labels, base, pre, top, clocks) -> tuple[int, list[str]]:
+    """The matched-level rows of rvge-single and rvge-drift: per level pre + share (top - pre) (THRESHOLD_SHARES) and
+    method, the Kaplan-Meier median of each of two clocks (name, rows -> the clock at each evaluation, format) at
+    which the held-out reward first reaches the level (runs that never reach it censored, `time_to_reach`), how many
+    reach it, and the speed-up base / method on each clock (`censored_speedup`), Holm over all of them. Returns
+    (how many speed-ups, the table's rows)."""
+    reach = {  # (share, label, clock) -> {seed: (x, reached)}
+        (share, label, i): {
+            s: time_to_reach(clock(rows), eval_curve(rows)[2], pre + share * (top - pre))
+            for s, rows in by_label[label].items()
+        }
+        for share in THRESHOLD_SHARES
+        for label in labels
+        for i, (_, clock, _) in enumerate(clocks)
+    }
+    speed = {k: censored_speedup(reach[(k[0], base, k[2])], r) for k, r in reach.items() if k[1] != base}
+    adjusted = dict(zip(speed, holm([v[4] for v in speed.values()])))
+    rows = []
+    for share in THRESHOLD_SHARES:
+        for label in labels:
+            medians = [km_median(*zip(*reach[(share, label, i)].values())) for i in range(len(clocks))]
+            cells = [
+                fmt_speedup(*speed[(share, label, i)], adjusted[(share, label, i)]) if label != base else "1"
+                for i in range(len(clocks))
+            ]
+            rows.append(
+                f"| {share:.0%} ({pre + share * (top - pre):.4f}) | {label} | "
+                + " | ".join(f"{m:{fmt}}" for m, (_, _, fmt) in zip(medians, clocks))
+                + f" | {reach_counts(reach[(share, label, 0)])} | {cells[0]} | {cells[1]} |"
+            )
+    return len(speed), rows
+
+
 def report_rvge_single(res: Results, out: Path):
     """Per reward: final held-out reward, then the time and iterations each method needs to reach
     matched thresholds (NFT's final value and two intermediate levels) and the speed-up, runs that never reach a
@@ -1459,39 +1469,22 @@ def report_rvge_single(res: Results, out: Path):
         if top <= pre:
             lines += ["", f"{base} did not improve on the pretrained model here, so no threshold is meaningful.", ""]
             continue
-        reach = {  # (share, label, 0 seconds | 1 iterations) -> {seed: (time, reached)}
-            (share, label, i): {
-                s: time_to_reach(eval_curve(rows)[1 - i], eval_curve(rows)[2], pre + share * (top - pre))
-                for s, rows in runs.items()
-            }
-            for share in THRESHOLD_SHARES
-            for label, runs in by_label.items()
-            for i in (0, 1)
-        }
-        speed = {k: censored_speedup(reach[(k[0], base, k[2])], r) for k, r in reach.items() if k[1] != base}
-        adjusted = dict(zip(speed, holm([v[4] for v in speed.values()])))
+        clocks = (
+            ("seconds", lambda rows: eval_curve(rows)[1], ".1f"),
+            ("iterations", lambda rows: eval_curve(rows)[0], ".1f"),
+        )
+        n_speed, table = speedup_table(by_label, list(by_label), base, pre, top, clocks)
         lines += [
             "",
             f"Kaplan-Meier median time to each level (runs that never reach it censored at their last evaluation; "
             f"inf: the median is not reached); speed-up = {base}'s median / the method's [95% paired bootstrap over "
-            f"seeds], log-rank p, Holm over this reward's {len(speed)} speed-ups:",
+            f"seeds], log-rank p, Holm over this reward's {n_speed} speed-ups:",
             "",
             "| threshold | method | median seconds | median iterations | reached | speed-up in time | in iterations |",
             "|---|---|---|---|---|---|---|",
+            *table,
+            "",
         ]
-        for share in THRESHOLD_SHARES:
-            for label in by_label:
-                secs, its = reach[(share, label, 0)], reach[(share, label, 1)]
-                medians = [km_median(*zip(*r.values())) for r in (secs, its)]
-                cells = [
-                    fmt_speedup(*speed[(share, label, i)], adjusted[(share, label, i)]) if label != base else "1"
-                    for i in (0, 1)
-                ]
-                lines.append(
-                    f"| {share:.0%} ({pre + share * (top - pre):.4f}) | {label} | {medians[0]:.1f} | {medians[1]:.1f} "
-                    f"| {reach_counts(secs)} | {cells[0]} | {cells[1]} |"
-                )
-        lines.append("")
     curve_figure(res, out / "reward_vs_time.png")
     return lines + ["![](reward_vs_time.png)", ""]
 
@@ -1849,44 +1842,22 @@ def report_rvge_drift(res: Results, out: Path):
             lines += ["", f"{base} did not improve on the pretrained model here, so no threshold is meaningful.", ""]
             continue
         movers = [label for label in by_label if label != base and "permuted" not in label and by_label[label]]
-        reach = {  # (share, label, 0 iterations | 1 distance) -> {seed: (x, reached)}
-            (share, label, i): {
-                s: time_to_reach(
-                    (eval_curve(rows)[0], distance_curve(rows))[i], eval_curve(rows)[2], pre + share * (top - pre)
-                )
-                for s, rows in by_label[label].items()
-            }
-            for share in THRESHOLD_SHARES
-            for label in (base, *movers)
-            for i in (0, 1)
-        }
-        speed = {k: censored_speedup(reach[(k[0], base, k[2])], r) for k, r in reach.items() if k[1] != base}
-        adjusted = dict(zip(speed, holm([v[4] for v in speed.values()])))
+        clocks = (("iterations", lambda rows: eval_curve(rows)[0], ".1f"), ("distance", distance_curve, ".5f"))
+        n_speed, table = speedup_table(by_label, [base, *movers], base, pre, top, clocks)
         lines += [
             "",
             f"Matched iterations and matched distance: the Kaplan-Meier median iterations, and distance to base "
             f"(`distance_curve`: its running maximum), at which the held-out reward first reaches each level (runs "
             f"that never reach it censored, never dropped); speed-up = {base}'s median / the method's (> 1: the "
             f"method needs fewer iterations, or moves less far from the base model) [95% paired bootstrap], log-rank "
-            f"p, Holm over these {len(speed)} speed-ups:",
+            f"p, Holm over these {n_speed} speed-ups:",
             "",
             "| threshold | method | median iterations | median distance | reached | speed-up in iterations | "
             "in distance |",
             "|---|---|---|---|---|---|---|",
+            *table,
+            "",
         ]
-        for share in THRESHOLD_SHARES:
-            for label in (base, *movers):
-                its, far = reach[(share, label, 0)], reach[(share, label, 1)]
-                medians = [km_median(*zip(*r.values())) for r in (its, far)]
-                cells = [
-                    fmt_speedup(*speed[(share, label, i)], adjusted[(share, label, i)]) if label != base else "1"
-                    for i in (0, 1)
-                ]
-                lines.append(
-                    f"| {share:.0%} ({pre + share * (top - pre):.4f}) | {label} | {medians[0]:.1f} | "
-                    f"{medians[1]:.5f} | {reach_counts(its)} | {cells[0]} | {cells[1]} |"
-                )
-        lines.append("")
         drift_figure(reward, by_label, out / f"reward_vs_distance_{slug(reward)}.png")
         lines += [f"![](reward_vs_distance_{slug(reward)}.png)", ""]
     return lines
