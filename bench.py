@@ -1574,6 +1574,7 @@ def report_rvge_joint(res: Results, out: Path):
             }
             for label, other in rows
         }
+        floors = eval_floor(res).get("sd", {})
         adjusted = {  # Holm per metric over every comparison of this table
             m: dict(zip(rows, holm([p_value(*diffs[r][m]) if m in diffs[r] else np.nan for r in rows])))
             for m in metrics
@@ -1581,8 +1582,14 @@ def report_rvge_joint(res: Results, out: Path):
         lines += [
             "",
             f"Paired differences method − {base}, then between methods (the variants against their parents) [95%]; "
-            f"Holm per metric over these {len(rows)} comparisons; N80 at the observed difference (no noise floor is "
-            f"measured for the in-run evaluation) and level 0.05 / {len(rows)}:",
+            f"Holm per metric over these {len(rows)} comparisons; N80 at "
+            + (
+                "the larger of the observed difference and two noise floors of one in-run evaluation "
+                "(`eval_floor.json`)"
+                if floors
+                else "the observed difference (no noise floor is measured for the in-run evaluation)"
+            )
+            + f" and level 0.05 / {len(rows)}:",
             "",
             "| method | " + " | ".join(m[5:] for m in metrics) + " |",
             "|---" * (1 + len(metrics)) + "|",
@@ -1591,7 +1598,9 @@ def report_rvge_joint(res: Results, out: Path):
         for label, other in rows:
             d, name = diffs[(label, other)], label if other == base else f"{label} − {other}"
             cells = [
-                fmt_ci(*d[m], p_holm=adjusted[m][(label, other)], family=len(rows)) if m in d else UNEQUAL_N
+                fmt_ci(*d[m], floor=floors.get(m), p_holm=adjusted[m][(label, other)], family=len(rows))
+                if m in d
+                else UNEQUAL_N
                 for m in metrics
             ]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -1684,13 +1693,23 @@ def non_inferiority(diff, margin, better=1):
     return float(stats.t.sf((better * m + margin) / se, n - 1))
 
 
+def eval_floor(res: Results) -> dict:
+    """The experiment's eval_floor.json (`measure_eval_floor`: its "sd" per metric is the sd of one in-run
+    evaluation); {} when it was not measured (an earlier world's results) or cannot be read (with a warning)."""
+    path = getattr(res, "exp_dir", Path(".")) / "eval_floor.json"
+    record, problem = read_json(path) if path.is_file() else (None, None)
+    if problem or record is not None and not (isinstance(record, dict) and isinstance(record.get("sd"), dict)):
+        print(f"warning: {path}: {problem or 'no sd field'}; no noise floor or non-inferiority margin is used")
+        return {}
+    return record or {}
+
+
 def non_inferiority_lines(res: Results, group, by_label, metrics, diffs, rows) -> list[str]:
     """Markdown: "matches" as a test. Each method − baseline against a non-inferiority margin of two noise floors of
     one in-run evaluation (exp_dir/eval_floor.json, `measure_eval_floor`); one-sided paired t, Holm per metric over
     the methods. Nothing when the floor was not measured (an earlier world's results)."""
-    path = getattr(res, "exp_dir", Path(".")) / "eval_floor.json"
-    floor, problem = read_json(path) if path.is_file() else (None, None)
-    if not isinstance(floor, dict) or "sd" not in floor:
+    floor = eval_floor(res)
+    if not floor:
         return []
     base = res.exp.baseline
     mine = [r for r in rows if r[1] == base]
