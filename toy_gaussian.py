@@ -40,6 +40,7 @@ from scipy.stats import kstest, norm
 import recast
 import run_kit
 import rvge
+from bench import holm, seeds_for_power  # the experiments' statistics: the same tests for the toy and the model
 
 # E[f(y)], y ~ N(0, 1)  ~=  sum_i Q_W_i f(Q_Y_i): trapezoid rule on [-8.5, 8.5], step 1/8. For f analytic
 # in a strip |Im y| < a it converges like exp(-2 pi a / step) and, unlike Gauss-Hermite, it integrates
@@ -1930,35 +1931,6 @@ def paired_stats(diff):
     return dict(mean=float(m), lo=float(m - half), hi=float(m + half), p=p, n=n, sd=float(sd))
 
 
-def holm(pvalues):
-    """Holm's step-down adjusted p-values (family-wise error), NaN kept as NaN."""
-    p = np.asarray(pvalues, dtype=np.float64)
-    out = np.full_like(p, np.nan)
-    ok = np.flatnonzero(np.isfinite(p))
-    order = ok[np.argsort(p[ok])]
-    running = 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (len(order) - rank) * p[i]))
-        out[i] = running
-    return out
-
-
-def seeds_for_power(sd, delta, m, power=0.8, alpha=0.05):
-    """Seeds a paired t-test needs to detect a mean difference delta with paired sd `sd` at two-sided level
-    alpha / m (Holm's first step, i.e. Bonferroni: enough for every step) with the given power (noncentral t)."""
-    from scipy.stats import nct
-    from scipy.stats import t as student_t
-
-    if not (sd > 0 and delta > 0):
-        return np.nan
-    a = alpha / m
-    for n in range(3, 100_000):
-        crit = student_t.ppf(1 - a / 2, n - 1)
-        if 1 - nct.cdf(crit, n - 1, delta / (sd / np.sqrt(n))) >= power:
-            return n
-    return np.inf
-
-
 def run_curves(records, family, groups, arm, key):
     """{seed: (iterations (E,), kl (E,), value (E,))} of one arm; key a reward column or 'weighted'."""
     out = {}
@@ -2287,7 +2259,7 @@ def power_rows(recast_rows, n_tests):
                     sd=r["sd"],
                     delta=delta,
                     n=r["n"],
-                    needed=seeds_for_power(r["sd"], delta, n_tests),
+                    needed=seeds_for_power(delta, r["sd"], alpha=0.05 / n_tests) or np.inf,
                 )
             )
     return out
