@@ -40,7 +40,14 @@ from scipy.stats import kstest, norm
 import recast
 import run_kit
 import rvge
-from bench import holm, seeds_for_power  # the experiments' statistics: the same tests for the toy and the model
+from bench import (  # the experiments' statistics: the same tests for the toy and the embedded model
+    holm,
+    interval_sd,
+    mean_ci,
+    p_value,
+    seeds_for_power,
+    time_to_reach,
+)
 
 # E[f(y)], y ~ N(0, 1)  ~=  sum_i Q_W_i f(Q_Y_i): trapezoid rule on [-8.5, 8.5], step 1/8. For f analytic
 # in a strip |Im y| < a it converges like exp(-2 pi a / step) and, unlike Gauss-Hermite, it integrates
@@ -1886,20 +1893,6 @@ def value_at_level(x, y, level):
     return float(y[i - 1] + w * (y[i] - y[i - 1]))
 
 
-def first_crossing(x, y, threshold):
-    """The x at which y first reaches threshold (linear between evaluations) and True, or (x[-1], False): censored
-    (the run never reached it; it still counts, as a run that took longer than x[-1])."""
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    hit = np.flatnonzero(y >= threshold)
-    if not len(hit):
-        return float(x[-1]), False
-    i = hit[0]
-    if i == 0:
-        return float(x[0]), True
-    w = (threshold - y[i - 1]) / (y[i] - y[i - 1])
-    return float(x[i - 1] + w * (x[i] - x[i - 1])), True
-
-
 def paired_censored(time_a, event_a, time_b, event_b):
     """Gehan's pairwise scoring of paired, right-censored times: a seed counts as a win for a when a reached the
     threshold and b either reached it later or was still short of it at a later time; a loss symmetrically; otherwise
@@ -1916,19 +1909,10 @@ def paired_censored(time_a, event_a, time_b, event_b):
 
 
 def paired_stats(diff):
-    """Mean, 95% t interval, two-sided one-sample t-test p and n of paired differences (NaN pairs dropped)."""
-    from scipy.stats import t as student_t
-    from scipy.stats import ttest_1samp
-
-    diff = np.asarray(diff, dtype=np.float64)
-    diff = diff[np.isfinite(diff)]
-    n = len(diff)
-    if n < 2:
-        return dict(mean=np.nan, lo=np.nan, hi=np.nan, p=np.nan, n=n, sd=np.nan)
-    m, sd = diff.mean(), diff.std(ddof=1)
-    half = student_t.ppf(0.975, n - 1) * sd / np.sqrt(n)
-    p = float(ttest_1samp(diff, 0.0).pvalue) if sd > 0 else (1.0 if m == 0 else 0.0)
-    return dict(mean=float(m), lo=float(m - half), hi=float(m + half), p=p, n=n, sd=float(sd))
+    """Mean, 95% t interval, two-sided paired t p, n and sd of paired differences (NaN pairs dropped): bench.py's
+    `mean_ci` and `p_value`, as a dict."""
+    m, lo, hi, n = mean_ci(diff)
+    return dict(mean=m, lo=lo, hi=hi, p=p_value(m, lo, hi, n), n=n, sd=interval_sd(lo, hi, n) if n > 1 else np.nan)
 
 
 def run_curves(records, family, groups, arm, key):
@@ -2018,7 +2002,7 @@ def analyse_rvge(records, groups_list, threshold_fraction=0.5):
             seeds = sorted(set(cur["nft"]) & set(cur["rvge"]))
             row = dict(groups=P, reward=rew, threshold=thr, kl_level=level, n=len(seeds))
             for axis, name in ((1, "kl"), (0, "iteration")):
-                t = {m: [first_crossing(cur[m][s][axis], cur[m][s][2], thr) for s in seeds] for m in cur}
+                t = {m: [time_to_reach(cur[m][s][axis], cur[m][s][2], thr) for s in seeds] for m in cur}
                 for m in cur:
                     times = np.array([x for x, _ in t[m]])
                     hit = np.array([e for _, e in t[m]])
