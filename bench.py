@@ -25,6 +25,9 @@ of the observed difference and two noise floors of one evaluation where that flo
 at the measured sd. The preference judge is summarised per seed as the mean of sigmoid(score difference), with an
 interval on the logit scale (inside (0, 1)); times to reach a level count the runs that never reach it as censored
 (Kaplan-Meier medians, log-rank p); a Fréchet distance is compared only between evaluations of the same N images.
+"Matches" is a test, never an unresolved difference: non-inferiority at a margin of two noise floors of one in-run
+evaluation (`measure_eval_floor`, `non_inferiority`), with the untrained model as the control that shows where the
+margin is too wide to read.
 
 Runs and results. Each (cell, seed) is one run of `recast.py` or `rvge.py` (with --overwrite) in
 its run folder --out/<experiment>/work/<run>/ (checkpoints: large, git-ignored); once it finishes,
