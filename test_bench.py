@@ -447,11 +447,29 @@ def test_bench_quick_runs_every_method_on_the_embedded_model(tmp_path):
     assert (tmp_path / "multi" / "reward_vs_time_0.4_0.3_0.2_0.1.png").exists()
 
 
-def test_recast_reversed_quick_takes_the_protocol_runs_and_compares_with_reversed_W(tmp_path):
-    """The control for credit in time: recast-protocol's nft, uniform and recast_prior runs (and their final
-    evaluations) are taken, not rerun; the reversed arm starts from the same prior and solves W from each logged profile
-    flipped in time; the report compares both ReCAST arms' differences with it and sums no settings."""
-    bench.main(["recast-protocol", "--quick", "--out", str(tmp_path)])
+def test_rvge_drift_quick_reports_distance_ratios_and_matched_distance(tmp_path):
+    """rvge-drift --quick: every arm runs; the distance ratios are the paired geometric means of the runs' own
+    distances to base (`loss/base_reg`), Holm over the five; the matched-distance table and the figure are written."""
+    res = bench.main(["rvge-drift", "--quick", "--out", str(tmp_path)])
+    runs = res.runs[bench.SMOOTH_REWARD]
+    assert set(runs) == {label for _, label in [(c.group, c.label) for c in bench.EXPERIMENTS["rvge-drift"].cells]}
+    assert all(set(by_seed) == {0, 1} for by_seed in runs.values())
+    table = (tmp_path / "rvge-drift" / "table.md").read_text()
+    dist = {label: [bench.distance_to_base(runs[label][s]) for s in (0, 1)] for label in runs}
+    for a, b in bench.DRIFT_CONTRASTS:
+        ratio = np.exp(np.mean(np.log(dist[a]) - np.log(dist[b])))
+        assert f"| {a} / {b} | 2 | {ratio:.3g} [" in table
+    assert "Holm over these 5 comparisons" in table
+    assert "speed-up in iterations" in table or "did not improve on the pretrained model" in table
+    curve = bench.distance_curve(runs["rvge"][0])
+    assert curve[0] == 0 and (np.diff(curve) >= 0).all() and len(curve) == len(bench.eval_curve(runs["rvge"][0])[0])
+
+
+def check_recast_reversed_quick(tmp_path):
+    """recast-reversed --quick after recast-protocol --quick: the control for credit in time. recast-protocol's nft,
+    uniform and recast_prior runs (and their final evaluations) are taken, not rerun; the reversed arm starts from the
+    same prior and solves W from each logged profile flipped in time; the report compares both ReCAST arms'
+    differences with it and sums no settings."""
     res = bench.main(["recast-reversed", "--quick", "--out", str(tmp_path)])
     runs = res.runs["A-uniform"]
     assert set(runs) == {"nft", "uniform", "recast_prior", "reversed"}
@@ -469,24 +487,6 @@ def test_recast_reversed_quick_takes_the_protocol_runs_and_compares_with_reverse
     table = (tmp_path / "recast-reversed" / "table.md").read_text()
     assert "| recast_prior − reversed | 1 |" in table and "| recast_prior − nft | 1 |" in table
     assert "| A | reversed | 1 |" in table and "Summary over both settings" not in table
-
-
-def test_rvge_drift_quick_reports_distance_ratios_and_matched_distance(tmp_path):
-    """rvge-drift --quick: every arm runs; the distance ratios are the paired geometric means of the runs' own
-    distances to base (`loss/base_reg`), Holm over the five; the matched-distance table and the figure are written."""
-    res = bench.main(["rvge-drift", "--quick", "--out", str(tmp_path)])
-    runs = res.runs[bench.SMOOTH_REWARD]
-    assert set(runs) == {label for _, label in [(c.group, c.label) for c in bench.EXPERIMENTS["rvge-drift"].cells]}
-    assert all(set(by_seed) == {0, 1} for by_seed in runs.values())
-    table = (tmp_path / "rvge-drift" / "table.md").read_text()
-    dist = {label: [bench.distance_to_base(runs[label][s]) for s in (0, 1)] for label in runs}
-    for a, b in bench.DRIFT_CONTRASTS:
-        ratio = np.exp(np.mean(np.log(dist[a]) - np.log(dist[b])))
-        assert f"| {a} / {b} | 2 | {ratio:.3g} [" in table
-    assert "Holm over these 5 comparisons" in table
-    assert "speed-up in iterations" in table or "did not improve on the pretrained model" in table
-    curve = bench.distance_curve(runs["rvge"][0])
-    assert curve[0] == 0 and (np.diff(curve) >= 0).all() and len(curve) == len(bench.eval_curve(runs["rvge"][0])[0])
 
 
 def test_rvge_single_quick_reports_thresholds_and_speed_up(tmp_path):
@@ -594,6 +594,7 @@ def test_recast_protocol_quick_reports_paired_differences_and_judge_counts(tmp_p
         planned == 1
         and f"ReCAST improves judge cnn over nft in {2 * n} of 2 cells (significant after Holm in {2 * sig})" in both
     )
+    check_recast_reversed_quick(tmp_path)
 
 
 def test_nft_steps_quick(tmp_path):
