@@ -139,7 +139,7 @@ class Experiment:
     report: str  # name of the function that writes table.md
     common: tuple[str, ...] = ()  # flags every cell gets (the rollout tree)
     baseline: str = "nft"  # the label others are compared to
-    quick_keep: tuple[str, ...] = ()  # groups --quick keeps (empty: all)
+    quick_keep: tuple[str, ...] = ()  # groups (or methods) --quick keeps (empty: all)
     seconds_per_prompt_iter: float = 0.75  # sizing: measured cost of one prompt group-iteration, one thread (docstring)
     save_every: int = 0  # checkpoint cadence (0: only at the end)
     final_noises: int = 0  # final evaluation of each run on held-out captions x this many noises (0: none)
@@ -322,7 +322,7 @@ EXPERIMENTS = {
             report="report_rvge_drift",
             reuse="rvge-single",
             **TREE_RUNS,
-            quick_keep=(SMOOTH_REWARD,),
+            quick_keep=("nft", "rvge", "rvge_permuted", "rvge_eta_0.05"),
             quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 2, "eval_every": 1},
         ),
         Experiment(  # rvge-joint-why's reading: is the drift set by the size of the targets (--eta)?
@@ -412,8 +412,8 @@ EXPERIMENTS = {
 
 
 def quick_version(exp: Experiment) -> Experiment:
-    """Seconds instead of an hour: the quick overrides, and only the groups in quick_keep."""
-    cells = tuple(c for c in exp.cells if not exp.quick_keep or c.group in exp.quick_keep)
+    """Seconds instead of an hour: the quick overrides, and only the groups (or methods) in quick_keep."""
+    cells = tuple(c for c in exp.cells if not exp.quick_keep or c.group in exp.quick_keep or c.label in exp.quick_keep)
     return replace(exp, cells=cells, **exp.quick)
 
 
