@@ -193,6 +193,7 @@ def _joint_cells(methods):
     )
 
 
+NFT_RVGE = (("recast", ("--credit", "nft"), "nft"), ("rvge", (), "rvge"))  # the two methods each RVGE experiment has
 TREE_RUNS = dict(iterations=60, prompts_per_iter=4, common=TREE, seconds_per_prompt_iter=1.3)  # RVGE's experiments
 
 
@@ -273,8 +274,7 @@ EXPERIMENTS = {
             "rvge-joint",
             _joint_cells(
                 [
-                    ("recast", ("--credit", "nft"), "nft", 1.0),
-                    ("rvge", (), "rvge", 1.0),
+                    *NFT_RVGE,
                     ("rvge", (), "rvge_fifth", 0.2),
                     ("rvge", ("--combine", "reward"), "rvge_one_direction", 1.0),  # one regression, weighted reward
                     ("rvge", ("--credit", "recast"), "rvge_recast", 1.0),  # the combination (issue 25.4)
@@ -291,8 +291,7 @@ EXPERIMENTS = {
             "rvge-joint-why",
             _joint_cells(
                 [
-                    ("recast", ("--credit", "nft"), "nft"),
-                    ("rvge", (), "rvge"),
+                    *NFT_RVGE,
                     ("rvge", ("--bandwidth", "broad"), "rvge_broad"),
                     ("rvge", ("--lr", "5e-05"), "rvge_half_lr"),
                 ]
@@ -309,8 +308,7 @@ EXPERIMENTS = {
             tuple(
                 Cell(script, (*flags, "--rewards", SMOOTH_REWARD, "--budgets", "1"), label, SMOOTH_REWARD)
                 for script, flags, label in [
-                    ("recast", ("--credit", "nft"), "nft"),  # rvge-single's two cells, taken from its results
-                    ("rvge", (), "rvge"),
+                    *NFT_RVGE,  # rvge-single's two cells, taken from its results
                     ("recast", ("--credit", "nft", "--permute-rewards", SMOOTH_REWARD), "nft_permuted"),
                     ("rvge", ("--permute-rewards", SMOOTH_REWARD), "rvge_permuted"),
                     ("rvge", ("--eta", "0.1"), "rvge_eta_0.1"),
@@ -329,8 +327,7 @@ EXPERIMENTS = {
             "rvge-joint-eta",
             _joint_cells(
                 [
-                    ("recast", ("--credit", "nft"), "nft"),
-                    ("rvge", (), "rvge"),
+                    *NFT_RVGE,
                     ("rvge", ("--eta", "0.1"), "rvge_eta_0.1"),
                     ("rvge", ("--eta", "0.05"), "rvge_eta_0.05"),
                 ]
@@ -478,15 +475,19 @@ def reuse_results(runs, exp: Experiment, exp_dir: Path) -> int:
         source = exp_dir.parent / exp.reuse / "runs" / run.result.name
         if (record := load_result(replace(run, result=source))) is not None and record.get("world") == world:
             run.result.parent.mkdir(parents=True, exist_ok=True)
-            tmp = run.result.with_name(run.result.name + ".tmp")
-            shutil.copyfile(source, tmp)
-            os.replace(tmp, run.result)
+            copy_atomic(source, run.result)
             taken += 1
             evaluated = source.with_name(run.run_id + ".final.json")  # its final evaluation (report_protocol's)
             if evaluated.is_file() and not (mine := run.result.with_name(evaluated.name)).exists():
-                shutil.copyfile(evaluated, mine.with_name(mine.name + ".tmp"))
-                os.replace(mine.with_name(mine.name + ".tmp"), mine)
+                copy_atomic(evaluated, mine)
     return taken
+
+
+def copy_atomic(source: Path, target: Path):
+    """target holds a whole copy of source, or (killed meanwhile) what it held before."""
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.copyfile(source, tmp)
+    os.replace(tmp, target)
 
 
 def survey_results(runs, exp: Experiment, exp_dir: Path) -> tuple[dict, dict]:
@@ -1533,7 +1534,7 @@ def verdict(metric, lo, hi):
 def report_rvge_joint(res: Results, out: Path):
     """Every held-out metric at the end of each run; RVGE (full and 1/5 compute) minus NFT, paired."""
     lines = res.banner()
-    base = res.exp.baseline
+    base, floor = res.exp.baseline, eval_floor(res)
     for group, by_label in res.runs.items():
         any_rows = next((rows for runs in by_label.values() for rows in runs.values()), None)
         if any_rows is None:
@@ -1577,7 +1578,7 @@ def report_rvge_joint(res: Results, out: Path):
             }
             for label, other in rows
         }
-        floors = eval_floor(res).get("sd", {})
+        floors = floor.get("sd", {})
         adjusted = {  # Holm per metric over every comparison of this table
             m: dict(zip(rows, holm([p_value(*diffs[r][m]) if m in diffs[r] else np.nan for r in rows])))
             for m in metrics
@@ -1618,7 +1619,7 @@ def report_rvge_joint(res: Results, out: Path):
                     else "no intervals (fewer than 2 paired seeds)."
                 )
             )
-        lines += [""] + summary + [""] + non_inferiority_lines(res, group, by_label, metrics, diffs, rows)
+        lines += [""] + summary + [""] + non_inferiority_lines(res, group, floor, metrics, diffs, rows)
         lines += along_the_run(res, group, by_label, base)
         lines += [
             "Distance to base: `loss/base_reg`, mean |v_theta - v_base|^2 of the trained velocity against the frozen",
@@ -1676,9 +1677,7 @@ def measure_eval_floor(exp: Experiment, exp_dir: Path, noises=EVAL_FLOOR_NOISES)
         "sd": {m: float(np.std(v, ddof=1)) for m, v in values.items()},
     }
     exp_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, path)
+    run_kit.write_atomic(path, json.dumps(record, indent=1) + "\n")
     return record
 
 
@@ -1707,11 +1706,10 @@ def eval_floor(res: Results) -> dict:
     return record or {}
 
 
-def non_inferiority_lines(res: Results, group, by_label, metrics, diffs, rows) -> list[str]:
+def non_inferiority_lines(res: Results, group, floor, metrics, diffs, rows) -> list[str]:
     """Markdown: "matches" as a test. Each method − baseline against a non-inferiority margin of two noise floors of
-    one in-run evaluation (exp_dir/eval_floor.json, `measure_eval_floor`); one-sided paired t, Holm per metric over
+    one in-run evaluation (`floor`: exp_dir/eval_floor.json, `eval_floor`); one-sided paired t, Holm per metric over
     the methods. Nothing when the floor was not measured (an earlier world's results)."""
-    floor = eval_floor(res)
     if not floor:
         return []
     base = res.exp.baseline

@@ -748,7 +748,7 @@ def validate(args: Args, extra_rewards=None):
     ones (check_common, check_files) and this method's. Resolves the run folder (args.out). Returns (reward names,
     budgets, branch steps). Raises SystemExit with the problem and the fix."""
     names, budgets, branch = check_common(args, extra_rewards)
-    if args.credit in ("recast", "recast_reversed") and args.gain_estimator == "pairs" and args.sampler == "ode":
+    if credit_settings(args).learn_W and args.gain_estimator == "pairs" and args.sampler == "ode":
         raise SystemExit(
             f"--credit {args.credit} with --gain-estimator pairs needs branched rollouts: use --sampler tree, "
             "or --gain-estimator denoised with --sampler ode"
