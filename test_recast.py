@@ -952,6 +952,17 @@ def test_recast_only_flags_are_checked(tiny, tmp_path, change):
         recast.validate(recast.parse_args(tiny_argv(tiny, tmp_path / "run", *change)), extra_rewards=TINY_REWARDS)
 
 
+@pytest.mark.parametrize("credit", ["recast", "recast_reversed"])
+def test_learned_W_with_pairs_needs_branched_rollouts(tiny, tmp_path, credit):
+    """W learned from the pairs estimator (--credit recast, and its time-reversed control) needs sibling leaves: an
+    ODE sampler is refused naming the credit and both fixes; --credit uniform (W not learned) is not refused."""
+    argv = tiny_argv(tiny, tmp_path / "run", "--credit", credit, "--sampler", "ode")
+    with pytest.raises(SystemExit, match=f"--credit {credit} with --gain-estimator pairs needs branched rollouts"):
+        recast.validate(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+    argv = tiny_argv(tiny, tmp_path / "ok", "--credit", "uniform", "--sampler", "ode")
+    recast.validate(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+
+
 @pytest.mark.parametrize(
     "change",
     [
