@@ -1053,7 +1053,10 @@ def seeds_for_power(effect, sd, alpha=ALPHA, power=POWER, most=10_000):
         return 2
     for n in range(2, most + 1):
         crit, nc = stats.t.ppf(1 - alpha / 2, n - 1), abs(effect) * np.sqrt(n) / sd
-        if stats.nct.sf(crit, n - 1, nc) + stats.nct.cdf(-crit, n - 1, nc) >= power:
+        # the far tail: scipy's nct.cdf returns NaN there on some CPUs at large noncentrality (seen at nc ~ 27, 4
+        # seeds), where it is below 1e-16; read as 0, else a NaN power would skip N and move N80 up by several seeds
+        far = np.nan_to_num(stats.nct.cdf(-crit, n - 1, nc), nan=0.0)
+        if stats.nct.sf(crit, n - 1, nc) + far >= power:
             return n
     return None
 
@@ -2476,7 +2479,7 @@ def report_protocol(res: Results, out: Path):
         profile_figure(prof, out / "profiles.png")
         lines = lines[:3] + profile_table(prof) + lines[3:]
     curve_figure(res, out / "reward_vs_time.png", x="iterations")
-    w_figure(res, out / "W_final.png")
+    drawn = w_figure(res, out / "W_final.png", labels=W_LABELS)
     return lines + [
         "",
         "Measured D_k(t) of the candidate rewards and the W ReCAST builds from them: ![](profiles.png)",
@@ -2484,8 +2487,7 @@ def report_protocol(res: Results, out: Path):
         "Held-out `eval/weighted` of the runs' own small evaluation (16 prompts) along training: "
         "![](reward_vs_time.png)",
         "",
-        "ReCAST's final W per cell (first seed): ![](W_final.png)",
-        "",
+        *([w_caption(drawn), ""] if drawn else []),
     ]
 
 
@@ -2520,33 +2522,49 @@ def w_departure(W) -> float:
     return float(np.abs(w_ratio(W) - 1).max())
 
 
-def w_figure(res: Results, path: Path, label="recast"):
-    """The credit matrix W at the last iteration of each group's `label` run (first seed)."""
+W_LABELS = ("recast", "recast_prior_grad", "reversed_grad")  # recast-protocol's W; recast-units' two arms
+W_LABELS_ELSE = ("recast_prior", "reversed")  # where none of those ran (recast-reversed)
+
+
+def w_caption(drawn):
+    if drawn == ["recast"]:
+        return "ReCAST's final W per cell (first seed): ![](W_final.png)"
+    return f"The final W per cell (first seed), a row of panels per arm ({', '.join(drawn)}): ![](W_final.png)"
+
+
+def w_figure(res: Results, path: Path, labels=("recast",), fallback=W_LABELS_ELSE) -> list[str]:
+    """The credit matrix W at the last iteration of each group's run (first seed), one row of panels per label of
+    `labels` that ran (else of `fallback`), five groups a row at most; returns the labels drawn (none: no figure)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    found = [(g, by[label][min(by[label])]) for g, by in res.runs.items() if by.get(label)]
-    if not found:
-        return
-    cols = min(len(found), 5)
-    fig, axes = plt.subplots(
-        (len(found) + cols - 1) // cols,
-        cols,
-        figsize=(3.4 * cols, 2.6 * ((len(found) + cols - 1) // cols)),
-        squeeze=False,
-    )
-    for ax, (group, rows) in zip(axes.flat, found):
-        names = flag_value(res.cells[(group, label)].flags, "--rewards").split(",")
-        im = ax.imshow(np.array(rows[-1]["recast/W"]), aspect="auto", cmap="viridis")
-        ax.set(title=group, xlabel="step j (t from 1 to 0)", yticks=range(len(names)), yticklabels=names)
-        fig.colorbar(im, ax=ax)
-    for ax in list(axes.flat)[len(found) :]:
+    ran = lambda which: [lbl for lbl in which if any(by.get(lbl) for by in res.runs.values())]  # noqa: E731
+    drawn = ran(labels) or ran(fallback)
+    per_label = {lbl: [(g, by[lbl][min(by[lbl])]) for g, by in res.runs.items() if by.get(lbl)] for lbl in drawn}
+    if not drawn:
+        return []
+    cols = min(max(len(v) for v in per_label.values()), 5)
+    n_rows = {lbl: -(-len(v) // cols) for lbl, v in per_label.items()}  # each label starts a row of panels
+    height = sum(n_rows.values())
+    fig, axes = plt.subplots(height, cols, figsize=(3.4 * cols, 2.6 * height), squeeze=False)
+    for ax in axes.flat:
         ax.axis("off")
+    start = 0
+    for lbl, found in per_label.items():
+        for ax, (group, rows) in zip(axes[start : start + n_rows[lbl]].flat, found):
+            names = flag_value(res.cells[(group, lbl)].flags, "--rewards").split(",")
+            ax.axis("on")
+            im = ax.imshow(np.array(rows[-1]["recast/W"]), aspect="auto", cmap="viridis")
+            title = f"{group} {lbl}" if len(drawn) > 1 else group
+            ax.set(title=title, xlabel="step j (t from 1 to 0)", yticks=range(len(names)), yticklabels=names)
+            fig.colorbar(im, ax=ax)
+        start += n_rows[lbl]
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return drawn
 
 
 JUDGES = ("eval/judge/cnn", "eval/judge/frechet")

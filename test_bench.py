@@ -148,6 +148,19 @@ def test_seeds_for_power_matches_the_textbook_paired_t():
     assert bench.effect_of_interest(-0.1, floor=0.2) == 0.4 and bench.effect_of_interest(-0.1) == 0.1
 
 
+def test_seeds_for_power_at_a_large_effect_is_not_moved_by_a_nan_far_tail():
+    """A large effect over a small sd (d ~ 13, level 0.05 / 20: recast-protocol's uniform-budget cell): 3 seeds have
+    power ~0.74 (upper tail alone), 4 have ~1. scipy's nct.cdf of the far tail returns NaN there on some CPUs; read
+    as NaN the power test failed at N = 4 and N80 became 7 on one machine and 4 on another."""
+    from scipy import stats
+
+    effect, sd, alpha = 0.0143729, 0.0010772, 0.05 / 20
+    crit = stats.t.ppf(1 - alpha / 2, 3)
+    assert stats.nct.sf(crit, 3, effect * np.sqrt(4) / sd) > 0.99
+    assert bench.seeds_for_power(effect, sd, alpha=alpha) == 4
+    assert bench.seeds_for_power(-effect, sd, alpha=alpha) == 4
+
+
 def test_p_values_and_holm_by_hand():
     """p from the interval equals scipy's paired t test; Holm's adjusted p-values by hand: sorted 0.005, 0.01, 0.03,
     0.04 -> 4 x 0.005, 3 x 0.01, 2 x 0.03, max(0.06, 1 x 0.04); NaN stays out of the family."""
