@@ -9,6 +9,7 @@
     python bench.py recast-protocol  # setting A x 5 budget vectors x {nft, uniform, recast, recast_prior}
     python bench.py recast-protocol-B  # the same for setting B
     python bench.py recast-reversed  # the control for credit in time: W from the profiles vs the same W reversed
+    python bench.py recast-matched   # and uniform W at the budgets those two W give in effect: timing or budgets?
     python bench.py recast-100       # the embedded default for 100 iterations: DiffusionNFT vs uniform W vs ReCAST
     python bench.py nft-steps        # DiffusionNFT with 1 vs 8 optimizer steps per iteration
     options: [--quick] [--jobs N] [--seeds N] [--out DIR] [--tables-only] [--iterations N] [--prompts-per-iter N]
@@ -79,6 +80,7 @@ Sizes (`estimate_minutes`; `test_bench.py` checks each stays under the hour):
     recast-protocol      20      3       24 x 3                  8         60   ~39 min (+ final evaluation, profiles)
     recast-protocol-B    20      3       24 x 3                  8         60   ~39 min (+ final evaluation)
     recast-reversed      12      8       24 x 3                  8         96   ~45 min (+ final evaluation; 27 taken)
+    recast-matched       12      8       24 x 3                  8         96   ~31 min (+ final evaluation; 48 taken)
     recast-100            3      3      100 x 8                 10          9   ~59 min
     nft-steps             2      3      100 x 8                 10          6   ~35 min
 
@@ -236,6 +238,40 @@ def _protocol_cells(setting, reversed_arm=False):
     )
 
 
+# recast-matched: uniform W at the budgets each ReCAST arm of recast-reversed hands its rewards in effect, the
+# gradient-weighted shares sum_j W_kj s_j / sum_kj W_kj s_j (`effective_budgets`: the NFT loss's velocity gradient per
+# unit weight is proportional to s_j), means over its 8 seeds x 24 iterations (sd over them <= 0.0007); test_bench
+# recomputes them from results/recast-reversed.
+MATCHED_BUDGETS = {
+    "A-uniform": {"matched": "0.256,0.284,0.225,0.235", "matched_reversed": "0.245,0.216,0.270,0.268"},
+    "A-emph3": {"matched": "0.159,0.175,0.520,0.146", "matched_reversed": "0.143,0.127,0.574,0.157"},
+    "A-emph4": {"matched": "0.158,0.174,0.138,0.530", "matched_reversed": "0.143,0.126,0.158,0.573"},
+}
+
+
+def effective_budgets(W, sigmas):
+    """Each reward's share of the update under W (K, T) on the grid sigmas (T+1,): sum_j W_kj s_j, normalised. The
+    NFT loss is linear in the mixed reward, and its velocity gradient per unit weight at step j is proportional to
+    s_j, so a W with these shares moves each reward as uniform W at these budgets would, save for the timing."""
+    share = np.asarray(W, dtype=float) @ np.asarray(sigmas, dtype=float)[:-1]
+    return share / share.sum()
+
+
+def _matched_cells():
+    """recast-matched: recast-reversed's recast_prior and reversed arms (taken from it), and uniform W at each one's
+    effective budgets (`matched`, `matched_reversed`: no timing, the same share of the update per reward)."""
+    out = []
+    for c in _protocol_cells("A", reversed_arm=True):
+        if c.group in MATCHED_BUDGETS and c.label in ("recast_prior", "reversed"):
+            label = "matched" if c.label == "recast_prior" else "matched_reversed"
+            rewards = c.flags[c.flags.index("--rewards") + 1]
+            flags = ("--rewards", rewards, "--budgets", MATCHED_BUDGETS[c.group][label], "--credit", "uniform")
+            out.append(c)
+            out.append(Cell("recast", flags, label, c.group))
+    order = ("recast_prior", "reversed", "matched", "matched_reversed")  # recast_prior first: its budgets score
+    return tuple(sorted(out, key=lambda c: (list(MATCHED_BUDGETS).index(c.group), order.index(c.label))))
+
+
 EXPERIMENTS = {
     e.name: e
     for e in [
@@ -370,6 +406,21 @@ EXPERIMENTS = {
             seconds_per_prompt_iter=0.85,
             final_noises=4,
             reuse="recast-protocol",  # its nft, uniform and recast_prior runs of seeds 0-2, final evaluations too
+            quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1},
+        ),
+        Experiment(
+            "recast-matched",
+            _matched_cells(),
+            iterations=24,
+            prompts_per_iter=3,
+            eval_every=8,
+            seeds=8,
+            report="report_protocol",
+            quick_keep=("A-uniform",),
+            seconds_per_prompt_iter=0.85,
+            final_noises=4,
+            reuse="recast-reversed",  # its recast_prior and reversed runs, final evaluations too
+            pairs=(("recast_prior", "matched"), ("reversed", "matched_reversed")),  # the family, per cell
             quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1},
         ),
         Experiment(
@@ -2333,7 +2384,11 @@ def report_protocol(res: Results, out: Path):
             for m in metrics:
                 a, b = value(label, m), value(label, m, seed_b)
                 floors.setdefault(m, []).extend(a[s] - b[s] for s in a if s in b)
-        comparisons = [(r, o) for r in ids if r.startswith("recast") for o in ids if not o.startswith("recast")]
+        comparisons = (  # the experiment's own pairs, else every ReCAST arm against every other arm
+            [(r, o) for r, o in res.exp.pairs if r in ids and o in ids]
+            if res.exp.pairs
+            else [(r, o) for r in ids if r.startswith("recast") for o in ids if not o.startswith("recast")]
+        )
         diffs = {}
         for mine, other in comparisons:
             diffs[(mine, other)] = {m: mean_ci(paired(value(mine, m), value(other, m))) for m in metrics}
@@ -2419,7 +2474,7 @@ def report_protocol(res: Results, out: Path):
                 for g, by in res.runs.items()
                 if g.startswith(setting + "-")
                 for lbl in by
-                if lbl.startswith("recast") or lbl == "reversed"
+                if lbl.startswith(("recast", "reversed"))
             }
         ):
             devs = [
@@ -2522,8 +2577,8 @@ def w_departure(W) -> float:
     return float(np.abs(w_ratio(W) - 1).max())
 
 
-W_LABELS = ("recast", "recast_prior_grad", "reversed_grad")  # recast-protocol's W; recast-units' two arms
-W_LABELS_ELSE = ("recast_prior", "reversed")  # where none of those ran (recast-reversed)
+W_LABELS = ("recast",)  # recast-protocol's W
+W_LABELS_ELSE = ("recast_prior", "reversed")  # where recast did not run (recast-reversed, recast-matched)
 
 
 def w_caption(drawn):

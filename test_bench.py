@@ -610,6 +610,51 @@ def test_recast_protocol_quick_reports_paired_differences_and_judge_counts(tmp_p
         and f"ReCAST improves judge cnn over nft in {2 * n} of 2 cells (significant after Holm in {2 * sig})" in both
     )
     check_recast_reversed_quick(tmp_path)
+    check_recast_matched_quick(tmp_path)
+
+
+def check_recast_matched_quick(tmp_path):
+    """recast-matched --quick after recast-reversed --quick: its recast_prior and reversed runs are taken, not rerun;
+    the matched arms train uniform W at their budgets (every column the budgets / T); the report tests only the
+    experiment's own pairs and draws the two ReCAST arms' W."""
+    res = bench.main(["recast-matched", "--quick", "--out", str(tmp_path)])
+    runs = res.runs["A-uniform"]
+    assert set(runs) == {"recast_prior", "reversed", "matched", "matched_reversed"}
+    mine, theirs = tmp_path / "recast-matched" / "runs", tmp_path / "recast-reversed" / "runs"
+    for label in ("recast_prior", "reversed"):
+        name = f"A_uniform_{label}-seed0.final.json"
+        assert (mine / name).read_bytes() == (theirs / name).read_bytes()
+    assert not (tmp_path / "recast-matched" / "work" / "A_uniform_reversed-seed0").exists()  # taken, not rerun
+    for label in ("matched", "matched_reversed"):
+        lam = np.array([float(b) for b in bench.MATCHED_BUDGETS["A-uniform"][label].split(",")])
+        for row in runs[label][0]:
+            W = np.asarray(row["recast/W"])
+            assert np.allclose(W, np.outer(lam, np.ones(W.shape[1]) / W.shape[1]), atol=1e-9)
+            assert np.allclose(bench.effective_budgets(W, row["recast/sigmas"]), lam / lam.sum())
+    table = (tmp_path / "recast-matched" / "table.md").read_text()
+    assert "| recast_prior − matched | 1 |" in table and "| reversed − matched_reversed | 1 |" in table
+    assert "| recast_prior − reversed" not in table and "(2 tests per metric)" in table
+    assert "a row of panels per arm (recast_prior, reversed)" in table
+
+
+def test_matched_budgets_are_the_effective_budgets_of_recast_reversed_runs():
+    """bench.MATCHED_BUDGETS, typed into the experiment, are the gradient-weighted shares of the committed
+    recast-reversed runs' W (means over seeds and iterations), to the 3 decimals written; the two arms of a cell
+    differ where the timing moved them (saturation: recast_prior above its budget, reversed below)."""
+    runs = Path(bench.__file__).resolve().parent / "results" / "recast-reversed" / "runs"
+    exp = bench.EXPERIMENTS["recast-matched"]
+    for group, arms in bench.MATCHED_BUDGETS.items():
+        for label, source in (("matched", "recast_prior"), ("matched_reversed", "reversed")):
+            shares = [
+                bench.effective_budgets(row["recast/W"], row["recast/sigmas"])
+                for seed in range(exp.seeds)
+                for row in json.loads(
+                    gzip.open(runs / f"{bench.slug(group + '-' + source)}-seed{seed}.json.gz").read()
+                )["rows"]
+            ]
+            typed = np.array([float(b) for b in arms[label].split(",")])
+            assert np.abs(np.mean(shares, axis=0) - typed).max() < 0.0011, (group, label)
+        assert float(arms["matched"].split(",")[1]) > float(arms["matched_reversed"].split(",")[1])
 
 
 def test_nft_steps_quick(tmp_path):
