@@ -10,6 +10,7 @@
     python bench.py recast-protocol-B  # the same for setting B
     python bench.py recast-reversed  # the control for credit in time: W from the profiles vs the same W reversed
     python bench.py recast-matched   # and uniform W at the budgets those two W give in effect: timing or budgets?
+    python bench.py recast-units     # the same two W with columns equal in gradient units
     python bench.py recast-100       # the embedded default for 100 iterations: DiffusionNFT vs uniform W vs ReCAST
     python bench.py nft-steps        # DiffusionNFT with 1 vs 8 optimizer steps per iteration
     options: [--quick] [--jobs N] [--seeds N] [--out DIR] [--tables-only] [--iterations N] [--prompts-per-iter N]
@@ -81,6 +82,7 @@ Sizes (`estimate_minutes`; `test_bench.py` checks each stays under the hour):
     recast-protocol-B    20      3       24 x 3                  8         60   ~39 min (+ final evaluation)
     recast-reversed      12      8       24 x 3                  8         96   ~45 min (+ final evaluation; 27 taken)
     recast-matched       12      8       24 x 3                  8         96   ~31 min (+ final evaluation; 48 taken)
+    recast-units         12      8       24 x 3                  8         96   ~31 min (+ final evaluation; 48 taken)
     recast-100            3      3      100 x 8                 10          9   ~59 min
     nft-steps             2      3      100 x 8                 10          6   ~35 min
 
@@ -272,6 +274,16 @@ def _matched_cells():
     return tuple(sorted(out, key=lambda c: (list(MATCHED_BUDGETS).index(c.group), order.index(c.label))))
 
 
+def _units_cells():
+    """recast-units: recast-reversed's two ReCAST arms (loss units, taken from it) and the same two with W's columns
+    equal in gradient units (`--column-units gradient`: c_j propto 1 / s_j), per cell of REVERSED_CELLS."""
+    out = []
+    for c in _protocol_cells("A", reversed_arm=True):
+        if c.group in REVERSED_CELLS and c.label in ("recast_prior", "reversed"):
+            out += [c, replace(c, flags=(*c.flags, "--column-units", "gradient"), label=c.label + "_grad")]
+    return tuple(out)
+
+
 EXPERIMENTS = {
     e.name: e
     for e in [
@@ -421,6 +433,21 @@ EXPERIMENTS = {
             final_noises=4,
             reuse="recast-reversed",  # its recast_prior and reversed runs, final evaluations too
             pairs=(("recast_prior", "matched"), ("reversed", "matched_reversed")),  # the family, per cell
+            quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1},
+        ),
+        Experiment(
+            "recast-units",
+            _units_cells(),
+            iterations=24,
+            prompts_per_iter=3,
+            eval_every=8,
+            seeds=8,
+            report="report_protocol",
+            quick_keep=("A-uniform",),
+            seconds_per_prompt_iter=0.85,
+            final_noises=4,
+            reuse="recast-reversed",  # its recast_prior and reversed runs (loss units), final evaluations too
+            pairs=(("recast_prior_grad", "recast_prior"), ("recast_prior_grad", "reversed_grad")),
             quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1},
         ),
         Experiment(
@@ -2577,8 +2604,8 @@ def w_departure(W) -> float:
     return float(np.abs(w_ratio(W) - 1).max())
 
 
-W_LABELS = ("recast",)  # recast-protocol's W
-W_LABELS_ELSE = ("recast_prior", "reversed")  # where recast did not run (recast-reversed, recast-matched)
+W_LABELS = ("recast", "recast_prior_grad", "reversed_grad")  # recast-protocol's W; recast-units' new arms
+W_LABELS_ELSE = ("recast_prior", "reversed")  # where none of those ran (recast-reversed, recast-matched)
 
 
 def w_caption(drawn):
