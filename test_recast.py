@@ -384,7 +384,7 @@ def test_nft_update_weighs_each_step_by_omega_with_gradient_column_units(monkeyp
             assert not torch.allclose(got, want, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("credit", ["recast", "uniform", "nft"])
+@pytest.mark.parametrize("credit", ["recast", "recast_reversed", "uniform", "nft"])
 def test_column_units_gradient_in_a_run(tiny, tmp_path, monkeypatch, credit):
     """A tiny run with --column-units gradient logs W with column sums propto 1 / s_j (rows: the budgets), and the
     update gets it (--credit nft: combine_raw's one row of sum 1 with those columns)."""
