@@ -284,6 +284,18 @@ def _units_cells():
     return tuple(out)
 
 
+CONTROL_RUNS = dict(  # recast-reversed, -matched and -units: recast-protocol's runs at 8 seeds, paired across all three
+    iterations=24,
+    prompts_per_iter=3,
+    eval_every=8,
+    seeds=8,
+    report="report_protocol",
+    quick_keep=("A-uniform",),
+    seconds_per_prompt_iter=0.85,
+    final_noises=4,
+    quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1},
+)
+
 EXPERIMENTS = {
     e.name: e
     for e in [
@@ -409,46 +421,22 @@ EXPERIMENTS = {
                 for c in _protocol_cells("A", reversed_arm=True)
                 if c.group in REVERSED_CELLS and c.label in ("nft", "uniform", "recast_prior", "reversed")
             ),
-            iterations=24,
-            prompts_per_iter=3,
-            eval_every=8,
-            seeds=8,
-            report="report_protocol",
-            quick_keep=("A-uniform",),
-            seconds_per_prompt_iter=0.85,
-            final_noises=4,
+            **CONTROL_RUNS,
             reuse="recast-protocol",  # its nft, uniform and recast_prior runs of seeds 0-2, final evaluations too
-            quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1},
         ),
         Experiment(
             "recast-matched",
             _matched_cells(),
-            iterations=24,
-            prompts_per_iter=3,
-            eval_every=8,
-            seeds=8,
-            report="report_protocol",
-            quick_keep=("A-uniform",),
-            seconds_per_prompt_iter=0.85,
-            final_noises=4,
+            **CONTROL_RUNS,
             reuse="recast-reversed",  # its recast_prior and reversed runs, final evaluations too
             pairs=(("recast_prior", "matched"), ("reversed", "matched_reversed")),  # the family, per cell
-            quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1},
         ),
         Experiment(
             "recast-units",
             _units_cells(),
-            iterations=24,
-            prompts_per_iter=3,
-            eval_every=8,
-            seeds=8,
-            report="report_protocol",
-            quick_keep=("A-uniform",),
-            seconds_per_prompt_iter=0.85,
-            final_noises=4,
+            **CONTROL_RUNS,
             reuse="recast-reversed",  # its recast_prior and reversed runs (loss units), final evaluations too
             pairs=(("recast_prior_grad", "recast_prior"), ("recast_prior_grad", "reversed_grad")),
-            quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1},
         ),
         Experiment(
             "recast-100",
