@@ -545,7 +545,11 @@ def test_rvge_joint_quick_in_parallel_processes_resumes_and_marks_partial(tmp_pa
     # noise set is the runs' own (so it reproduces their eval_before/*)
     floor = json.loads((out / "eval_floor.json").read_text())
     first = by_label["nft"][0][0]
-    assert floor["noises"] == 2 and floor["values"]["eval/weighted"][0] == first["eval_before/weighted"]
+    # approx, not ==: the floor evaluates in another batch split than the run (another order of the same float sums),
+    # so the two agree to ~1e-9 and round alike only on some CPUs
+    assert floor["noises"] == 2 and floor["values"]["eval/weighted"][0] == pytest.approx(
+        first["eval_before/weighted"], rel=1e-6
+    )
     assert floor["sd"]["eval/weighted"] == pytest.approx(np.std(floor["values"]["eval/weighted"], ddof=1))
     margin = 2 * floor["sd"]["eval/weighted"]
     assert f"weighted (margin {margin:.4g})" in table and "| rvge_fifth | " in table.split("Non-inferiority")[1]
