@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import run_kit
+from kit import run_kit
 
 TINY_WORDS = ["a", "red", "blue", "circle", "square", "two"]
 

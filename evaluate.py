@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-import run_kit
+from kit import run_kit
 
 
 def parse_flags(argv):

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from run_kit import (
+from kit.run_kit import (
     RUN_ARG_GROUPS,
     NFTArgs,
     Run,

@@ -61,8 +61,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from recast import CreditSettings, combine_raw, credit
-from run_kit import (
+from kit.run_kit import (
     RUN_ARG_GROUPS,
     NFTArgs,
     Run,
@@ -93,6 +92,7 @@ from run_kit import (
     stop_if_a_reward_failed,
     velocity,
 )
+from recast import CreditSettings, combine_raw, credit
 
 # =============================================================================
 # NOTES.md §4.1-§4.3, our reconstruction: value directions and their transfer across t

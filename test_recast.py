@@ -22,10 +22,9 @@ import pytest
 import torch
 
 import recast
-import reward_models
-import run_kit
 import rvge
 from conftest import TINY_REWARDS, assert_loads_as_trained, brightness, read_metrics, tiny_argv
+from kit import reward_models, run_kit
 
 # -----------------------------------------------------------------------------
 # Optimality probabilities (NOTES.md §2)
@@ -1049,7 +1048,7 @@ def linear_latent_cosines(pipe_path, prompts, max_len, seed=0):
 
 
 def test_rvge_direction_follows_a_linear_latent_reward_on_the_embedded_model():
-    import shapes_world
+    from world import shapes_world
 
     cos = linear_latent_cosines(
         run_kit.EMBEDDED_MODEL,

@@ -1,0 +1,67 @@
+"""The documents hold what the code and each other cite: every "NOTES.md §n" a script names is a heading of
+NOTES.md, and every relative link (file and #anchor, GitHub's heading slugs) in README.md, RESULTS.md and NOTES.md
+resolves."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted(
+    str(p.relative_to(ROOT))
+    for p in ROOT.rglob("*.md")
+    if not {"runs", "work", ".git", "set-aside"} & set(p.relative_to(ROOT).parts)
+)  # every Markdown file of the project, the results folders' READMEs and tables included
+
+
+def prose_lines(path):
+    """The lines of a markdown file outside ``` fences."""
+    fence = False
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence:
+            yield line
+
+
+def heading_slugs(path):
+    """GitHub's anchors of a markdown file's headings: lower case, punctuation dropped, spaces to -, repeats -1, -2."""
+    slugs, seen = set(), {}
+    for line in prose_lines(path):
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", m.group(1))
+            slug = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+            slugs.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return slugs
+
+
+def test_every_section_the_code_cites_is_in_notes():
+    headings = {m for line in prose_lines(ROOT / "NOTES.md") for m in re.findall(r"^#+ (§[\d.]+)", line)}
+    cited = {}
+    for path in sorted(ROOT.glob("*.py")) + [ROOT / "derivations.ipynb", ROOT / "README.md"]:
+        for group in re.findall(r"NOTES\.md[^\n§]{0,3}((?:§[\d.]+[^\n§]{0,6})+)", path.read_text()):
+            for ref in re.findall(r"§(\d+(?:\.\d+)?)", group):
+                cited.setdefault("§" + ref, path.name)
+    assert cited, "no NOTES.md section is cited: the pattern is broken"
+    missing = {ref: where for ref, where in cited.items() if ref not in headings}
+    assert not missing, f"cited but not a NOTES.md heading: {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_relative_link_resolves(doc):
+    md = ROOT / doc
+    text = "\n".join(re.sub(r"`[^`]*`", "", line) for line in prose_lines(md))
+    bad = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"^[a-z]+://", target):
+            continue
+        file, _, anchor = target.partition("#")
+        dest = md.parent / file if file else md
+        if not dest.exists():
+            bad.append(f"missing file {target}")
+        elif anchor and dest.suffix == ".md" and anchor not in heading_slugs(dest):
+            bad.append(f"missing anchor {target}")
+    assert not bad, f"{doc}: {bad}"
