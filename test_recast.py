@@ -872,7 +872,8 @@ def test_rvge_ablation_flags_train_end_to_end(tiny, tmp_path, monkeypatch):
 TWO_PROC_SCRIPT = """
 import sys, numpy as np
 sys.path.insert(0, {repo!r})
-import {module} as script, recast, run_kit, test_recast
+import {module} as script, recast, test_recast
+from kit import run_kit
 from accelerate import PartialState
 solve = recast.solve_W  # both scripts build W in recast.credit
 def recorded(*a, **k):

@@ -229,6 +229,8 @@ def test_resume_after_sigkill_loses_nothing_and_same_seed_repeats(tiny, tmp_path
     def strip(m):
         return {k: v for k, v in m.items() if not k.startswith("time/")}
 
+    # exact, not approx: one code path run twice on the same inputs with the same threads and process layout (the
+    # killed run's process inherits this one's environment), so resume must reproduce the uninterrupted run bit for bit
     assert [strip(m) for m in read_metrics(killed)] == [strip(m) for m in read_metrics(ref)]
 
 
