@@ -86,7 +86,7 @@ def main(argv=None, extra_rewards=None, judges=None):
         (json.loads(line) for it, line in run_kit.metrics_lines(out / "metrics.jsonl") if it == max(iteration, 0)), {}
     )
     if flags.base:
-        logged = {k.replace("eval_before/", "eval/"): v for k, v in logged.items()}
+        logged = {k.replace("eval_before/", "eval/"): v for k, v in logged.items() if k.startswith("eval_before/")}
     steps, processes = len(run.eval_sigmas) - 1, run.acc.num_processes
     print(f"{label} of {out}: {len(run.eval_prompts)} prompts, {steps} steps, {processes} process(es)")
     print(f"{'metric':<28}{'evaluated':>12}{'run logged':>12}")

@@ -1759,8 +1759,8 @@ def plot_run(out, names):
         save_atomic(drawn[-1], lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
 
     evals = (
-        [(0, {k.replace("eval_before/", "eval/"): v for k, v in rows[0].items()})]
-        if "eval_before/weighted" in rows[0]
+        [(0, {k.replace("eval_before/", "eval/"): v for k, v in rows[0].items() if k.startswith("eval_before/")})]
+        if "eval_before/weighted" in rows[0]  # not its eval/*: iteration 0's own evaluation, when it has one
         else []
     ) + [(m["iteration"] + 1, m) for m in rows if "eval/weighted" in m]
     judges = sorted({k for _, m in evals for k in m if k.startswith("eval/judge/")})
