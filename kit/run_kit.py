@@ -117,7 +117,8 @@ class RunArgs:
     """run folder to continue in place from its newest intact checkpoint (its config.json gives the settings; flags
     given now override those that may change)"""
     overwrite: bool = flag(False, "I/O")
-    """let --out replace a run folder that already holds a run (its metrics, checkpoints and figures are deleted)"""
+    """let --out replace a run folder that already holds a run (its metrics, checkpoints and figures are deleted; any
+    other file there, such as evaluate.py's results, is moved to <out>.set-aside)"""
     device: str = flag("", "I/O")
     """cpu or cuda (default: cuda if available)"""
     dtype: str = flag("", "I/O", choices=["", "float32", "bfloat16", "float16"])
@@ -1244,6 +1245,12 @@ def run_folder(args, default_name):
                 f"--out {out} already holds a run. Continue it with --resume {out}, choose another --out, "
                 "or replace it with --overwrite"
             )
+        if holds_a_run and not_the_runs_own(out) and not os.access(out.resolve().parent, os.W_OK):
+            raise SystemExit(
+                f"--overwrite {out}: it holds files that are not the run's own ({not_the_runs_own(out)[0].name}, ...), "
+                f"which --overwrite moves to {set_aside_folder(out)}, and {out.resolve().parent} is not writable. "
+                "Move them away yourself, or choose another --out"
+            )
         if not holds_a_run and not is_unused(out):
             raise SystemExit(
                 f"--out {out} holds files that are not a run of this project (a run writes only to a new or empty "
@@ -1372,16 +1379,8 @@ def start_or_resume(run: Run, args):
         tqdm.write(f"{run.out} has no checkpoint yet: training starts at iteration 0")
     if run.acc.is_main_process:
         if args.overwrite:
-            for name in (
-                "config.json",
-                "tensorboard",
-                "metrics.jsonl",
-                "checkpoints",
-                "rewards.png",
-                "credit.png",
-                "directions.png",
-                "samples.png",
-            ):
+            set_aside(run.out)  # nothing that predates the new run stays: what is not the old run's own is moved
+            for name in RUN_OWN:
                 shutil.rmtree(run.out / name) if (run.out / name).is_dir() else (run.out / name).unlink(missing_ok=True)
         for leftover in leftovers(run.out):
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
@@ -1402,6 +1401,52 @@ def start_or_resume(run: Run, args):
             ) from None
     start_trackers(run, args)
     return start, {"opt_steps": 0, "level_stats": None, **(state or {})}
+
+
+RUN_OWN = (  # what a run writes in its folder (its figures: FIGURES), deleted by --overwrite
+    "config.json",
+    "tensorboard",
+    "metrics.jsonl",
+    "checkpoints",
+    "rewards.png",
+    "credit.png",
+    "directions.png",
+    "samples.png",
+)
+
+
+def not_the_runs_own(out):
+    """What --overwrite moves out of a run folder rather than delete: every entry but the run's own files (RUN_OWN),
+    its lock, run_folder's write probes and this program's half-written leftovers (evaluate.py's results, a user's
+    notes)."""
+    out, ours = Path(out), set(leftovers(out))
+    return sorted(
+        p
+        for p in out.iterdir()
+        if p.name not in RUN_OWN and p.name != ".lock" and not p.name.startswith(".write_test.") and p not in ours
+    )
+
+
+def set_aside_folder(out):
+    """Where --overwrite moves what is not the replaced run's own: <out>.set-aside beside the run folder (-2, -3, ...
+    when taken)."""
+    names = (f"{Path(out).name}.set-aside" + (f"-{i}" if i > 1 else "") for i in range(1, 10**6))
+    return next(p for p in map(Path(out).with_name, names) if not p.exists())
+
+
+def set_aside(out):
+    """--overwrite: move not_the_runs_own(out) into a new set_aside_folder (renames, nothing copied or deleted) and say
+    so. Returns that folder, or None when there was nothing to move."""
+    entries = not_the_runs_own(out)
+    if not entries:
+        return None
+    aside = set_aside_folder(out)
+    aside.mkdir()
+    for p in entries:
+        os.replace(p, aside / p.name)
+    names = ", ".join(p.name for p in entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    tqdm.write(f"--overwrite: {names} (not the replaced run's own) moved to {aside}")
+    return aside
 
 
 def write_atomic(path, text):

@@ -5,6 +5,7 @@ Run: python -m pytest -q tests/test_robustness.py
 
 import json
 import re
+import time
 from types import SimpleNamespace
 
 import matplotlib.figure
@@ -76,3 +77,33 @@ def test_evaluate_base_compares_with_eval_before_when_iteration_0_also_evaluated
         assert re.search(rf"^{re.escape(key)} +{value:.4f} +{logged:.4f}$", printed, re.M), (key, printed)
     assert base == pytest.approx({k.replace("eval_before/", "eval/"): v for k, v in row.items() if "eval_before/" in k})
     assert snapshot(out) == before
+
+
+# -----------------------------------------------------------------------------
+# issue 47: --overwrite leaves nothing of the replaced run, and sets aside what was not its own
+# -----------------------------------------------------------------------------
+
+
+def test_overwrite_leaves_nothing_that_predates_the_new_run_and_sets_the_rest_aside(tiny, evaluated_run, tmp_path):
+    """evaluate.py's results of the replaced run, a user's notes, folders and *.tmp files: moved, bytes intact, to
+    <out>.set-aside (a second --overwrite: .set-aside-2); the run's own files are deleted; every file left in the
+    folder was written by the new run."""
+    out = copy_of(evaluated_run, tmp_path)
+    evaluate.main([str(out)], extra_rewards=TINY_REWARDS)  # eval-iter_000000.json and .png of the replaced run
+    (out / "notes.txt").write_text("mine")
+    (out / "drafts" / "deep").mkdir(parents=True)
+    (out / "drafts" / "deep" / "x.tmp").write_text("mine too")
+    (out / "config.json.tmp").write_text("{")  # a kill's half-written config: the program's own, deleted
+    before = snapshot(out)
+    foreign = {k: v for k, v in before.items() if k.startswith(("eval-", "notes", "drafts"))}
+    assert len(foreign) == 4
+    argv = tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0", "--overwrite")
+    started = time.time_ns()
+    recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+    assert snapshot(tmp_path / "run.set-aside") == foreign
+    assert {name.split("/")[0] for name in snapshot(out)} <= set(run_kit.RUN_OWN)
+    assert all(p.stat().st_mtime_ns >= started for p in out.rglob("*") if p.is_file() and p.name != ".lock")
+    (out / "eval-base.json").write_text("{}")
+    recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+    assert snapshot(tmp_path / "run.set-aside-2") == {"eval-base.json": b"{}"}
+    assert snapshot(tmp_path / "run.set-aside") == foreign
