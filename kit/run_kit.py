@@ -30,6 +30,7 @@ import random
 import shutil
 import subprocess
 import textwrap
+import uuid
 import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -1387,6 +1388,7 @@ def start_or_resume(run: Run, args):
         config = {
             "args": asdict(args),
             "script": run.script,
+            "run_id": run_id(run.out) if args.resume else uuid.uuid4().hex,  # in every checkpoint (save_checkpoint)
             "rewards": run.names,
             "processes": run.acc.num_processes,  # the global batch is processes x --prompts-per-iter groups
             "git_sha": git_sha(),
@@ -1401,6 +1403,27 @@ def start_or_resume(run: Run, args):
             ) from None
     start_trackers(run, args)
     return start, {"opt_steps": 0, "level_stats": None, **(state or {})}
+
+
+def run_id(out):
+    """The id a run folder's config.json records, written once when the run starts and kept by --resume (a copy of the
+    folder shares it): save_checkpoint writes it into each state.pt, so that evaluate.py knows a checkpoint of another
+    run. A run that predates it gets one at its next resume."""
+    try:
+        return json.loads((Path(out) / "config.json").read_text()).get("run_id") or uuid.uuid4().hex
+    except (OSError, ValueError, AttributeError):
+        return uuid.uuid4().hex
+
+
+def run_identity(out):
+    """{"run_id", "script"} of the run folder's config.json (None for what it lacks): what a checkpoint records of
+    the run that wrote it."""
+    try:
+        config = json.loads((Path(out) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    config = config if isinstance(config, dict) else {}
+    return {"run_id": config.get("run_id"), "script": config.get("script")}
 
 
 RUN_OWN = (  # what a run writes in its folder (its figures: FIGURES), deleted by --overwrite
@@ -1512,7 +1535,8 @@ def save_checkpoint(out, iteration, transformer, opt, state):
     """checkpoints/iter_N/: the "default" LoRA in diffusers' format with its LoraConfig as metadata, so that
     pipe.load_lora_weights("<run>/checkpoints/iter_N") gives the trained model exactly (without the metadata
     diffusers takes lora_alpha = r, a wrong scale unless alpha = r); iter_N/ema the EMA with --ema; and state.pt
-    (every adapter, optimizer, level statistics, optimizer-step count, iteration). Written to a .tmp folder,
+    (every adapter, optimizer, level statistics, optimizer-step count, iteration, and the run that wrote it:
+    run_identity). Written to a .tmp folder,
     renamed, then `latest` is replaced atomically: a kill at any moment leaves the last good one.
     Keeps this checkpoint and the newest earlier one. Refuses to write non-finite weights."""
     from diffusers import StableDiffusion3Pipeline
@@ -1537,7 +1561,10 @@ def save_checkpoint(out, iteration, transformer, opt, state):
                     transformer_lora_layers=lora[adapter],
                     transformer_lora_adapter_metadata=transformer.peft_config[adapter].to_dict(),
                 )
-        torch.save({"iteration": iteration, "lora": lora, "optimizer": opt.state_dict(), **state}, tmp / "state.pt")
+        torch.save(
+            {"iteration": iteration, "lora": lora, "optimizer": opt.state_dict(), **state, "run": run_identity(out)},
+            tmp / "state.pt",
+        )
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         (root / "latest.tmp").write_text(final.name)

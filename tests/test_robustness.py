@@ -5,11 +5,13 @@ Run: python -m pytest -q tests/test_robustness.py
 
 import json
 import re
+import shutil
 import time
 from types import SimpleNamespace
 
 import matplotlib.figure
 import pytest
+import torch
 
 import evaluate
 import recast
@@ -19,10 +21,11 @@ from kit import run_kit
 
 @pytest.fixture(scope="module")
 def evaluated_run(tiny, tmp_path_factory):
-    """A finished 1-iteration recast run whose only iteration also evaluates (eval_before/* and eval/* on one line),
-    with its checkpoint; tests copy it."""
+    """A finished 2-iteration recast run that evaluates at every iteration (iteration 0's line holds eval_before/*
+    and eval/*) and checkpoints both; tests copy it."""
     out = tmp_path_factory.mktemp("evaluated") / "run"
-    recast.train(recast.parse_args(tiny_argv(tiny, out, "--iterations", "1")), extra_rewards=TINY_REWARDS)
+    argv = tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "1", "--save-every", "1")
+    recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
     return SimpleNamespace(out=out)
 
 
@@ -65,10 +68,10 @@ def test_evaluate_base_compares_with_eval_before_when_iteration_0_also_evaluated
     """evaluate.py --base's "run logged" column is the pretrained model's eval_before/*, not iteration 0's eval/*
     (which share its metrics line when the first iteration evaluates; set apart here so they cannot round alike)."""
     out = copy_of(evaluated_run, tmp_path)
-    (row,) = read_metrics(out)
+    row, *rest = read_metrics(out)
     assert "eval/weighted" in row and "eval_before/weighted" in row
     row |= {k: 9.0 for k in row if k.startswith("eval/")}  # iteration 0's evaluation, far from the pretrained one
-    (out / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in [row, *rest]))
     before = snapshot(out)
     base = evaluate.main([str(out), "--base", "--json", str(tmp_path / "base.json")], extra_rewards=TINY_REWARDS)
     printed = capsys.readouterr().out
@@ -89,7 +92,7 @@ def test_overwrite_leaves_nothing_that_predates_the_new_run_and_sets_the_rest_as
     <out>.set-aside (a second --overwrite: .set-aside-2); the run's own files are deleted; every file left in the
     folder was written by the new run."""
     out = copy_of(evaluated_run, tmp_path)
-    evaluate.main([str(out)], extra_rewards=TINY_REWARDS)  # eval-iter_000000.json and .png of the replaced run
+    evaluate.main([str(out)], extra_rewards=TINY_REWARDS)  # eval-iter_000001.json and .png of the replaced run
     (out / "notes.txt").write_text("mine")
     (out / "drafts" / "deep").mkdir(parents=True)
     (out / "drafts" / "deep" / "x.tmp").write_text("mine too")
@@ -107,3 +110,147 @@ def test_overwrite_leaves_nothing_that_predates_the_new_run_and_sets_the_rest_as
     recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
     assert snapshot(tmp_path / "run.set-aside-2") == {"eval-base.json": b"{}"}
     assert snapshot(tmp_path / "run.set-aside") == foreign
+
+
+# -----------------------------------------------------------------------------
+# issue 47: evaluate.py's result path, checked before any model loads
+# -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """load_run fails the test: what is refused must be refused before any model loads."""
+
+    def load_run(*args, **kwargs):
+        raise AssertionError("the model loaded before the refusal")
+
+    monkeypatch.setattr(run_kit, "load_run", load_run)
+
+
+@pytest.mark.parametrize(
+    "where, words",
+    [
+        ("metrics.jsonl", "give a path ending in .json"),
+        ("config.json", "is not one of evaluate.py's results"),
+        ("checkpoints/eval-x.json", "is not one of evaluate.py's results"),
+        ("samples.png", "give a path ending in .json"),
+        ("../x.png", "give a path ending in .json"),  # the PNG would be written over the JSON
+        ("../missing/x.json", "the folder"),
+        ("../taken.json", "exists (an earlier evaluation?). Give --replace"),
+        ("../taken.png", "give a path ending in .json"),
+        ("../samples.json", "samples.png exists"),  # the .png beside it is taken
+    ],
+)
+def test_evaluate_refuses_a_result_path_that_would_replace_a_file(evaluated_run, tmp_path, no_model, where, words):
+    out = copy_of(evaluated_run, tmp_path)
+    (tmp_path / "taken.json").write_text("mine")
+    (tmp_path / "taken.png").write_text("mine")
+    (tmp_path / "samples.png").write_text("mine")
+    before, around = snapshot(out), snapshot(tmp_path)
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        evaluate.main([str(out), "--json", str(out / where)], extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before and snapshot(tmp_path) == around
+    assert not (tmp_path / "missing").exists()
+
+
+def test_evaluate_writes_over_an_earlier_result_only_with_replace(evaluated_run, tmp_path, capsys):
+    """The default result file, there from an earlier evaluation (perhaps with other settings), is refused before the
+    model loads; --replace writes it again and says so."""
+    out = copy_of(evaluated_run, tmp_path)
+    (out / "eval-iter_000001.json").write_text("earlier")
+    before = snapshot(out)
+    with pytest.raises(SystemExit, match=r"eval-iter_000001.json exists .*Give --replace"):
+        evaluate.main([str(out), "--eval-steps", "3"], extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
+    evaluate.main([str(out), "--replace"], extra_rewards=TINY_REWARDS)
+    assert "(replacing the earlier result: --replace)" in capsys.readouterr().out
+    assert json.loads((out / "eval-iter_000001.json").read_text())["checkpoint"] == "iter_000001"
+    assert {k for k in snapshot(out) if snapshot(out)[k] != before.get(k)} == {
+        "eval-iter_000001.json",
+        "eval-iter_000001.png",
+    }
+
+
+# -----------------------------------------------------------------------------
+# issue 47: evaluate.py's checkpoint: the newest loadable one, a training run's rotation, another run's
+# -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_evaluate_falls_back_to_the_newest_loadable_checkpoint_and_says_so(evaluated_run, tmp_path, capsys, damage):
+    """The newest checkpoint truncated, or `latest` naming one that is gone: evaluate.py evaluates the newest one that
+    loads, as --resume would, says which, and its numbers are what the run logged at that iteration."""
+    out = copy_of(evaluated_run, tmp_path)
+    newest = out / "checkpoints" / "iter_000001"
+    if damage == "truncated":
+        (newest / "state.pt").write_bytes((newest / "state.pt").read_bytes()[:1000])
+    else:
+        shutil.rmtree(newest)
+    before = snapshot(out)
+    got = evaluate.main([str(out), "--json", str(tmp_path / "e.json")], extra_rewards=TINY_REWARDS)
+    printed = capsys.readouterr().out
+    assert f"evaluating iter_000000, the newest loadable checkpoint of {out}" in printed
+    assert got == {k: v for k, v in read_metrics(out)[0].items() if k.startswith("eval/")}
+    assert json.loads((tmp_path / "e.json").read_text())["checkpoint"] == "iter_000000"
+    assert snapshot(out) == before
+
+
+def test_evaluate_reads_a_training_runs_checkpoint_while_rotation_deletes_it(evaluated_run, tmp_path, monkeypatch):
+    """A run still training saves iter_2 and iter_3 between evaluate.py reading `latest` (iter_1) and loading it, and
+    its rotation deletes iter_0 and iter_1: evaluate.py looks again and takes iter_3."""
+    out = copy_of(evaluated_run, tmp_path)
+    root, load = out / "checkpoints", torch.load
+
+    def rotated_meanwhile(path, **kwargs):
+        if not (root / "iter_000003").exists():
+            shutil.copytree(root / "iter_000001", root / "iter_000003")
+            (root / "latest").write_text("iter_000003")
+            shutil.rmtree(root / "iter_000000")
+            shutil.rmtree(root / "iter_000001")
+        return load(path, **kwargs)
+
+    monkeypatch.setattr(torch, "load", rotated_meanwhile)
+    ckpt, state = evaluate.read_checkpoint(out)
+    assert ckpt == root / "iter_000003" and state["iteration"] == 1
+
+
+def test_checkpoints_record_their_run_and_evaluate_refuses_another_runs(evaluated_run, tmp_path, no_model):
+    """state.pt records the run id and script of config.json (a resume keeps the id); evaluate.py refuses a
+    checkpoint whose record is another run's, before the model loads; a checkpoint older than the record loads."""
+    out = copy_of(evaluated_run, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    state = torch.load(out / "checkpoints" / "iter_000001" / "state.pt", weights_only=False)
+    assert len(config["run_id"]) == 32 and state["run"] == {"run_id": config["run_id"], "script": "recast"}
+    (out / "config.json").write_text(json.dumps({**config, "run_id": "another"}))  # iter_N came from another run
+    before = snapshot(out)
+    with pytest.raises(SystemExit, match=r"was written by another run \(recast.py, run [0-9a-f]{32}\), not by"):
+        evaluate.main([str(out)], extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
+    state.pop("run")  # a checkpoint that predates the record: evaluated as the run's
+    torch.save(state, out / "checkpoints" / "iter_000001" / "state.pt")
+    assert evaluate.read_checkpoint(out)[0].name == "iter_000001"
+
+
+def test_resume_keeps_the_run_id_in_config_and_new_checkpoints(evaluated_run, tmp_path):
+    out = copy_of(evaluated_run, tmp_path)
+    run_id = json.loads((out / "config.json").read_text())["run_id"]
+    recast.train(recast.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+    assert json.loads((out / "config.json").read_text())["run_id"] == run_id
+    state = torch.load(out / "checkpoints" / "iter_000002" / "state.pt", weights_only=False)
+    assert state["run"] == {"run_id": run_id, "script": "recast"}
+
+
+def test_evaluate_names_a_damaged_config_and_the_flags_it_does_not_take(evaluated_run, tmp_path, no_model):
+    out = copy_of(evaluated_run, tmp_path)
+    before = snapshot(out)
+    with pytest.raises(SystemExit) as err:  # the tiny run's rewards are not known without extra_rewards
+        evaluate.main([str(out)])
+    assert "Fix --rewards" in str(err.value)
+    assert f"(evaluate.py: --rewards is the run's setting, from {out}/config.json; evaluate.py takes only" in str(
+        err.value
+    )
+    (out / "config.json").write_text('{"args": {')
+    for given in (out, out / "checkpoints" / "iter_000001"):
+        with pytest.raises(SystemExit, match=re.escape(f"{out / 'config.json'} is damaged")):
+            evaluate.main([str(given)], extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == {**before, "config.json": b'{"args": {'}
