@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import datetime
 import difflib
 import fcntl
 import importlib.util
@@ -29,7 +30,9 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 import textwrap
+import threading
 import uuid
 import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -1343,10 +1346,83 @@ def check_tensorboard_folder(folder, report_to):
 
 def process_state(args):
     """accelerate's PartialState of this process (started here if no one has yet: under `accelerate launch` this
-    joins the process group), on the device --device names, else CUDA when there is one."""
+    joins the process group), on the device --device names, else CUDA when there is one. The launcher's variables
+    are checked first (`launch_variables`); a process of a launch that waits for the others says so after
+    WAIT_NOTICE_S and gives up after LAUNCH_WAIT_S (passed to torch.distributed as its timeout, which then bounds
+    every collective too, as NCCL's default of 10 minutes does)."""
     from accelerate import PartialState
 
-    return PartialState(cpu=(args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu")
+    cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
+    launch = None if torch.distributed.is_available() and torch.distributed.is_initialized() else launch_variables()
+    if launch is None:
+        return PartialState(cpu=cpu)
+    rank, world, where = launch
+    given = " ".join(k for k in LAUNCH_VARIABLES if k in os.environ)  # accelerate adds some of them
+    notice = threading.Timer(
+        WAIT_NOTICE_S,
+        lambda: print(
+            f"process {rank} of {world}: waiting for the other processes at {where} (gives up after {LAUNCH_WAIT_S} s)",
+            file=sys.stderr,
+            flush=True,
+        ),
+    )
+    notice.daemon = True
+    notice.start()
+    try:
+        return PartialState(cpu=cpu, timeout=datetime.timedelta(seconds=LAUNCH_WAIT_S))
+    except (RuntimeError, ValueError) as err:  # torch's DistNetworkError, DistStoreError; accelerate's ValueError
+        raise SystemExit(
+            f"process {rank} of {world}: the other processes did not join at {where} within {LAUNCH_WAIT_S} s "
+            f"({type(err).__name__}). Start them all with `accelerate launch --num_processes {world} ...`, or unset "
+            f"{given} MASTER_ADDR MASTER_PORT to run one process"
+        ) from None
+    finally:
+        notice.cancel()
+
+
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")  # what a launcher (torchrun) sets
+LAUNCH_WAIT_S = 600  # how long a process of a launch waits for the others before it gives up
+WAIT_NOTICE_S = 10  # when a waiting process says that it waits
+
+
+def launch_variables():
+    """The launcher's variables (LAUNCH_VARIABLES, MASTER_ADDR, MASTER_PORT), checked before any distributed start:
+    None when there are none, or when their values are one process's (WORLD_SIZE 1 or unset, RANK and LOCAL_RANK 0
+    or unset; a RANK alone, which starts nothing) and no MASTER_ADDR/MASTER_PORT says a launcher set them: such
+    leftovers in a plain shell are removed from this process's environment, with a line that says so, and the run
+    is one process. (rank, world size, "addr:port") of a launch. Values that are not whole numbers, that contradict
+    each other, or of several processes without MASTER_ADDR and MASTER_PORT: SystemExit in one line naming the
+    variables and the fix."""
+    given = {k: os.environ[k] for k in LAUNCH_VARIABLES if k in os.environ}
+    if not given:
+        return None
+    shown = " ".join(f"{k}={v}" for k, v in given.items())
+    fix = f"Start several processes with `accelerate launch --num_processes N ...`, or unset {' '.join(given)} for one"
+    bad = next((k for k, v in given.items() if not v.strip().isdigit()), None)
+    if bad:
+        raise SystemExit(f"launcher variables {shown}: {bad} is not a whole number. {fix}")
+    n = {k: int(v) for k, v in given.items()}
+    world, rank, local = n.get("WORLD_SIZE", 1), n.get("RANK"), n.get("LOCAL_RANK", 0)
+    launched = bool(os.environ.get("MASTER_ADDR")) and bool(os.environ.get("MASTER_PORT"))
+    if world == 1 and local == 0 and (rank in (None, 0) or "WORLD_SIZE" not in given) and not launched:
+        for k in given:
+            del os.environ[k]
+        print(f"{shown} (a launcher's variables, without MASTER_ADDR/MASTER_PORT): one process", file=sys.stderr)
+        return None
+    local_world = n.get("LOCAL_WORLD_SIZE", world)
+    if world < 1:
+        problem = "WORLD_SIZE must be 1 or more"
+    elif rank is None:
+        problem = "RANK is not set"
+    elif rank >= world:
+        problem = f"RANK {rank} is not below WORLD_SIZE {world}"
+    elif local > rank or local >= local_world:
+        problem = f"LOCAL_RANK {local} does not fit RANK {rank} and LOCAL_WORLD_SIZE {local_world}"
+    elif not launched:
+        problem = "MASTER_ADDR and MASTER_PORT are not set (no launcher started the other processes)"
+    else:
+        return rank, world, f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    raise SystemExit(f"launcher variables {shown}: {problem}. {fix}")
 
 
 def is_first_process(args):

@@ -4,9 +4,14 @@ Run: python -m pytest -q tests/test_robustness.py
 """
 
 import json
+import os
 import re
 import shutil
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import matplotlib.figure
@@ -254,3 +259,82 @@ def test_evaluate_names_a_damaged_config_and_the_flags_it_does_not_take(evaluate
         with pytest.raises(SystemExit, match=re.escape(f"{out / 'config.json'} is damaged")):
             evaluate.main([str(given)], extra_rewards=TINY_REWARDS)
     assert snapshot(out) == {**before, "config.json": b'{"args": {'}
+
+
+# -----------------------------------------------------------------------------
+# issue 47: a launcher's variables left in a plain shell
+# -----------------------------------------------------------------------------
+
+LAUNCH = """
+import sys
+from types import SimpleNamespace
+sys.path.insert(0, {root!r})
+from kit import run_kit
+run_kit.LAUNCH_WAIT_S, run_kit.WAIT_NOTICE_S = 4, 1
+print("processes", run_kit.process_state(SimpleNamespace(device="cpu")).num_processes)
+"""
+
+
+def start_processes(env):
+    """process_state in a fresh python with the launcher's variables `env` (and no others): (exit code, stdout,
+    stderr)."""
+    clean = {k: v for k, v in os.environ.items() if k not in (*run_kit.LAUNCH_VARIABLES, "MASTER_ADDR", "MASTER_PORT")}
+    code = LAUNCH.format(root=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, timeout=120
+    )
+    return done.returncode, done.stdout, done.stderr
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_launchers_single_process_values_run_as_one_process():
+    rc, out, err = start_processes({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    assert rc == 0 and out.strip() == "processes 1", err[-2000:]
+    assert (
+        "RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 (a launcher's variables, without MASTER_ADDR/MASTER_PORT): one process" in err
+    )
+
+
+def test_a_process_waiting_for_its_peers_says_so_and_gives_up_after_the_stated_time():
+    env = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    started = time.monotonic()
+    rc, out, err = start_processes(env)
+    assert rc == 1 and time.monotonic() - started < 60
+    assert "process 1 of 2: waiting for the other processes at 127.0.0.1:" in err and "(gives up after 4 s)" in err
+    assert err.strip().splitlines()[-1].startswith("process 1 of 2: the other processes did not join at 127.0.0.1:")
+    assert "within 4 s" in err and "accelerate launch --num_processes 2" in err
+
+
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"LOCAL_RANK": "abc"}, "launcher variables LOCAL_RANK=abc: LOCAL_RANK is not a whole number"),
+        ({"WORLD_SIZE": "2"}, "launcher variables WORLD_SIZE=2: RANK is not set"),
+        ({"RANK": "1", "WORLD_SIZE": "1"}, "RANK 1 is not below WORLD_SIZE 1"),
+        ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, "MASTER_ADDR and MASTER_PORT are not set"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "3", "MASTER_ADDR": "x", "MASTER_PORT": "1"}, "LOCAL_RANK 3"),
+    ],
+)
+def test_a_launchers_inconsistent_values_are_refused_in_one_line_before_anything_is_written(
+    tiny, tmp_path, monkeypatch, env, words
+):
+    for k in (*run_kit.LAUNCH_VARIABLES, "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as err:
+        recast.validate(recast.parse_args(tiny_argv(tiny, tmp_path / "run")), extra_rewards=TINY_REWARDS)
+    message = str(err.value)
+    assert words in message and "\n" not in message and not (tmp_path / "run").exists()
+    assert "accelerate launch --num_processes N" in message and "or unset " in message
