@@ -361,18 +361,42 @@ def type_problem(f, value):
 NEW_RUN_ONLY = ("out", "resume", "overwrite")  # from a run's config.json given to --config: they chose its folder
 
 
+def unique_keys(pairs):
+    """json.loads's object_pairs_hook for --config files: a dict, or ValueError naming a key given twice (JSON
+    itself keeps the last)."""
+    keys = [k for k, _ in pairs]
+    twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+    if twice is not None:
+        raise ValueError(f"the key {twice!r} is given twice; keep one")
+    return dict(pairs)
+
+
+class UniqueKeys(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that gives a key twice (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+        twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+        if twice is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"the key {twice!r} is given twice; keep one", node.start_mark
+            )
+        return super().construct_mapping(node, deep)
+
+
 def read_config_file(path, Args, script):
     """{field: value} of a --config file: YAML (.yaml, .yml) or JSON (.json) holding flag names (dashes or
     underscores) and values, or a run's config.json (its "args", less NEW_RUN_ONLY, so that the new run gets a
-    folder of its own). Unknown keys, values of the wrong type and values outside a flag's range are refused naming
-    the file, the key and the fix."""
+    folder of its own); a byte-order mark is dropped. Unknown keys, a key given twice (also one flag spelled with
+    dashes and with underscores), `overwrite` (it is given on the command line), values of the wrong type and values
+    outside a flag's range are refused naming the file, the key and the fix."""
     suffix = Path(path).suffix.lower()
     if suffix not in (".yaml", ".yml", ".json"):
         raise SystemExit(f"--config {path}: give a .yaml, .yml or .json file (its suffix says how to read it)")
     try:
-        text = Path(path).read_text()
-        data = json.loads(text) if suffix == ".json" else yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError) as err:  # a missing file; a syntax error, with its line
+        text = Path(path).read_bytes().decode("utf-8-sig")  # -sig: a byte-order mark some editors write is dropped
+        data = json.loads(text, object_pairs_hook=unique_keys) if suffix == ".json" else yaml.load(text, UniqueKeys)
+    except (OSError, ValueError, yaml.YAMLError) as err:  # a missing file; a syntax error, with its line; a key twice
         raise SystemExit(f"--config {path}: cannot read it ({err}). Fix the file or the path") from None
     if isinstance(data, dict) and isinstance(data.get("args"), dict) and "script" in data:  # a run's config.json
         if data["script"] != script:
@@ -386,6 +410,14 @@ def read_config_file(path, Args, script):
     values = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if name in values:
+            twice = next(k for k in data if str(k).replace("-", "_") == name)
+            raise SystemExit(f"--config {path}: {twice!r} and {key!r} name the same flag; keep one of them")
+        if name == "overwrite":  # a run's config.json has lost it already (NEW_RUN_ONLY)
+            raise SystemExit(
+                f"--config {path}: overwrite is not taken from a file (a recipe would replace the run in its folder "
+                "without a word); give --overwrite on the command line"
+            )
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"did you mean {close[0].replace('_', '-')}? " if close else ""

@@ -338,3 +338,31 @@ def test_a_launchers_inconsistent_values_are_refused_in_one_line_before_anything
     message = str(err.value)
     assert words in message and "\n" not in message and not (tmp_path / "run").exists()
     assert "accelerate launch --num_processes N" in message and "or unset " in message
+
+
+# -----------------------------------------------------------------------------
+# issue 47: --config files
+# -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, text, words",
+    [
+        ("c.yaml", "lr: 1.0\nseed: 2\nlr: 2.0\n", "the key 'lr' is given twice; keep one"),
+        ("c.json", '{"lr": 1.0, "lr": 2.0}', "the key 'lr' is given twice; keep one"),
+        ("c.yaml", "n-roots: 3\nn_roots: 4\n", "'n-roots' and 'n_roots' name the same flag; keep one of them"),
+        ("c.json", '{"n_roots": 3, "n-roots": 4}', "'n_roots' and 'n-roots' name the same flag"),
+        ("c.yaml", "out: runs/x\noverwrite: true\n", "overwrite is not taken from a file"),
+    ],
+)
+def test_a_config_file_that_says_a_flag_twice_or_overwrites_is_refused(tmp_path, name, text, words):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit) as err:
+        recast.parse_args(["--config", str(tmp_path / name)])
+    assert str(err.value).startswith(f"--config {tmp_path / name}: ") and words in str(err.value)
+
+
+@pytest.mark.parametrize("name, text", [("c.json", '{"seed": 5, "n-roots": 3}'), ("c.yaml", "seed: 5\nn-roots: 3\n")])
+def test_a_config_file_with_a_byte_order_mark_reads_as_without(tmp_path, name, text):
+    (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert recast.parse_args(["--config", str(tmp_path / name)]) == recast.parse_args(["--seed", "5", "--n-roots", "3"])
