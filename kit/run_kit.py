@@ -264,8 +264,20 @@ def make_parser(Args, groups, doc, suppress=False):
 
 # Refused on --resume when they differ from the saved run (those of them a script has): a checkpoint is only valid with
 # the first five; the level statistics it holds were measured with the gain estimator and order; --gain-init only
-# seeds iteration 0. Every other flag applies from the resumed iteration on (the optimizer takes --lr, --weight-decay).
-FIXED_ON_RESUME = ("model", "rewards", "steps", "lora_rank", "lora_alpha", "gain_estimator", "alpha", "gain_init")
+# seeds iteration 0; --credit, --column-units and --permute-rewards say what the run is (its method, or a control), and
+# config.json records one value for the whole run. Every other flag applies from the resumed iteration on (the
+# optimizer takes --lr, --weight-decay). A run's config.json that predates a flag ran with its default.
+FIXED_ON_RESUME = (
+    *("model", "rewards", "steps", "lora_rank", "lora_alpha", "gain_estimator", "alpha", "gain_init"),
+    *("credit", "column_units", "permute_rewards"),
+)
+
+
+def resume_value(name, value):
+    """A setting as --resume compares it: --permute-rewards as its set of names (order and spaces aside)."""
+    if name == "permute_rewards" and isinstance(value, str):
+        return sorted({n.strip() for n in value.split(",") if n.strip()})
+    return value
 
 
 NOT_ON_RESUME = ("name", "overwrite")  # they choose or replace a run folder; --resume continues its own
@@ -309,10 +321,11 @@ def parse_flags(argv, Args, groups, doc, script):
             f"--resume {args.resume} continues that folder in place; --out {given['out']} names another. "
             "To branch a run, copy its folder and resume the copy"
         )
+    defaults = {f.name: f.default for f in fields(Args)}
     changed = [
-        f"--{k.replace('_', '-')}: saved {saved.get(k)!r}, given {given[k]!r}"
+        f"--{k.replace('_', '-')}: saved {saved.get(k, defaults.get(k))!r}, given {given[k]!r}"
         for k in FIXED_ON_RESUME
-        if k in given and given[k] != saved.get(k)
+        if k in given and resume_value(k, given[k]) != resume_value(k, saved.get(k, defaults.get(k)))
     ]
     if changed:
         raise SystemExit(
@@ -564,6 +577,10 @@ def check_common(args, extra_rewards=None):
             "give one budget per reward with --budgets"
         )
     permuted = [n.strip() for n in args.permute_rewards.split(",") if n.strip()]
+    if args.permute_rewards.strip() and not permuted:
+        tqdm.write(
+            f"--permute-rewards {args.permute_rewards!r} names no reward: nothing is permuted (the run is no control)"
+        )
     if any(n not in names for n in permuted) or len(set(permuted)) != len(permuted):
         raise SystemExit(
             f"--permute-rewards {args.permute_rewards}: name each permuted reward once, from --rewards "

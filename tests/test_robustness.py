@@ -366,3 +366,46 @@ def test_a_config_file_that_says_a_flag_twice_or_overwrites_is_refused(tmp_path,
 def test_a_config_file_with_a_byte_order_mark_reads_as_without(tmp_path, name, text):
     (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
     assert recast.parse_args(["--config", str(tmp_path / name)]) == recast.parse_args(["--seed", "5", "--n-roots", "3"])
+
+
+# -----------------------------------------------------------------------------
+# issue 47: what a run is does not change on --resume
+# -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "more, words",
+    [
+        (["--credit", "nft"], "--credit: saved 'recast', given 'nft'"),
+        (["--column-units", "gradient"], "--column-units: saved 'loss', given 'gradient'"),
+        (["--permute-rewards", "redness"], "--permute-rewards: saved '', given 'redness'"),
+    ],
+)
+def test_resume_refuses_a_change_of_method_or_control(evaluated_run, tmp_path, more, words):
+    """config.json records one --credit, --column-units and --permute-rewards for the whole run: a resume that
+    changes one is refused before anything is written."""
+    out = copy_of(evaluated_run, tmp_path)
+    before = snapshot(out)
+    with pytest.raises(
+        SystemExit, match=re.escape(words) + r".*cannot change on resume|cannot change.*" + re.escape(words)
+    ):
+        recast.parse_args(["--resume", str(out), "--iterations", "3", *more])
+    assert snapshot(out) == before
+
+
+def test_resume_takes_the_same_permuted_rewards_in_another_order_and_flags_a_config_predates(evaluated_run, tmp_path):
+    out = copy_of(evaluated_run, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    config["args"]["permute_rewards"] = "brightness,redness"
+    del config["args"]["column_units"]  # a run from before the flag: it ran with the default
+    (out / "config.json").write_text(json.dumps(config))
+    args = recast.parse_args(
+        ["--resume", str(out), "--permute-rewards", " redness , brightness", "--column-units", "loss"]
+    )
+    assert args.permute_rewards == " redness , brightness" and args.column_units == "loss"
+
+
+def test_permute_rewards_that_names_no_reward_is_warned(tiny, tmp_path, capsys):
+    args = recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--permute-rewards", " , "))
+    recast.validate(args, extra_rewards=TINY_REWARDS)
+    assert "--permute-rewards ' , ' names no reward: nothing is permuted" in capsys.readouterr().out
