@@ -1165,7 +1165,8 @@ def finish_iteration(run: Run, args, it, metrics, state, before, sample):
         if evaluated:
             metrics.update(evaluated[0])
         append_metrics(run.out, metrics)
-        log_to_trackers(run.acc, metrics, step=it)
+        names = run.names if getattr(args, "credit", "") != "nft" else None  # nft: no W image, W plays no part
+        log_to_trackers(run.acc, metrics, step=it, names=names)
         if evaluated:
             show_evaluation(run, it, evaluated, state)
         if (it + 1) % args.save_every == 0 or last:
@@ -1811,18 +1812,20 @@ def start_trackers(run: Run, args):
     run.acc.init_trackers(name, config=asdict(args), init_kwargs=kwargs)
 
 
-def log_to_trackers(acc, metrics, step):
+def log_to_trackers(acc, metrics, step, names=None):
     """The metrics line's numbers and strings to the --report-to tracker under the same keys (lists such as D stay in
-    metrics.jsonl); W (K, T) also as an image (viridis, 16 px a cell, scaled to its largest entry)."""
+    metrics.jsonl); W (K, T) also as an image, credit.png's W panel (`W_figure`: relative to the uniform share, rows
+    named by `names`), when W is in the line and names are given."""
     if not acc.trackers:
         return
     acc.log({k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}, step=step)
-    if "recast/W" in metrics:
-        import matplotlib
+    if "recast/W" in metrics and names:
+        import matplotlib.pyplot as plt
 
-        W = np.asarray(metrics["recast/W"])
-        rgb = matplotlib.colormaps["viridis"](W / max(W.max(), 1e-300))[..., :3]  # (K, T, 3)
-        log_images(acc, {"recast/W": np.kron(rgb, np.ones((16, 16, 1)))}, step)
+        fig = W_figure(np.asarray(metrics["recast/W"]), names)
+        fig.canvas.draw()
+        log_images(acc, {"recast/W": np.asarray(fig.canvas.buffer_rgba())[..., :3]}, step)
+        plt.close(fig)
 
 
 def log_images(acc, images, step):
@@ -1931,9 +1934,11 @@ FIGURES = ("rewards", "credit", "directions", "samples")  # the PNGs of a run fo
 
 def plot_run(out, names):
     """The run's figures from metrics.jsonl, drawn at every evaluation and at the end; returns their paths.
-    rewards.png: the training rewards per iteration; the held-out rewards and judges (eval/*) per evaluation, at the
-    number of iterations trained (0: eval_before/*, the pretrained model).
-    credit.png (recast.py, and rvge.py with --credit recast: wherever W is ReCAST's): the last W relative to each
+    rewards.png: the training rewards per iteration; the held-out rewards (eval/*) and each held-out judge on an axis
+    of its own (their units differ: the CNN's 0-1, Fréchet's hundreds) per evaluation, at the number of iterations
+    trained (0: eval_before/*, the pretrained model; the evaluation logged with iteration i: i + 1).
+    credit.png (recast.py but for --credit nft, whose one combined reward W plays no part in, and rvge.py with --credit
+    recast: wherever W is ReCAST's or its control's): the last W relative to each
     reward's uniform share, W_kj / (lambda_k / T) (lambda_k c_j / Lam with unequal column sums c_j; 1 everywhere: the
     uniform W); D_k(t), measured levels +- 2 se and
     the monotone fit, with each reward's evidence factor; and the profiles W was solved from, after the evidence
@@ -1960,41 +1965,30 @@ def plot_run(out, names):
         if "eval_before/weighted" in rows[0]  # not its eval/*: iteration 0's own evaluation, when it has one
         else []
     ) + [(m["iteration"] + 1, m) for m in rows if "eval/weighted" in m]
-    judges = sorted({k for _, m in evals for k in m if k.startswith("eval/judge/")})
-    fig, axes = plt.subplots(1, 3 if judges else 2 if evals else 1, figsize=(16, 3.6), squeeze=False)
+    judges = sorted({k for _, m in evals for k in m if k.startswith("eval/judge/")})  # each on its own axis: units
+    panels = (2 if evals else 1) + len(judges)
+    fig, axes = plt.subplots(1, panels, figsize=(16 / 3 * max(panels, 3), 3.6), squeeze=False)
     for n in names + ["weighted"]:
         axes[0, 0].plot(its, [m[f"reward/{n}"] for m in rows], label=n)
         if evals:
             axes[0, 1].plot([i for i, _ in evals], [m[f"eval/{n}"] for _, m in evals], marker=".", label=n)
-    for key in judges:
-        axes[0, 2].plot(
-            [i for i, m in evals if key in m],
-            [m[key] for _, m in evals if key in m],
-            marker=".",
-            label=key.removeprefix("eval/judge/"),
-        )
-    if judges and all(m[k] > 0 for _, m in evals for k in judges if k in m):  # judges of different units
-        axes[0, 2].set_yscale("log")
-    titles = ["training rewards", "held-out rewards (eval/*)", "held-out judges (eval/judge/*)"]
-    for a, title, xlabel in zip(axes[0], titles, ["iteration", "iterations trained", "iterations trained"]):
-        a.set(xlabel=xlabel, title=title)
+    for a, key in zip(axes[0, 2:], judges):
+        name = key.removeprefix("eval/judge/")
+        a.plot([i for i, m in evals if key in m], [m[key] for _, m in evals if key in m], marker=".", label=name)
+        a.set(title=f"held-out judge {name} ({key})")
+    axes[0, 0].set(title="training rewards", xlabel="iteration (as in metrics.jsonl)")
+    for a in axes[0, 1:]:
+        a.set(xlabel="iterations trained (0: pretrained)")
+    if evals:
+        axes[0, 1].set(title="held-out rewards (eval/*)")
+    for a in axes[0]:
         a.legend(fontsize=7)
     save(fig, "rewards")
     last, sig = rows[-1], np.array(rows[-1].get("recast/sigmas", []))
-    if "recast/W" in last and (config.get("script", "recast") == "recast" or config["args"].get("credit") == "recast"):
+    script, credit = config.get("script", "recast"), config.get("args", {}).get("credit", "recast")
+    if "recast/W" in last and (credit != "nft" if script == "recast" else credit == "recast"):  # nft: W plays no part
         fig, axes = plt.subplots(1, 3, figsize=(16, 3.6), gridspec_kw={"wspace": 0.35})
-        W = np.array(last["recast/W"])
-        share = uniform_share(W)
-        ratio = np.divide(W, share, out=np.ones_like(W), where=share > 0)
-        norm = matplotlib.colors.TwoSlopeNorm(vcenter=1.0, vmin=min(ratio.min(), 0.5), vmax=max(ratio.max(), 2.0))
-        im = axes[0].imshow(ratio, aspect="auto", cmap="RdBu_r", norm=norm)
-        axes[0].set(
-            yticks=range(len(names)),
-            yticklabels=names,
-            xlabel="step j (t = sigma_j)",
-            title="W / uniform share (1: uniform)",
-        )
-        fig.colorbar(im, ax=axes[0])
+        draw_W(fig, axes[0], np.array(last["recast/W"]), names)
         D_meas, D_se = np.array(last["recast/D_measured"]), np.array(last["recast/D_se"])  # -1: level not measured
         profile = np.array(last.get("recast/profile", last["recast/gains"]))
         for k, n in enumerate(names):
@@ -2032,19 +2026,73 @@ def plot_run(out, names):
     return drawn
 
 
+def draw_W(fig, ax, W, names):
+    """W (K, T) on ax as credit.png shows it: W_kj / uniform share (uniform_share; 1: uniform), blue below, red
+    above, one row per reward (named), one column per step j, with its colour bar."""
+    import matplotlib
+
+    share = uniform_share(W)
+    ratio = np.divide(W, share, out=np.ones_like(W), where=share > 0)
+    norm = matplotlib.colors.TwoSlopeNorm(vcenter=1.0, vmin=min(ratio.min(), 0.5), vmax=max(ratio.max(), 2.0))
+    im = ax.imshow(ratio, aspect="auto", cmap="RdBu_r", norm=norm)
+    ax.set(
+        yticks=range(len(names)),
+        yticklabels=names,
+        xlabel="step j (t = sigma_j)",
+        title="W / uniform share (1: uniform)",
+    )
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    fig.colorbar(im, ax=ax)
+
+
+def W_figure(W, names):
+    """The figure of W alone (`draw_W`), as the --report-to tracker shows it every iteration (recast/W)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 1.4 + 0.3 * len(names)), layout="constrained")
+    draw_W(fig, ax, W, names)
+    return fig
+
+
 def uniform_share(W):
     """The uniform W with W's marginals, lambda_k c_j / Lam (K, T): lambda_k / T when the columns are equal, the
     reference W is read against in credit.png and the closing summary."""
     return np.outer(W.sum(1), W.sum(0)) / W.sum()
 
 
+def sampling_line(args, embedded):
+    """The line of Python, after the loading line, that samples the trained model with the settings it was trained
+    and evaluated with, not the pipeline's defaults: no CFG (guidance_scale 1.0: DiffusionNFT trains and evaluates
+    CFG-free), the evaluation's Euler steps (--eval-steps, else --steps; 40 in the SD3.5-M recipes), the T5 tokens
+    of its text conditioning (128, DiffusionNFT's; the embedded model's 10) and its resolution, as load_run chooses
+    them; on the first held-out prompt. On the embedded model's defaults these are shapes_world.GEN_KWARGS."""
+    gen = shapes_world.GEN_KWARGS if embedded else {}
+    steps = args.get("eval_steps") or args["steps"]
+    tokens = args.get("max_sequence_length") or gen.get("max_sequence_length", 128)
+    res = args.get("resolution") or gen.get("height", 512)
+    try:
+        prompt = read_prompts(args["eval_prompts"])[0] if args.get("eval_prompts") else None
+    except SystemExit:
+        prompt = None
+    prompt = prompt or (shapes_world.sample_prompts(1, "heldout", 0)[0] if embedded else "a photo of a cat")
+    kwargs = dict(height=res, width=res, num_inference_steps=steps, guidance_scale=1.0, max_sequence_length=tokens)
+    known = " (shapes_world.GEN_KWARGS)" if embedded and kwargs == gen else ""
+    return (
+        f"  image = pipe({prompt!r}, {', '.join(f'{k}={v}' for k, v in kwargs.items())}).images[0]  # as trained and "
+        f"evaluated{known}: no CFG, {steps} steps, {tokens} T5 tokens, {res} px"
+    )
+
+
 def print_summary(out):
     """The closing lines of a run on the console (first process, after the progress bar), from its config.json and
     metrics.jsonl: the held-out evaluation before -> after per reward, weighted and judge (eval_before/*, logged
-    with iteration 0, and the last eval/*); for ReCAST's credit, W's departure from uniform per reward,
-    max_j |W_kj / (lambda_k / T) - 1| (0: W = lambda / T; with --column-units gradient the uniform share is
-    lambda_k c_j / Lam); the run folder; the checkpoint to load and the line of
-    Python that loads it (the README's). Returns the lines printed."""
+    with iteration 0, and the last eval/*, after iteration i: i + 1 trained); for ReCAST's credit, W's departure from
+    uniform per reward, max_j |W_kj / (lambda_k / T) - 1| (0: W = lambda / T; with --column-units gradient the
+    uniform share is lambda_k c_j / Lam); the run folder; the checkpoint to load, the line of Python that loads it
+    (the README's) and one that samples as the run did (`sampling_line`). Returns the lines printed."""
     config = json.loads((out / "config.json").read_text())
     args, rows = config["args"], [json.loads(line) for _, line in metrics_lines(out / "metrics.jsonl")]
     lines = []
@@ -2052,7 +2100,8 @@ def print_summary(out):
     before = next((m for m in rows if "eval_before/weighted" in m), {})
     if after:
         fix = "" if before else " (no evaluation of the pretrained model in this run: after only)"
-        lines.append(f"held-out evaluation, pretrained -> iteration {after['iteration'] + 1}{fix}:")
+        it = after["iteration"]  # 0-based, as metrics.jsonl, checkpoints/iter_N and the figures' captions count
+        lines.append(f"held-out evaluation, pretrained -> after iteration {it} ({it + 1} trained){fix}:")
         for key, value in after.items():
             if key.startswith("eval/") and isinstance(value, (int, float)):
                 was = before.get(key.replace("eval/", "eval_before/"))
@@ -2076,7 +2125,7 @@ def print_summary(out):
             f'  pipe = StableDiffusion3Pipeline.from_pretrained("{args["model"]}"{local}); '
             f'pipe.transformer.load_lora_adapter("{folder}", prefix="transformer", '
             'weight_name="pytorch_lora_weights.safetensors")'
-            + ("  # sample with **shapes_world.GEN_KWARGS" if embedded else "")
         )
+        lines.append(sampling_line(args, embedded))
     print("\n".join(lines))
     return lines

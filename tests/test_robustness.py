@@ -11,10 +11,12 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
 import matplotlib.figure
+import numpy as np
 import pytest
 import torch
 
@@ -65,8 +67,8 @@ def test_rewards_figure_plots_the_pretrained_point_from_eval_before_only(tmp_pat
     (tmp_path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
     drawn = drawn_lines(monkeypatch)
     run_kit.plot_run(tmp_path, ["a"])
-    held_out = {label: ys for title, label, _, ys in drawn["rewards"] if title.startswith("held-out rewards")}
-    assert held_out == {"a": [0.1, 0.9], "weighted": [0.1, 0.9]}
+    held_out = {label: (xs, ys) for title, label, xs, ys in drawn["rewards"] if title.startswith("held-out rewards")}
+    assert held_out == {"a": ([0, 1], [0.1, 0.9]), "weighted": ([0, 1], [0.1, 0.9])}  # x: iterations trained
 
 
 def test_evaluate_base_compares_with_eval_before_when_iteration_0_also_evaluated(evaluated_run, tmp_path, capsys):
@@ -267,6 +269,7 @@ def test_evaluate_names_a_damaged_config_and_the_flags_it_does_not_take(evaluate
 
 LAUNCH = """
 import sys
+from dataclasses import asdict
 from types import SimpleNamespace
 sys.path.insert(0, {root!r})
 from kit import run_kit
@@ -409,3 +412,68 @@ def test_permute_rewards_that_names_no_reward_is_warned(tiny, tmp_path, capsys):
     args = recast.parse_args(tiny_argv(tiny, tmp_path / "run", "--permute-rewards", " , "))
     recast.validate(args, extra_rewards=TINY_REWARDS)
     assert "--permute-rewards ' , ' names no reward: nothing is permuted" in capsys.readouterr().out
+
+
+# -----------------------------------------------------------------------------
+# issue 44 §3: figures and the closing lines
+# -----------------------------------------------------------------------------
+
+
+def test_each_judge_has_an_axis_of_its_own(tmp_path, monkeypatch):
+    """The CNN judge (0-1) and Fréchet (hundreds) are drawn on separate axes, neither on a log scale."""
+    rows = [
+        {"iteration": i, "reward/a": 0.5, "reward/weighted": 0.5, "eval/a": 0.5, "eval/weighted": 0.5}
+        | {"eval/judge/cnn": 0.7 - 0.01 * i, "eval/judge/frechet": 120.0 + 500 * i}
+        for i in range(3)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows))
+    drawn = drawn_lines(monkeypatch)
+    run_kit.plot_run(tmp_path, ["a"])
+    judged = {title: (label, ys) for title, label, _, ys in drawn["rewards"] if title.startswith("held-out judge")}
+    assert judged == {
+        "held-out judge cnn (eval/judge/cnn)": ("cnn", pytest.approx([0.7, 0.69, 0.68])),
+        "held-out judge frechet (eval/judge/frechet)": ("frechet", [120.0, 620.0, 1120.0]),
+    }
+
+
+@pytest.mark.parametrize("credit, drawn", [("nft", False), ("uniform", True), ("recast_reversed", True)])
+def test_credit_figure_is_drawn_only_where_W_weighs_the_loss(evaluated_run, tmp_path, credit, drawn):
+    out = copy_of(evaluated_run, tmp_path)
+    (out / "credit.png").unlink()
+    config = json.loads((out / "config.json").read_text())
+    config["args"]["credit"] = credit
+    (out / "config.json").write_text(json.dumps(config))
+    assert ((out / "credit.png") in run_kit.plot_run(out, ["brightness", "redness"])) == drawn
+    assert (out / "credit.png").exists() == drawn
+
+
+@pytest.mark.parametrize("credit", ["recast", "nft"])
+def test_the_trackers_W_image_is_the_credit_figures_named_panel_and_none_for_nft(tiny, tmp_path, credit):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    argv = tiny_argv(tiny, out, "--iterations", "1", "--credit", credit, "--report-to", "tensorboard")
+    recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+    images = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0}).Reload().Tags()["images"]
+    assert ("recast/W" in images) == ("figures/credit" in images) == (credit == "recast")
+    fig = run_kit.W_figure(np.asarray(read_metrics(out)[0]["recast/W"]), ["brightness", "redness"])
+    (ax, _) = fig.axes  # the heatmap and its colour bar
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["brightness", "redness"]
+    assert ax.get_title() == "W / uniform share (1: uniform)" and ax.get_xlabel() == "step j (t = sigma_j)"
+
+
+def test_the_sampling_line_uses_the_runs_settings_not_the_pipelines_defaults():
+    """SD3.5-M's recipe: no CFG, its 40 evaluation steps, DiffusionNFT's 128 T5 tokens, 512 px; the embedded model's
+    defaults: shapes_world.GEN_KWARGS, said."""
+    from world import shapes_world
+
+    sd35m = asdict(
+        recast.parse_args(["--config", str(Path(__file__).resolve().parents[1] / "configs/recast-sd35m.yaml")])
+    )
+    line = run_kit.sampling_line(sd35m, embedded=False)
+    assert "num_inference_steps=40, guidance_scale=1.0, max_sequence_length=128" in line and "height=512" in line
+    assert line.endswith("# as trained and evaluated: no CFG, 40 steps, 128 T5 tokens, 512 px")
+    line = run_kit.sampling_line(asdict(recast.Args()), embedded=True)
+    kwargs = ", ".join(f"{k}={v}" for k, v in shapes_world.GEN_KWARGS.items())
+    assert f"{kwargs}).images[0]  # as trained and evaluated (shapes_world.GEN_KWARGS): no CFG, 10 steps" in line
