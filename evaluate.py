@@ -8,18 +8,24 @@ On the run's settings the numbers are the eval/* the run logged at that iteratio
     accelerate launch --num_processes 8 evaluate.py runs/recast-recast-0   # the prompts split over processes
 
 Writes <run>/eval-<checkpoint>.json (the metrics and every image's rewards), the first samples beside it as .png,
-and prints a table beside what the run logged.
+and prints a table beside what the run logged. Everything is checked before any model loads: the checkpoint (a run
+folder gives its newest loadable one, as --resume finds it, and says which; a run still training may rotate
+checkpoints meanwhile), and the result path (never one of the run's own files; an earlier result only with --replace).
 """
 
 import argparse
 import importlib
 import json
+import os
+import re
 from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 from kit import run_kit
+
+OWN_FLAGS = ("--base", "--eval-prompts", "--eval-steps", "--device", "--json", "--replace")
 
 
 def parse_flags(argv):
@@ -29,22 +35,125 @@ def parse_flags(argv):
     parser.add_argument("--eval-prompts", help="file of held-out prompts, one per line (default: the run's)")
     parser.add_argument("--eval-steps", type=int, help="Euler steps of the sampler (default: the run's)")
     parser.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    parser.add_argument("--json", help="where to write the results (default <run>/eval-<checkpoint>.json)")
+    parser.add_argument(
+        "--json",
+        help="where to write the results, a .json path (default <run>/eval-<checkpoint>.json; the samples beside it "
+        "as .png); inside the run folder only <run>/eval-*.json",
+    )
+    parser.add_argument("--replace", action="store_true", help="write over an earlier result file (default: refuse)")
     return parser.parse_args(argv)
 
 
 def find_checkpoint(path):
-    """(run folder, checkpoint folder) of a run folder (the checkpoint `latest` names) or of one of its checkpoints;
-    SystemExit naming the path and what it should be."""
+    """(run folder, checkpoint folder) of one of a run's checkpoints/iter_N, or (run folder, None) of a run folder
+    (its newest loadable checkpoint: `read_checkpoint`); SystemExit naming the path and what it should be, or the
+    damaged config.json."""
     path = Path(path)
-    if run_kit.is_run(path):
-        latest = path / "checkpoints" / "latest"
-        if not latest.is_file():
+    run = path if (path / "config.json").exists() else path.parent.parent if (path / "state.pt").is_file() else None
+    if run is None:
+        raise SystemExit(f"{path}: neither a run folder (with config.json) nor one of its checkpoints/iter_N folders")
+    if not run_kit.is_run(run):
+        raise SystemExit(
+            f"{run / 'config.json'} is damaged (not a run's record: JSON with its args and script); repair it, or "
+            "copy it from a backup (the checkpoints are not affected)"
+        )
+    if run == path:
+        root = path / "checkpoints"
+        if not (root / "latest").is_file() and not any(root.glob("iter_??????")):
             raise SystemExit(f"{path}: the run has no checkpoint yet; evaluate the pretrained model with --base")
-        return path, path / "checkpoints" / latest.read_text().strip()
-    if (path / "state.pt").is_file() and run_kit.is_run(path.parent.parent):
-        return path.parent.parent, path
-    raise SystemExit(f"{path}: neither a run folder (with config.json) nor one of its checkpoints/iter_N folders")
+        return path, None
+    return run, path
+
+
+def read_checkpoint(out, ckpt=None, attempts=3):
+    """(checkpoint folder, its state.pt) read into memory before any model loads: `ckpt`, or the newest loadable
+    checkpoint of the run folder `out` as --resume finds it (the one `latest` names, else the newest iter_N whose
+    state.pt loads; says which it used). A training run rotates its checkpoints while this reads: a checkpoint
+    deleted under it is passed over and the folder looked at again (up to `attempts` times). A checkpoint that another
+    run or script wrote (its state.pt's "run" against config.json; older checkpoints record none) is refused."""
+    root, tried = out / "checkpoints", []
+    for _ in range(attempts):
+        latest = root / "latest"
+        try:
+            named = [root / latest.read_text().strip()] if ckpt is None and latest.is_file() else []
+        except OSError:
+            named = []
+        older = sorted((p for p in root.glob("iter_??????") if p not in named), reverse=True) if ckpt is None else []
+        candidates, gone = [ckpt] if ckpt else named + older, False
+        for candidate in candidates:
+            try:
+                state = torch.load(candidate / "state.pt", weights_only=False, map_location="cpu")
+            except Exception as err:  # truncated, corrupt, or rotated away under us: try the next older one
+                gone |= isinstance(err, FileNotFoundError)
+                tried.append(f"{candidate.name} ({type(err).__name__})")
+                print(f"checkpoint {candidate} is not loadable ({type(err).__name__}); trying an older one")
+                continue
+            check_identity(out, candidate, state.get("run"))
+            if candidates[0] != candidate:
+                print(f"evaluating {candidate.name}, the newest loadable checkpoint of {out}")
+            return candidate, state
+        if not gone:
+            break
+    raise SystemExit(
+        f"{ckpt or out}: no loadable checkpoint ({', '.join(tried) or 'none found'}). Give another checkpoints/iter_N "
+        "folder, or evaluate the pretrained model with --base"
+    )
+
+
+def check_identity(out, ckpt, written_by):
+    """SystemExit when state.pt's "run" (run_kit.run_identity of the run that wrote it) is another run's or another
+    script's than the run folder's config.json."""
+    here = run_kit.run_identity(out)
+    if written_by is None or written_by == here:
+        return
+    raise SystemExit(
+        f"{ckpt} was written by another run ({written_by['script']}.py, run {written_by['run_id']}), not by {out} "
+        f"({here['script']}.py, run {here['run_id']}): its weights do not fit this run's settings. Evaluate it from "
+        "the run folder it was written in"
+    )
+
+
+def result_path(out, flags, label):
+    """The result file (`--json`, default <run>/eval-<label>.json; the samples go beside it as .png), checked before
+    any model loads: a .json path; inside the run folder only evaluate.py's own <run>/eval-*.json (never the run's
+    record: metrics.jsonl, config.json, checkpoints); no existing file unless --replace; its folder there and
+    writable. SystemExit naming the path and the fix."""
+    path = Path(flags.json) if flags.json else out / f"eval-{label}.json"
+    if path.suffix != ".json":
+        raise SystemExit(f"--json {path}: give a path ending in .json (the samples are written beside it, as .png)")
+    where, run = path.resolve(), out.resolve()
+    if run in where.parents and not (where.parent == run and where.name.startswith("eval-")):
+        raise SystemExit(
+            f"--json {path} lies inside the run folder {out} and is not one of evaluate.py's results "
+            f"({out}/eval-*.json): it could replace the run's own files. Choose a path outside the run, or "
+            f"{out}/eval-<name>.json"
+        )
+    existing = [p for p in (path, path.with_suffix(".png")) if p.exists() or p.is_symlink()]
+    if existing and (not flags.replace or not all(p.is_file() for p in existing)):
+        raise SystemExit(
+            f"{existing[0]} exists (an earlier evaluation?). Give --replace to write over it, or --json another path"
+            if all(p.is_file() for p in existing)
+            else f"{existing[0]} is not a file; choose another --json path"
+        )
+    if not path.parent.is_dir():
+        raise SystemExit(f"--json {path}: the folder {path.parent} does not exist; create it, or choose another path")
+    if not os.access(path.parent, os.W_OK):
+        raise SystemExit(f"--json {path}: the folder {path.parent} is not writable; choose another path")
+    return path
+
+
+def in_own_terms(err, out):
+    """A check's SystemExit whose fix names flags evaluate.py does not take (they are the run's settings, from its
+    config.json), with a line that says so."""
+    text = str(err.code)
+    foreign = sorted({f for f in re.findall(r"--[a-z][a-z0-9-]*", text) if f not in OWN_FLAGS})
+    if not foreign:
+        return err
+    return SystemExit(
+        f"{text}\n(evaluate.py: {', '.join(foreign)} {'is the run' if len(foreign) == 1 else 'are the run'}'s "
+        f"setting{'' if len(foreign) == 1 else 's'}, from {out}/config.json; evaluate.py takes only "
+        f"{', '.join(OWN_FLAGS)})"
+    )
 
 
 def main(argv=None, extra_rewards=None, judges=None):
@@ -55,7 +164,10 @@ def main(argv=None, extra_rewards=None, judges=None):
     _, saved = run_kit.read_run_config(out / "config.json", script.Args)
     known = {f.name for f in fields(script.Args)}
     given = {k: v for k, v in vars(flags).items() if k in known and v is not None}
-    saved = run_kit.model_after_a_move(saved, given, out)  # the embedded model, moved with the project
+    try:
+        saved = run_kit.model_after_a_move(saved, given, out)  # the embedded model, moved with the project
+    except SystemExit as err:
+        raise in_own_terms(err, out) from None
     args = script.Args(
         **{
             **{k: v for k, v in saved.items() if k in known},
@@ -65,15 +177,20 @@ def main(argv=None, extra_rewards=None, judges=None):
             "report_to": "none",
         }
     )
-    names, budgets, branch = run_kit.check_common(args, extra_rewards)
-    run_kit.check_files(args, names)
-    run = run_kit.load_run(args, names, budgets, branch, config["script"], extra_rewards, judges, lock=False)
+    try:
+        names, budgets, branch = run_kit.check_common(args, extra_rewards)
+        run_kit.check_files(args, names)
+    except SystemExit as err:
+        raise in_own_terms(err, out) from None
+    ckpt, state = (None, None) if flags.base else read_checkpoint(out, ckpt)
     label = "base" if flags.base else ckpt.name
+    path = result_path(out, flags, label)  # before the model loads
+    existed = path.exists() or path.with_suffix(".png").exists()
+    run = run_kit.load_run(args, names, budgets, branch, config["script"], extra_rewards, judges, lock=False)
     iteration = -1
     if not flags.base:
         from peft.utils import set_peft_model_state_dict
 
-        state = torch.load(ckpt / "state.pt", weights_only=False)
         for adapter, weights in state["lora"].items():
             if adapter in run.transformer.peft_config:
                 set_peft_model_state_dict(run.transformer, weights, adapter_name=adapter)
@@ -86,13 +203,12 @@ def main(argv=None, extra_rewards=None, judges=None):
         (json.loads(line) for it, line in run_kit.metrics_lines(out / "metrics.jsonl") if it == max(iteration, 0)), {}
     )
     if flags.base:
-        logged = {k.replace("eval_before/", "eval/"): v for k, v in logged.items()}
+        logged = {k.replace("eval_before/", "eval/"): v for k, v in logged.items() if k.startswith("eval_before/")}
     steps, processes = len(run.eval_sigmas) - 1, run.acc.num_processes
     print(f"{label} of {out}: {len(run.eval_prompts)} prompts, {steps} steps, {processes} process(es)")
     print(f"{'metric':<28}{'evaluated':>12}{'run logged':>12}")
     for key, value in metrics.items():
         print(f"{key:<28}{value:>12.4f}{logged[key] if key in logged else float('nan'):>12.4f}")
-    path = Path(flags.json or out / f"eval-{label}.json")
     result = {
         "run": str(out),
         "checkpoint": label,
@@ -109,7 +225,8 @@ def main(argv=None, extra_rewards=None, judges=None):
         path.with_suffix(".png"),
         [f"{run_kit.budget_mean(r, budgets):.3f}. {q}" for q, r in zip(run.eval_prompts, R)][: len(images)],
     )
-    print(f"written: {path} and {path.with_suffix('.png')}")
+    replaced = " (replacing the earlier result: --replace)" if existed else ""
+    print(f"written: {path} and {path.with_suffix('.png')}{replaced}")
     return metrics
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import datetime
 import difflib
 import fcntl
 import importlib.util
@@ -29,7 +30,10 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 import textwrap
+import threading
+import uuid
 import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -117,7 +121,8 @@ class RunArgs:
     """run folder to continue in place from its newest intact checkpoint (its config.json gives the settings; flags
     given now override those that may change)"""
     overwrite: bool = flag(False, "I/O")
-    """let --out replace a run folder that already holds a run (its metrics, checkpoints and figures are deleted)"""
+    """let --out replace a run folder that already holds a run (its metrics, checkpoints and figures are deleted; any
+    other file there, such as evaluate.py's results, is moved to <out>.set-aside)"""
     device: str = flag("", "I/O")
     """cpu or cuda (default: cuda if available)"""
     dtype: str = flag("", "I/O", choices=["", "float32", "bfloat16", "float16"])
@@ -259,8 +264,20 @@ def make_parser(Args, groups, doc, suppress=False):
 
 # Refused on --resume when they differ from the saved run (those of them a script has): a checkpoint is only valid with
 # the first five; the level statistics it holds were measured with the gain estimator and order; --gain-init only
-# seeds iteration 0. Every other flag applies from the resumed iteration on (the optimizer takes --lr, --weight-decay).
-FIXED_ON_RESUME = ("model", "rewards", "steps", "lora_rank", "lora_alpha", "gain_estimator", "alpha", "gain_init")
+# seeds iteration 0; --credit, --column-units and --permute-rewards say what the run is (its method, or a control), and
+# config.json records one value for the whole run. Every other flag applies from the resumed iteration on (the
+# optimizer takes --lr, --weight-decay). A run's config.json that predates a flag ran with its default.
+FIXED_ON_RESUME = (
+    *("model", "rewards", "steps", "lora_rank", "lora_alpha", "gain_estimator", "alpha", "gain_init"),
+    *("credit", "column_units", "permute_rewards"),
+)
+
+
+def resume_value(name, value):
+    """A setting as --resume compares it: --permute-rewards as its set of names (order and spaces aside)."""
+    if name == "permute_rewards" and isinstance(value, str):
+        return sorted({n.strip() for n in value.split(",") if n.strip()})
+    return value
 
 
 NOT_ON_RESUME = ("name", "overwrite")  # they choose or replace a run folder; --resume continues its own
@@ -304,10 +321,11 @@ def parse_flags(argv, Args, groups, doc, script):
             f"--resume {args.resume} continues that folder in place; --out {given['out']} names another. "
             "To branch a run, copy its folder and resume the copy"
         )
+    defaults = {f.name: f.default for f in fields(Args)}
     changed = [
-        f"--{k.replace('_', '-')}: saved {saved.get(k)!r}, given {given[k]!r}"
+        f"--{k.replace('_', '-')}: saved {saved.get(k, defaults.get(k))!r}, given {given[k]!r}"
         for k in FIXED_ON_RESUME
-        if k in given and given[k] != saved.get(k)
+        if k in given and resume_value(k, given[k]) != resume_value(k, saved.get(k, defaults.get(k)))
     ]
     if changed:
         raise SystemExit(
@@ -356,18 +374,42 @@ def type_problem(f, value):
 NEW_RUN_ONLY = ("out", "resume", "overwrite")  # from a run's config.json given to --config: they chose its folder
 
 
+def unique_keys(pairs):
+    """json.loads's object_pairs_hook for --config files: a dict, or ValueError naming a key given twice (JSON
+    itself keeps the last)."""
+    keys = [k for k, _ in pairs]
+    twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+    if twice is not None:
+        raise ValueError(f"the key {twice!r} is given twice; keep one")
+    return dict(pairs)
+
+
+class UniqueKeys(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that gives a key twice (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+        twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+        if twice is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"the key {twice!r} is given twice; keep one", node.start_mark
+            )
+        return super().construct_mapping(node, deep)
+
+
 def read_config_file(path, Args, script):
     """{field: value} of a --config file: YAML (.yaml, .yml) or JSON (.json) holding flag names (dashes or
     underscores) and values, or a run's config.json (its "args", less NEW_RUN_ONLY, so that the new run gets a
-    folder of its own). Unknown keys, values of the wrong type and values outside a flag's range are refused naming
-    the file, the key and the fix."""
+    folder of its own); a byte-order mark is dropped. Unknown keys, a key given twice (also one flag spelled with
+    dashes and with underscores), `overwrite` (it is given on the command line), values of the wrong type and values
+    outside a flag's range are refused naming the file, the key and the fix."""
     suffix = Path(path).suffix.lower()
     if suffix not in (".yaml", ".yml", ".json"):
         raise SystemExit(f"--config {path}: give a .yaml, .yml or .json file (its suffix says how to read it)")
     try:
-        text = Path(path).read_text()
-        data = json.loads(text) if suffix == ".json" else yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError) as err:  # a missing file; a syntax error, with its line
+        text = Path(path).read_bytes().decode("utf-8-sig")  # -sig: a byte-order mark some editors write is dropped
+        data = json.loads(text, object_pairs_hook=unique_keys) if suffix == ".json" else yaml.load(text, UniqueKeys)
+    except (OSError, ValueError, yaml.YAMLError) as err:  # a missing file; a syntax error, with its line; a key twice
         raise SystemExit(f"--config {path}: cannot read it ({err}). Fix the file or the path") from None
     if isinstance(data, dict) and isinstance(data.get("args"), dict) and "script" in data:  # a run's config.json
         if data["script"] != script:
@@ -381,6 +423,14 @@ def read_config_file(path, Args, script):
     values = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if name in values:
+            twice = next(k for k in data if str(k).replace("-", "_") == name)
+            raise SystemExit(f"--config {path}: {twice!r} and {key!r} name the same flag; keep one of them")
+        if name == "overwrite":  # a run's config.json has lost it already (NEW_RUN_ONLY)
+            raise SystemExit(
+                f"--config {path}: overwrite is not taken from a file (a recipe would replace the run in its folder "
+                "without a word); give --overwrite on the command line"
+            )
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"did you mean {close[0].replace('_', '-')}? " if close else ""
@@ -527,6 +577,10 @@ def check_common(args, extra_rewards=None):
             "give one budget per reward with --budgets"
         )
     permuted = [n.strip() for n in args.permute_rewards.split(",") if n.strip()]
+    if args.permute_rewards.strip() and not permuted:
+        tqdm.write(
+            f"--permute-rewards {args.permute_rewards!r} names no reward: nothing is permuted (the run is no control)"
+        )
     if any(n not in names for n in permuted) or len(set(permuted)) != len(permuted):
         raise SystemExit(
             f"--permute-rewards {args.permute_rewards}: name each permuted reward once, from --rewards "
@@ -1111,7 +1165,8 @@ def finish_iteration(run: Run, args, it, metrics, state, before, sample):
         if evaluated:
             metrics.update(evaluated[0])
         append_metrics(run.out, metrics)
-        log_to_trackers(run.acc, metrics, step=it)
+        names = run.names if getattr(args, "credit", "") != "nft" else None  # nft: no W image, W plays no part
+        log_to_trackers(run.acc, metrics, step=it, names=names)
         if evaluated:
             show_evaluation(run, it, evaluated, state)
         if (it + 1) % args.save_every == 0 or last:
@@ -1244,6 +1299,12 @@ def run_folder(args, default_name):
                 f"--out {out} already holds a run. Continue it with --resume {out}, choose another --out, "
                 "or replace it with --overwrite"
             )
+        if holds_a_run and not_the_runs_own(out) and not os.access(out.resolve().parent, os.W_OK):
+            raise SystemExit(
+                f"--overwrite {out}: it holds files that are not the run's own ({not_the_runs_own(out)[0].name}, ...), "
+                f"which --overwrite moves to {set_aside_folder(out)}, and {out.resolve().parent} is not writable. "
+                "Move them away yourself, or choose another --out"
+            )
         if not holds_a_run and not is_unused(out):
             raise SystemExit(
                 f"--out {out} holds files that are not a run of this project (a run writes only to a new or empty "
@@ -1335,10 +1396,83 @@ def check_tensorboard_folder(folder, report_to):
 
 def process_state(args):
     """accelerate's PartialState of this process (started here if no one has yet: under `accelerate launch` this
-    joins the process group), on the device --device names, else CUDA when there is one."""
+    joins the process group), on the device --device names, else CUDA when there is one. The launcher's variables
+    are checked first (`launch_variables`); a process of a launch that waits for the others says so after
+    WAIT_NOTICE_S and gives up after LAUNCH_WAIT_S (passed to torch.distributed as its timeout, which then bounds
+    every collective too, as NCCL's default of 10 minutes does)."""
     from accelerate import PartialState
 
-    return PartialState(cpu=(args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu")
+    cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
+    launch = None if torch.distributed.is_available() and torch.distributed.is_initialized() else launch_variables()
+    if launch is None:
+        return PartialState(cpu=cpu)
+    rank, world, where = launch
+    given = " ".join(k for k in LAUNCH_VARIABLES if k in os.environ)  # accelerate adds some of them
+    notice = threading.Timer(
+        WAIT_NOTICE_S,
+        lambda: print(
+            f"process {rank} of {world}: waiting for the other processes at {where} (gives up after {LAUNCH_WAIT_S} s)",
+            file=sys.stderr,
+            flush=True,
+        ),
+    )
+    notice.daemon = True
+    notice.start()
+    try:
+        return PartialState(cpu=cpu, timeout=datetime.timedelta(seconds=LAUNCH_WAIT_S))
+    except (RuntimeError, ValueError) as err:  # torch's DistNetworkError, DistStoreError; accelerate's ValueError
+        raise SystemExit(
+            f"process {rank} of {world}: the other processes did not join at {where} within {LAUNCH_WAIT_S} s "
+            f"({type(err).__name__}). Start them all with `accelerate launch --num_processes {world} ...`, or unset "
+            f"{given} MASTER_ADDR MASTER_PORT to run one process"
+        ) from None
+    finally:
+        notice.cancel()
+
+
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")  # what a launcher (torchrun) sets
+LAUNCH_WAIT_S = 600  # how long a process of a launch waits for the others before it gives up
+WAIT_NOTICE_S = 10  # when a waiting process says that it waits
+
+
+def launch_variables():
+    """The launcher's variables (LAUNCH_VARIABLES, MASTER_ADDR, MASTER_PORT), checked before any distributed start:
+    None when there are none, or when their values are one process's (WORLD_SIZE 1 or unset, RANK and LOCAL_RANK 0
+    or unset; a RANK alone, which starts nothing) and no MASTER_ADDR/MASTER_PORT says a launcher set them: such
+    leftovers in a plain shell are removed from this process's environment, with a line that says so, and the run
+    is one process. (rank, world size, "addr:port") of a launch. Values that are not whole numbers, that contradict
+    each other, or of several processes without MASTER_ADDR and MASTER_PORT: SystemExit in one line naming the
+    variables and the fix."""
+    given = {k: os.environ[k] for k in LAUNCH_VARIABLES if k in os.environ}
+    if not given:
+        return None
+    shown = " ".join(f"{k}={v}" for k, v in given.items())
+    fix = f"Start several processes with `accelerate launch --num_processes N ...`, or unset {' '.join(given)} for one"
+    bad = next((k for k, v in given.items() if not v.strip().isdigit()), None)
+    if bad:
+        raise SystemExit(f"launcher variables {shown}: {bad} is not a whole number. {fix}")
+    n = {k: int(v) for k, v in given.items()}
+    world, rank, local = n.get("WORLD_SIZE", 1), n.get("RANK"), n.get("LOCAL_RANK", 0)
+    launched = bool(os.environ.get("MASTER_ADDR")) and bool(os.environ.get("MASTER_PORT"))
+    if world == 1 and local == 0 and (rank in (None, 0) or "WORLD_SIZE" not in given) and not launched:
+        for k in given:
+            del os.environ[k]
+        print(f"{shown} (a launcher's variables, without MASTER_ADDR/MASTER_PORT): one process", file=sys.stderr)
+        return None
+    local_world = n.get("LOCAL_WORLD_SIZE", world)
+    if world < 1:
+        problem = "WORLD_SIZE must be 1 or more"
+    elif rank is None:
+        problem = "RANK is not set"
+    elif rank >= world:
+        problem = f"RANK {rank} is not below WORLD_SIZE {world}"
+    elif local > rank or local >= local_world:
+        problem = f"LOCAL_RANK {local} does not fit RANK {rank} and LOCAL_WORLD_SIZE {local_world}"
+    elif not launched:
+        problem = "MASTER_ADDR and MASTER_PORT are not set (no launcher started the other processes)"
+    else:
+        return rank, world, f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    raise SystemExit(f"launcher variables {shown}: {problem}. {fix}")
 
 
 def is_first_process(args):
@@ -1372,22 +1506,15 @@ def start_or_resume(run: Run, args):
         tqdm.write(f"{run.out} has no checkpoint yet: training starts at iteration 0")
     if run.acc.is_main_process:
         if args.overwrite:
-            for name in (
-                "config.json",
-                "tensorboard",
-                "metrics.jsonl",
-                "checkpoints",
-                "rewards.png",
-                "credit.png",
-                "directions.png",
-                "samples.png",
-            ):
+            set_aside(run.out)  # nothing that predates the new run stays: what is not the old run's own is moved
+            for name in RUN_OWN:
                 shutil.rmtree(run.out / name) if (run.out / name).is_dir() else (run.out / name).unlink(missing_ok=True)
         for leftover in leftovers(run.out):
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
         config = {
             "args": asdict(args),
             "script": run.script,
+            "run_id": run_id(run.out) if args.resume else uuid.uuid4().hex,  # in every checkpoint (save_checkpoint)
             "rewards": run.names,
             "processes": run.acc.num_processes,  # the global batch is processes x --prompts-per-iter groups
             "git_sha": git_sha(),
@@ -1402,6 +1529,73 @@ def start_or_resume(run: Run, args):
             ) from None
     start_trackers(run, args)
     return start, {"opt_steps": 0, "level_stats": None, **(state or {})}
+
+
+def run_id(out):
+    """The id a run folder's config.json records, written once when the run starts and kept by --resume (a copy of the
+    folder shares it): save_checkpoint writes it into each state.pt, so that evaluate.py knows a checkpoint of another
+    run. A run that predates it gets one at its next resume."""
+    try:
+        return json.loads((Path(out) / "config.json").read_text()).get("run_id") or uuid.uuid4().hex
+    except (OSError, ValueError, AttributeError):
+        return uuid.uuid4().hex
+
+
+def run_identity(out):
+    """{"run_id", "script"} of the run folder's config.json (None for what it lacks): what a checkpoint records of
+    the run that wrote it."""
+    try:
+        config = json.loads((Path(out) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    config = config if isinstance(config, dict) else {}
+    return {"run_id": config.get("run_id"), "script": config.get("script")}
+
+
+RUN_OWN = (  # what a run writes in its folder (its figures: FIGURES), deleted by --overwrite
+    "config.json",
+    "tensorboard",
+    "metrics.jsonl",
+    "checkpoints",
+    "rewards.png",
+    "credit.png",
+    "directions.png",
+    "samples.png",
+)
+
+
+def not_the_runs_own(out):
+    """What --overwrite moves out of a run folder rather than delete: every entry but the run's own files (RUN_OWN),
+    its lock, run_folder's write probes and this program's half-written leftovers (evaluate.py's results, a user's
+    notes)."""
+    out, ours = Path(out), set(leftovers(out))
+    return sorted(
+        p
+        for p in out.iterdir()
+        if p.name not in RUN_OWN and p.name != ".lock" and not p.name.startswith(".write_test.") and p not in ours
+    )
+
+
+def set_aside_folder(out):
+    """Where --overwrite moves what is not the replaced run's own: <out>.set-aside beside the run folder (-2, -3, ...
+    when taken)."""
+    names = (f"{Path(out).name}.set-aside" + (f"-{i}" if i > 1 else "") for i in range(1, 10**6))
+    return next(p for p in map(Path(out).with_name, names) if not p.exists())
+
+
+def set_aside(out):
+    """--overwrite: move not_the_runs_own(out) into a new set_aside_folder (renames, nothing copied or deleted) and say
+    so. Returns that folder, or None when there was nothing to move."""
+    entries = not_the_runs_own(out)
+    if not entries:
+        return None
+    aside = set_aside_folder(out)
+    aside.mkdir()
+    for p in entries:
+        os.replace(p, aside / p.name)
+    names = ", ".join(p.name for p in entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    tqdm.write(f"--overwrite: {names} (not the replaced run's own) moved to {aside}")
+    return aside
 
 
 def write_atomic(path, text):
@@ -1467,7 +1661,8 @@ def save_checkpoint(out, iteration, transformer, opt, state):
     """checkpoints/iter_N/: the "default" LoRA in diffusers' format with its LoraConfig as metadata, so that
     pipe.load_lora_weights("<run>/checkpoints/iter_N") gives the trained model exactly (without the metadata
     diffusers takes lora_alpha = r, a wrong scale unless alpha = r); iter_N/ema the EMA with --ema; and state.pt
-    (every adapter, optimizer, level statistics, optimizer-step count, iteration). Written to a .tmp folder,
+    (every adapter, optimizer, level statistics, optimizer-step count, iteration, and the run that wrote it:
+    run_identity). Written to a .tmp folder,
     renamed, then `latest` is replaced atomically: a kill at any moment leaves the last good one.
     Keeps this checkpoint and the newest earlier one. Refuses to write non-finite weights."""
     from diffusers import StableDiffusion3Pipeline
@@ -1492,7 +1687,10 @@ def save_checkpoint(out, iteration, transformer, opt, state):
                     transformer_lora_layers=lora[adapter],
                     transformer_lora_adapter_metadata=transformer.peft_config[adapter].to_dict(),
                 )
-        torch.save({"iteration": iteration, "lora": lora, "optimizer": opt.state_dict(), **state}, tmp / "state.pt")
+        torch.save(
+            {"iteration": iteration, "lora": lora, "optimizer": opt.state_dict(), **state, "run": run_identity(out)},
+            tmp / "state.pt",
+        )
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         (root / "latest.tmp").write_text(final.name)
@@ -1614,18 +1812,20 @@ def start_trackers(run: Run, args):
     run.acc.init_trackers(name, config=asdict(args), init_kwargs=kwargs)
 
 
-def log_to_trackers(acc, metrics, step):
+def log_to_trackers(acc, metrics, step, names=None):
     """The metrics line's numbers and strings to the --report-to tracker under the same keys (lists such as D stay in
-    metrics.jsonl); W (K, T) also as an image (viridis, 16 px a cell, scaled to its largest entry)."""
+    metrics.jsonl); W (K, T) also as an image, credit.png's W panel (`W_figure`: relative to the uniform share, rows
+    named by `names`), when W is in the line and names are given."""
     if not acc.trackers:
         return
     acc.log({k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}, step=step)
-    if "recast/W" in metrics:
-        import matplotlib
+    if "recast/W" in metrics and names:
+        import matplotlib.pyplot as plt
 
-        W = np.asarray(metrics["recast/W"])
-        rgb = matplotlib.colormaps["viridis"](W / max(W.max(), 1e-300))[..., :3]  # (K, T, 3)
-        log_images(acc, {"recast/W": np.kron(rgb, np.ones((16, 16, 1)))}, step)
+        fig = W_figure(np.asarray(metrics["recast/W"]), names)
+        fig.canvas.draw()
+        log_images(acc, {"recast/W": np.asarray(fig.canvas.buffer_rgba())[..., :3]}, step)
+        plt.close(fig)
 
 
 def log_images(acc, images, step):
@@ -1734,9 +1934,11 @@ FIGURES = ("rewards", "credit", "directions", "samples")  # the PNGs of a run fo
 
 def plot_run(out, names):
     """The run's figures from metrics.jsonl, drawn at every evaluation and at the end; returns their paths.
-    rewards.png: the training rewards per iteration; the held-out rewards and judges (eval/*) per evaluation, at the
-    number of iterations trained (0: eval_before/*, the pretrained model).
-    credit.png (recast.py, and rvge.py with --credit recast: wherever W is ReCAST's): the last W relative to each
+    rewards.png: the training rewards per iteration; the held-out rewards (eval/*) and each held-out judge on an axis
+    of its own (their units differ: the CNN's 0-1, Fréchet's hundreds) per evaluation, at the number of iterations
+    trained (0: eval_before/*, the pretrained model; the evaluation logged with iteration i: i + 1).
+    credit.png (recast.py but for --credit nft, whose one combined reward W plays no part in, and rvge.py with --credit
+    recast: wherever W is ReCAST's or its control's): the last W relative to each
     reward's uniform share, W_kj / (lambda_k / T) (lambda_k c_j / Lam with unequal column sums c_j; 1 everywhere: the
     uniform W); D_k(t), measured levels +- 2 se and
     the monotone fit, with each reward's evidence factor; and the profiles W was solved from, after the evidence
@@ -1759,45 +1961,34 @@ def plot_run(out, names):
         save_atomic(drawn[-1], lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
 
     evals = (
-        [(0, {k.replace("eval_before/", "eval/"): v for k, v in rows[0].items()})]
-        if "eval_before/weighted" in rows[0]
+        [(0, {k.replace("eval_before/", "eval/"): v for k, v in rows[0].items() if k.startswith("eval_before/")})]
+        if "eval_before/weighted" in rows[0]  # not its eval/*: iteration 0's own evaluation, when it has one
         else []
     ) + [(m["iteration"] + 1, m) for m in rows if "eval/weighted" in m]
-    judges = sorted({k for _, m in evals for k in m if k.startswith("eval/judge/")})
-    fig, axes = plt.subplots(1, 3 if judges else 2 if evals else 1, figsize=(16, 3.6), squeeze=False)
+    judges = sorted({k for _, m in evals for k in m if k.startswith("eval/judge/")})  # each on its own axis: units
+    panels = (2 if evals else 1) + len(judges)
+    fig, axes = plt.subplots(1, panels, figsize=(16 / 3 * max(panels, 3), 3.6), squeeze=False)
     for n in names + ["weighted"]:
         axes[0, 0].plot(its, [m[f"reward/{n}"] for m in rows], label=n)
         if evals:
             axes[0, 1].plot([i for i, _ in evals], [m[f"eval/{n}"] for _, m in evals], marker=".", label=n)
-    for key in judges:
-        axes[0, 2].plot(
-            [i for i, m in evals if key in m],
-            [m[key] for _, m in evals if key in m],
-            marker=".",
-            label=key.removeprefix("eval/judge/"),
-        )
-    if judges and all(m[k] > 0 for _, m in evals for k in judges if k in m):  # judges of different units
-        axes[0, 2].set_yscale("log")
-    titles = ["training rewards", "held-out rewards (eval/*)", "held-out judges (eval/judge/*)"]
-    for a, title, xlabel in zip(axes[0], titles, ["iteration", "iterations trained", "iterations trained"]):
-        a.set(xlabel=xlabel, title=title)
+    for a, key in zip(axes[0, 2:], judges):
+        name = key.removeprefix("eval/judge/")
+        a.plot([i for i, m in evals if key in m], [m[key] for _, m in evals if key in m], marker=".", label=name)
+        a.set(title=f"held-out judge {name} ({key})")
+    axes[0, 0].set(title="training rewards", xlabel="iteration (as in metrics.jsonl)")
+    for a in axes[0, 1:]:
+        a.set(xlabel="iterations trained (0: pretrained)")
+    if evals:
+        axes[0, 1].set(title="held-out rewards (eval/*)")
+    for a in axes[0]:
         a.legend(fontsize=7)
     save(fig, "rewards")
     last, sig = rows[-1], np.array(rows[-1].get("recast/sigmas", []))
-    if "recast/W" in last and (config.get("script", "recast") == "recast" or config["args"].get("credit") == "recast"):
+    script, credit = config.get("script", "recast"), config.get("args", {}).get("credit", "recast")
+    if "recast/W" in last and (credit != "nft" if script == "recast" else credit == "recast"):  # nft: W plays no part
         fig, axes = plt.subplots(1, 3, figsize=(16, 3.6), gridspec_kw={"wspace": 0.35})
-        W = np.array(last["recast/W"])
-        share = uniform_share(W)
-        ratio = np.divide(W, share, out=np.ones_like(W), where=share > 0)
-        norm = matplotlib.colors.TwoSlopeNorm(vcenter=1.0, vmin=min(ratio.min(), 0.5), vmax=max(ratio.max(), 2.0))
-        im = axes[0].imshow(ratio, aspect="auto", cmap="RdBu_r", norm=norm)
-        axes[0].set(
-            yticks=range(len(names)),
-            yticklabels=names,
-            xlabel="step j (t = sigma_j)",
-            title="W / uniform share (1: uniform)",
-        )
-        fig.colorbar(im, ax=axes[0])
+        draw_W(fig, axes[0], np.array(last["recast/W"]), names)
         D_meas, D_se = np.array(last["recast/D_measured"]), np.array(last["recast/D_se"])  # -1: level not measured
         profile = np.array(last.get("recast/profile", last["recast/gains"]))
         for k, n in enumerate(names):
@@ -1835,19 +2026,73 @@ def plot_run(out, names):
     return drawn
 
 
+def draw_W(fig, ax, W, names):
+    """W (K, T) on ax as credit.png shows it: W_kj / uniform share (uniform_share; 1: uniform), blue below, red
+    above, one row per reward (named), one column per step j, with its colour bar."""
+    import matplotlib
+
+    share = uniform_share(W)
+    ratio = np.divide(W, share, out=np.ones_like(W), where=share > 0)
+    norm = matplotlib.colors.TwoSlopeNorm(vcenter=1.0, vmin=min(ratio.min(), 0.5), vmax=max(ratio.max(), 2.0))
+    im = ax.imshow(ratio, aspect="auto", cmap="RdBu_r", norm=norm)
+    ax.set(
+        yticks=range(len(names)),
+        yticklabels=names,
+        xlabel="step j (t = sigma_j)",
+        title="W / uniform share (1: uniform)",
+    )
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    fig.colorbar(im, ax=ax)
+
+
+def W_figure(W, names):
+    """The figure of W alone (`draw_W`), as the --report-to tracker shows it every iteration (recast/W)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 1.4 + 0.3 * len(names)), layout="constrained")
+    draw_W(fig, ax, W, names)
+    return fig
+
+
 def uniform_share(W):
     """The uniform W with W's marginals, lambda_k c_j / Lam (K, T): lambda_k / T when the columns are equal, the
     reference W is read against in credit.png and the closing summary."""
     return np.outer(W.sum(1), W.sum(0)) / W.sum()
 
 
+def sampling_line(args, embedded):
+    """The line of Python, after the loading line, that samples the trained model with the settings it was trained
+    and evaluated with, not the pipeline's defaults: no CFG (guidance_scale 1.0: DiffusionNFT trains and evaluates
+    CFG-free), the evaluation's Euler steps (--eval-steps, else --steps; 40 in the SD3.5-M recipes), the T5 tokens
+    of its text conditioning (128, DiffusionNFT's; the embedded model's 10) and its resolution, as load_run chooses
+    them; on the first held-out prompt. On the embedded model's defaults these are shapes_world.GEN_KWARGS."""
+    gen = shapes_world.GEN_KWARGS if embedded else {}
+    steps = args.get("eval_steps") or args["steps"]
+    tokens = args.get("max_sequence_length") or gen.get("max_sequence_length", 128)
+    res = args.get("resolution") or gen.get("height", 512)
+    try:
+        prompt = read_prompts(args["eval_prompts"])[0] if args.get("eval_prompts") else None
+    except SystemExit:
+        prompt = None
+    prompt = prompt or (shapes_world.sample_prompts(1, "heldout", 0)[0] if embedded else "a photo of a cat")
+    kwargs = dict(height=res, width=res, num_inference_steps=steps, guidance_scale=1.0, max_sequence_length=tokens)
+    known = " (shapes_world.GEN_KWARGS)" if embedded and kwargs == gen else ""
+    return (
+        f"  image = pipe({prompt!r}, {', '.join(f'{k}={v}' for k, v in kwargs.items())}).images[0]  # as trained and "
+        f"evaluated{known}: no CFG, {steps} steps, {tokens} T5 tokens, {res} px"
+    )
+
+
 def print_summary(out):
     """The closing lines of a run on the console (first process, after the progress bar), from its config.json and
     metrics.jsonl: the held-out evaluation before -> after per reward, weighted and judge (eval_before/*, logged
-    with iteration 0, and the last eval/*); for ReCAST's credit, W's departure from uniform per reward,
-    max_j |W_kj / (lambda_k / T) - 1| (0: W = lambda / T; with --column-units gradient the uniform share is
-    lambda_k c_j / Lam); the run folder; the checkpoint to load and the line of
-    Python that loads it (the README's). Returns the lines printed."""
+    with iteration 0, and the last eval/*, after iteration i: i + 1 trained); for ReCAST's credit, W's departure from
+    uniform per reward, max_j |W_kj / (lambda_k / T) - 1| (0: W = lambda / T; with --column-units gradient the
+    uniform share is lambda_k c_j / Lam); the run folder; the checkpoint to load, the line of Python that loads it
+    (the README's) and one that samples as the run did (`sampling_line`). Returns the lines printed."""
     config = json.loads((out / "config.json").read_text())
     args, rows = config["args"], [json.loads(line) for _, line in metrics_lines(out / "metrics.jsonl")]
     lines = []
@@ -1855,7 +2100,8 @@ def print_summary(out):
     before = next((m for m in rows if "eval_before/weighted" in m), {})
     if after:
         fix = "" if before else " (no evaluation of the pretrained model in this run: after only)"
-        lines.append(f"held-out evaluation, pretrained -> iteration {after['iteration'] + 1}{fix}:")
+        it = after["iteration"]  # 0-based, as metrics.jsonl, checkpoints/iter_N and the figures' captions count
+        lines.append(f"held-out evaluation, pretrained -> after iteration {it} ({it + 1} trained){fix}:")
         for key, value in after.items():
             if key.startswith("eval/") and isinstance(value, (int, float)):
                 was = before.get(key.replace("eval/", "eval_before/"))
@@ -1879,7 +2125,7 @@ def print_summary(out):
             f'  pipe = StableDiffusion3Pipeline.from_pretrained("{args["model"]}"{local}); '
             f'pipe.transformer.load_lora_adapter("{folder}", prefix="transformer", '
             'weight_name="pytorch_lora_weights.safetensors")'
-            + ("  # sample with **shapes_world.GEN_KWARGS" if embedded else "")
         )
+        lines.append(sampling_line(args, embedded))
     print("\n".join(lines))
     return lines

@@ -82,7 +82,7 @@ def test_sample_grid_upscales_each_image_and_writes_its_prompt_under_it(tmp_path
 @pytest.mark.parametrize("module", ["recast", "rvge"])
 def test_report_to_tensorboard_logs_the_metrics_keys_and_W(tiny, tmp_path, module):
     """--report-to tensorboard: event files in <run>/tensorboard hold every number of metrics.jsonl under the same key,
-    one point per iteration, and W as an image of 16 px a cell."""
+    one point per iteration, and W as an image: credit.png's W panel, its rows named (run_kit.W_figure)."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -97,7 +97,9 @@ def test_report_to_tensorboard_logs_the_metrics_keys_and_W(tiny, tmp_path, modul
         assert [e.step for e in events.Scalars(key)] == [0, 1]
         assert [e.value for e in events.Scalars(key)] == pytest.approx([m[key] for m in rows], rel=1e-6)
     images = events.Images("recast/W")
-    assert [(i.step, i.height, i.width) for i in images] == [(0, 2 * 16, 10 * 16), (1, 2 * 16, 10 * 16)]
+    fig = run_kit.W_figure(np.asarray(rows[0]["recast/W"]), ["brightness", "redness"])
+    width, height = fig.canvas.get_width_height()
+    assert [(i.step, i.height, i.width) for i in images] == [(0, height, width), (1, height, width)]
     # every evaluation's figures, live: the samples (before, then before/after), the run's figures
     figures = ["eval/samples", "figures/rewards", "figures/credit" if module == "recast" else "figures/directions"]
     for tag in figures:
@@ -1263,7 +1265,7 @@ def test_the_run_ends_with_before_after_W_departure_and_the_checkpoint_to_load(t
     )
     printed = capsys.readouterr().out.splitlines()
     rows = read_metrics(out)
-    assert printed[0] == "held-out evaluation, pretrained -> iteration 2:"
+    assert printed[0] == "held-out evaluation, pretrained -> after iteration 1 (2 trained):"
     for key in ("brightness", "redness", "weighted", "judge/bright"):
         was, now = rows[0][f"eval_before/{key}"], rows[-1][f"eval/{key}"]
         assert f"  {key:<24} {was:9.4f} -> {now:9.4f}   ({now - was:+.4f})" in printed
@@ -1284,13 +1286,20 @@ def test_the_run_ends_with_before_after_W_departure_and_the_checkpoint_to_load(t
     logging.getLogger("diffusers").addHandler(handler)  # diffusers' loggers do not propagate to the root
     try:
         namespace = {"StableDiffusion3Pipeline": StableDiffusion3Pipeline}
-        exec(printed[-1].strip(), namespace)  # the printed line loads the trained LoRA, and diffusers says nothing
+        exec(printed[-2].strip(), namespace)  # the printed line loads the trained LoRA, and diffusers says nothing
         assert not [n for n in notices if "No LoRA keys" in n]
         usual = StableDiffusion3Pipeline.from_pretrained(str(tiny / "pipe"))
         usual.load_lora_weights(out / "checkpoints" / "iter_000001")  # diffusers' usual loader: the same weights
         assert len([n for n in notices if "No LoRA keys associated to CLIPTextModelWithProjection" in n]) == 2
     finally:
         logging.getLogger("diffusers").removeHandler(handler)
+    # the next line samples with the run's settings (no CFG, its evaluation steps, T5 tokens and size) and says so
+    assert printed[-1] == (
+        "  image = pipe('a red circle', height=16, width=16, num_inference_steps=10, guidance_scale=1.0, "
+        "max_sequence_length=8).images[0]  # as trained and evaluated: no CFG, 10 steps, 8 T5 tokens, 16 px"
+    )
+    exec(printed[-1].strip(), namespace)
+    assert namespace["image"].size == (16, 16)
     (loaded,) = namespace["pipe"].transformer.peft_config.values()
     assert (loaded.r, loaded.lora_alpha) == (4, 8)  # the run's --lora-rank 4 --lora-alpha 8, read from the folder
     lora = {k: v for k, v in usual.transformer.state_dict().items() if "lora" in k}
