@@ -113,6 +113,8 @@ class RunArgs:
     """seed for prompts, noise and LoRA init"""
     save_every: int = flag(10, "I/O", min=1)
     """checkpoint every N iterations (and at the end)"""
+    keep_checkpoints: int = flag(2, "I/O", min=0)
+    """checkpoints kept in <run>/checkpoints: the newest N (0: every one, as DiffusionNFT keeps them)"""
     resume: str = flag("", "I/O")
     """run folder to continue in place from its newest intact checkpoint (its config.json gives the settings; flags
     given now override those that may change)"""
@@ -957,6 +959,7 @@ class Run:
     max_len: int  # T5 tokens of the text conditioning
     prompts_per_iter: int  # prompt groups per iteration and process
     seed: int  # --seed, which draws the prompts
+    keep_checkpoints: int = 2  # --keep-checkpoints: the newest N kept (0: all)
 
     def reduce(self, a):
         """Sum numpy statistics over processes."""
@@ -1036,6 +1039,7 @@ def load_run(args, names, budgets, branch, script, extra_rewards=None, judges=No
         max_len=max_len,
         prompts_per_iter=args.prompts_per_iter,
         seed=args.seed,
+        keep_checkpoints=args.keep_checkpoints,
     )
 
 
@@ -1059,7 +1063,7 @@ def stop_if_a_reward_failed(run: Run, it, n_valid, state):
     resume trains iteration 0), and the message names the reward(s) and how to continue. n_valid (K,)."""
     if (n_valid == 0).any():
         if run.acc.is_main_process and it > 0:
-            save_checkpoint(run.out, it - 1, run.transformer, run.opt, state)
+            save_checkpoint(run.out, it - 1, run.transformer, run.opt, state, keep=run.keep_checkpoints)
         bad = [n for n, c in zip(run.names, n_valid) if c == 0]
         done = f"the state after iteration {it - 1} is saved in {run.out}" if it else "nothing was trained"
         raise SystemExit(
@@ -1115,7 +1119,7 @@ def finish_iteration(run: Run, args, it, metrics, state, before, sample):
         if evaluated:
             show_evaluation(run, it, evaluated, state)
         if (it + 1) % args.save_every == 0 or last:
-            save_checkpoint(run.out, it, run.transformer, run.opt, state)
+            save_checkpoint(run.out, it, run.transformer, run.opt, state, keep=run.keep_checkpoints)
     run.acc.wait_for_everyone()
 
 
@@ -1463,13 +1467,14 @@ def git_sha():
 # =============================================================================
 
 
-def save_checkpoint(out, iteration, transformer, opt, state):
+def save_checkpoint(out, iteration, transformer, opt, state, keep=2):
     """checkpoints/iter_N/: the "default" LoRA in diffusers' format with its LoraConfig as metadata, so that
     pipe.load_lora_weights("<run>/checkpoints/iter_N") gives the trained model exactly (without the metadata
     diffusers takes lora_alpha = r, a wrong scale unless alpha = r); iter_N/ema the EMA with --ema; and state.pt
     (every adapter, optimizer, level statistics, optimizer-step count, iteration). Written to a .tmp folder,
     renamed, then `latest` is replaced atomically: a kill at any moment leaves the last good one.
-    Keeps this checkpoint and the newest earlier one. Refuses to write non-finite weights."""
+    Keeps this checkpoint and the newest keep - 1 earlier ones (keep=0: every earlier one); a later one (left by a run
+    resumed from an earlier checkpoint) goes. Refuses to write non-finite weights."""
     from diffusers import StableDiffusion3Pipeline
     from peft.utils import get_peft_model_state_dict
 
@@ -1503,10 +1508,10 @@ def save_checkpoint(out, iteration, transformer, opt, state):
             f"writing the checkpoint of iteration {iteration} failed ({err}); is the disk full? "
             f"The last good checkpoint in {root} is kept; free space, then continue with --resume {out}"
         ) from None
-    previous = max((p for p in root.glob("iter_??????") if p.name < final.name), default=None)
-    for old in root.glob("iter_??????"):
-        if old not in (final, previous):
-            shutil.rmtree(old, ignore_errors=True)
+    earlier = sorted(p for p in root.glob("iter_??????") if p.name < final.name)
+    later = [p for p in root.glob("iter_??????") if p.name > final.name]
+    for old in later + (earlier[: max(0, len(earlier) - keep + 1)] if keep else []):
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def model_after_a_move(saved, given, folder):

@@ -556,6 +556,26 @@ def test_overwrite_replaces_a_run(finished_run, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").glob("iter_*")) == ["iter_000000"]
 
 
+def test_keep_checkpoints_keeps_the_newest_n_or_all(finished_run, tmp_path):
+    """--keep-checkpoints N keeps the newest N checkpoints, 0 every one (DiffusionNFT's way); the default keeps two."""
+    script, out = finished_run.script, copy_of(finished_run, tmp_path)
+
+    def kept():
+        return sorted(p.name for p in (out / "checkpoints").glob("iter_*"))
+
+    assert kept() == ["iter_000000", "iter_000001"]  # the default, 2, after two saves
+    more = ["--eval-every", "0", "--save-every", "1"]
+    script.train(
+        script.parse_args(["--resume", str(out), "--iterations", "4", "--keep-checkpoints", "0", *more]), TINY_REWARDS
+    )
+    assert kept() == ["iter_000000", "iter_000001", "iter_000002", "iter_000003"]
+    script.train(
+        script.parse_args(["--resume", str(out), "--iterations", "5", "--keep-checkpoints", "3", *more]), TINY_REWARDS
+    )
+    assert kept() == ["iter_000002", "iter_000003", "iter_000004"]
+    assert (out / "checkpoints" / "latest").read_text() == "iter_000004"
+
+
 def test_resume_trains_the_folder_given_wherever_it_lies(finished_run, tmp_path):
     script = finished_run.script
     original = snapshot(finished_run.out)
