@@ -795,6 +795,27 @@ def test_a_stray_rank_variable_leaves_a_single_process_run_checked_and_locked(fi
     assert snapshot(out) == before
 
 
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_accelerate_cpu_launch_of_several_processes_is_refused_with_the_launch_that_works(
+    tiny, tmp_path, monkeypatch, module
+):
+    """`accelerate launch --cpu --num_processes 2` starts one process with MASTER_ADDR and ACCELERATE_USE_CPU set and
+    no WORLD_SIZE (accelerate's simple launcher): refused before the run folder exists, naming --multi_gpu. Under
+    --multi_gpu (WORLD_SIZE set) or a single --cpu process (no MASTER_ADDR) the same check passes."""
+    script, out = __import__(module), tmp_path / "run"
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit, match=r"accelerate launch --multi_gpu --num_processes N .* --device cpu"):
+        script.validate(script.parse_args(tiny_argv(tiny, out)), extra_rewards=TINY_REWARDS)
+    assert not out.exists()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    run_kit.check_launch()
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("MASTER_ADDR")
+    run_kit.check_launch()
+
+
 def test_out_inside_a_run_is_refused(finished_run, tmp_path):
     out = copy_of(finished_run, tmp_path)
     before = snapshot(out)
@@ -1029,6 +1050,12 @@ def test_help_reads_as_sections_with_every_flag_in_its_own(module, capsys):
         assert text.index(f"\n{f.metadata['group']}:\n") < at < ends[f.metadata["group"]], f.name
         shown = " ".join(text[at : text.find("\n  --", at + 1)].split())
         assert re.search(r"\(default: \S", shown), f"--help shows no default of {f.name}"
+    flat = " ".join(text.split())
+    assert "(default: '')" not in flat and "(default: None)" not in flat  # words: none, off
+    rewards, examples = text.split("\nrewards (--rewards")[1].split("\nexamples:\n")  # the epilog, after the flags
+    for name in [*reward_models.REWARD_MODELS, *run_kit.shapes_world.REWARDS]:
+        assert re.search(rf"\b{name}\b", rewards), f"--help does not name the reward {name}"
+    assert all(f" {flag}" in examples for flag in ("--config configs/", "--resume", "--dry-run", "--eval-every 0"))
     for name in ("pickscore_model", "pickscore_processor", "clip_model", "geneval_url", "geneval_key"):
         assert getattr(script.Args(), name) == reward_models.DEFAULTS[name]
 
@@ -1076,6 +1103,11 @@ def test_dry_run_attaches_lora_to_sd35_medium_on_the_meta_device(capsys, recwarn
     plan = [line for line in capsys.readouterr().out.splitlines() if line.endswith(" GiB")]
     assert len(plan) == 5 and plan[-1].lstrip().startswith("total") and len({len(line) for line in plan}) == 1
     assert not [w for w in recwarn if "peft_config" in str(w.message)]
+    lora_gib = 4 * info["trainable_params"] / 2**30  # one adapter's fp32 weights
+    assert info["memory_gib"]["2 LoRA adapters (default, old; fp32)"] == pytest.approx(2 * lora_gib)
+    with_ema = __import__(module).main(["--dry-run", "--ema"])  # the EMA is a third adapter
+    assert with_ema["memory_gib"]["3 LoRA adapters (default, old, ema; fp32)"] == pytest.approx(3 * lora_gib)
+    assert with_ema["total_params"] == info["total_params"]  # the transformer's own count, adapters apart
 
 
 # -----------------------------------------------------------------------------
@@ -1297,6 +1329,10 @@ def test_the_run_ends_with_before_after_W_departure_and_the_checkpoint_to_load(t
         assert departure == []
     assert f"run folder: {out}" in printed
     assert f"trained LoRA: {out / 'checkpoints' / 'iter_000001'}" in printed
+    assert printed[-1].endswith(  # the run's own sampler (tiny_argv: 16 px, 8 T5 tokens, 10 steps), CFG-free
+        "# sample as evaluated: pipe(prompt, guidance_scale=1.0, num_inference_steps=10, max_sequence_length=8, "
+        "height=16, width=16)"
+    )
     notices, handler = [], logging.Handler()
     handler.emit = lambda record: notices.append(record.getMessage())
     logging.getLogger("diffusers").addHandler(handler)  # diffusers' loggers do not propagate to the root
