@@ -1,6 +1,7 @@
 """The documents hold what the code and each other cite: every "NOTES.md §n" a script names is a heading of
-NOTES.md, and every relative link (file and #anchor, GitHub's heading slugs) in README.md, RESULTS.md and NOTES.md
-resolves."""
+NOTES.md, every relative link (file and #anchor, GitHub's heading slugs) of every Markdown file resolves, every
+`python X.py` command they quote names a script that exists, and the README's reading guide names functions that
+exist."""
 
 import re
 from pathlib import Path
@@ -65,3 +66,28 @@ def test_every_relative_link_resolves(doc):
         elif anchor and dest.suffix == ".md" and anchor not in heading_slugs(dest):
             bad.append(f"missing anchor {target}")
     assert not bad, f"{doc}: {bad}"
+
+
+SCRIPT = re.compile(
+    r"\b(?:python3?|accelerate launch(?: --?[\w-]+(?:[ =](?!-)[\w.]+)?)*)\s+((?:[\w.+-]+/)*[\w.+-]+\.py)\b"
+)
+
+
+def test_the_script_pattern_sees_commands():
+    text = (
+        "`python recast.py --x`, `python3 experiments/bench.py a`, `accelerate launch --multi_gpu --num_processes 8 "
+        'rvge.py`, `python -m pytest -q`, `python -c "import recast"`'
+    )
+    assert SCRIPT.findall(text) == ["recast.py", "experiments/bench.py", "rvge.py"]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_python_command_names_a_script_that_exists(doc):
+    """Every `python X.py` / `python path/to/x.py` (and `accelerate launch ... X.py`) a Markdown file quotes, in prose
+    or in a code block, names a file of the project: from the root, where the commands run, or from the file's own
+    folder (a results folder's README may quote its own scripts)."""
+    md = ROOT / doc
+    missing = sorted(
+        {p for p in SCRIPT.findall(md.read_text()) if not (ROOT / p).is_file() and not (md.parent / p).is_file()}
+    )
+    assert not missing, f"{doc} quotes commands of scripts that do not exist: {missing}"

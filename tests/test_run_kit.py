@@ -1203,28 +1203,33 @@ def test_resume_never_takes_overwrite_from_the_saved_run(tmp_path, script):
 # -----------------------------------------------------------------------------
 
 SD35M = "--model stabilityai/stable-diffusion-3.5-medium --resolution 512 --steps 10"
+CADENCE = "--iterations 100000 --eval-every 10 --save-every 30 --keep-checkpoints 0"  # DiffusionNFT's
 NFT = (
-    f"--credit nft --budgets 1 {SD35M} --sampler ode --n-roots 24 --prompts-per-iter 6 --train-steps-per-leaf 9 --ema "
-    "--eval-steps 40 --lr 3e-4 --rollout-batch 8 --train-batch 9 --train-prompts train_prompts.txt "
-    "--eval-prompts eval_prompts.txt"
+    f"--credit nft --budgets 1 {SD35M} --max-sequence-length 128 --sampler ode --n-roots 24 --prompts-per-iter 6 --ema "
+    f"--eval-steps 40 --lr 3e-4 --rollout-batch 8 --train-batch 9 {CADENCE}"
 )
-GENEVAL_SERVER = "--geneval-url http://127.0.0.1:18085 --geneval-metadata geneval_train_metadata.jsonl"
-AESTHETIC = "--aesthetic-mlp sac+logos+ava1-l14-linearMSE.pth"
+GENEVAL_SERVER = "--geneval-url http://127.0.0.1:18085 --geneval-metadata"
+AESTHETIC = "--aesthetic-mlp reward_ckpts/sac+logos+ava1-l14-linearMSE.pth"
+PROMPTS = "--train-prompts dataset/{0}/train.txt --eval-prompts dataset/{0}/test.txt"  # DiffusionNFT's layout
+OWN = "--train-prompts train_prompts.txt --eval-prompts eval_prompts.txt"
 RECIPES = {  # configs/<file>: the SD3.5-M commands as flags (DiffusionNFT's config/nft.py settings; see NOTES.md)
-    "nft-geneval.yaml": f"{NFT} --rewards geneval --updates-per-iter 1 --nft-b 1 --old-decay 1 {GENEVAL_SERVER}",
-    "nft-pickscore.yaml": f"{NFT} --rewards pickscore --updates-per-iter 1 --nft-b 1 --old-decay 1",
-    "nft-ocr.yaml": f"{NFT} --rewards ocr --updates-per-iter 2 --nft-b 0.1 --old-decay 2",
+    "nft-geneval.yaml": f"{NFT} --rewards geneval --updates-per-iter 1 --train-steps-per-leaf 9 --nft-b 1 "
+    f"--old-decay 1 {GENEVAL_SERVER} dataset/geneval/metadata.jsonl {PROMPTS.format('geneval')}",
+    "nft-pickscore.yaml": f"{NFT} --rewards pickscore --updates-per-iter 1 --train-steps-per-leaf 9 --nft-b 1 "
+    f"--old-decay 1 {PROMPTS.format('pickscore')}",
+    "nft-ocr.yaml": f"{NFT} --rewards ocr --updates-per-iter 2 --train-steps-per-leaf 9 --nft-b 0.1 --old-decay 2 "
+    f"{PROMPTS.format('ocr')}",
     "nft-multi.yaml": f"{NFT} --rewards pickscore,clipscore,aesthetic --budgets 1,1,1 --updates-per-iter 1 "
-    f"--nft-b 0.1 --old-decay 1 --steps 25 {AESTHETIC}",
+    f"--nft-b 0.1 --old-decay 1 --steps 25 --train-steps-per-leaf 24 {AESTHETIC} {PROMPTS.format('pickscore')}",
     "recast-sd35m.yaml": f"--credit recast {SD35M} --rewards pickscore,clipscore,aesthetic,ocr --budgets "
-    f"0.4,0.3,0.2,0.1 {AESTHETIC} --train-prompts train_prompts.txt --eval-prompts eval_prompts.txt --n-roots 3 "
+    f"0.4,0.3,0.2,0.1 {AESTHETIC} {OWN} --n-roots 3 "
     "--n-branch 8 --branch-steps rotate --prompts-per-iter 6 --updates-per-iter 1 --train-steps-per-leaf 9 "
     "--nft-b 0.1 --ema --eval-steps 40 --lr 3e-4 --rollout-batch 8 --train-batch 9 --iterations 1000 "
-    "--eval-every 50 --save-every 25",
+    "--eval-every 10 --save-every 30 --keep-checkpoints 0",
     "rvge-sd35m.yaml": f"{SD35M} --rewards geneval,ocr,pickscore,clipscore,aesthetic --budgets 1,1,1,1,1 "
-    f"{GENEVAL_SERVER} {AESTHETIC} --train-prompts train_prompts.txt --n-roots 4 --n-branch 4 --branch-steps 7 "
+    f"{GENEVAL_SERVER} geneval_metadata.jsonl {AESTHETIC} {OWN} --n-roots 4 --n-branch 4 --branch-steps 7 "
     "--prompts-per-iter 6 --updates-per-iter 1 --train-steps-per-leaf 9 --ema --eval-steps 40 --lr 3e-4 "
-    "--iterations 1000",
+    "--rollout-batch 8 --train-batch 9 --iterations 1000 --eval-every 10 --save-every 30 --keep-checkpoints 0",
     "recast-embedded.yaml": "",  # the embedded default: `python recast.py`
 }
 
@@ -1237,7 +1242,7 @@ def test_a_recipe_file_parsed_equals_the_same_flags(recipe):
     root = Path(__file__).resolve().parents[1]
     assert script.parse_args(["--config", str(root / "configs" / recipe)]) == script.parse_args(RECIPES[recipe].split())
     assert f"--config configs/{recipe}" in (root / "README.md").read_text()
-    assert sorted(p.name for p in (root / "configs").iterdir()) == sorted(RECIPES)
+    assert sorted(p.name for p in (root / "configs").glob("*.yaml")) == sorted(RECIPES)  # reference/: not a recipe
 
 
 def test_flags_on_the_command_line_override_the_config_file(tmp_path):
