@@ -1905,7 +1905,7 @@ def print_summary(out):
     with iteration 0, and the last eval/*); for ReCAST's credit, W's departure from uniform per reward,
     max_j |W_kj / (lambda_k / T) - 1| (0: W = lambda / T; with --column-units gradient the uniform share is
     lambda_k c_j / Lam); the run folder; the checkpoint to load and the line of
-    Python that loads it (the README's). Returns the lines printed."""
+    Python that loads it (kit/README.md's). Returns the lines printed."""
     config = json.loads((out / "config.json").read_text())
     args, rows = config["args"], [json.loads(line) for _, line in metrics_lines(out / "metrics.jsonl")]
     lines = []
@@ -1938,7 +1938,7 @@ def print_summary(out):
             f"guidance_scale=1.0, num_inference_steps={args.get('eval_steps') or args['steps']}, "
             f"max_sequence_length={args.get('max_sequence_length') or 128}, height={size}, width={size}"
         )
-        lines.append(  # the README's two lines: the transformer's LoRA only, so diffusers logs no text-encoder notice
+        lines.append(  # kit/README.md's lines: the transformer's LoRA only, so diffusers logs no text-encoder notice
             f'  pipe = StableDiffusion3Pipeline.from_pretrained("{args["model"]}"{local}); '
             f'pipe.transformer.load_lora_adapter("{folder}", prefix="transformer", '
             'weight_name="pytorch_lora_weights.safetensors")'
