@@ -221,7 +221,7 @@ def assert_loads_as_trained(script, out, folder, adapter="default"):
     trained.set_adapter(adapter)
     loaded = StableDiffusion3Pipeline.from_pretrained(args.model, local_files_only=True)
     base = loaded.transformer(**transformer_inputs(loaded.transformer)).sample
-    loaded.transformer.load_lora_adapter(  # the README's instruction (and the closing summary's), as a user runs it
+    loaded.transformer.load_lora_adapter(  # kit/README.md's instruction (and the closing summary's), as a user runs it
         folder, prefix="transformer", weight_name="pytorch_lora_weights.safetensors"
     )
     with torch.no_grad():

@@ -110,13 +110,15 @@ class RunArgs:
     train_prompts: str = flag("", "I/O")
     """file with training prompts, one per line (embedded model: its train split)"""
     out: str = flag("", "I/O")
-    """run folder (default runs/<name>)"""
+    """run folder (default: runs/<name>)"""
     name: str = flag("", "I/O")
-    """run name (default <script>-<credit>-<seed>: recast-recast-0, rvge-budgets-0, ...)"""
+    """run name (default: <script>-<credit>-<seed>: recast-recast-0, rvge-budgets-0, ...)"""
     seed: int = flag(0, "I/O", min=0, max=2**31 - 1)
     """seed for prompts, noise and LoRA init"""
     save_every: int = flag(10, "I/O", min=1)
     """checkpoint every N iterations (and at the end)"""
+    keep_checkpoints: int = flag(2, "I/O", min=0)
+    """checkpoints kept in <run>/checkpoints: the newest N (0: every one, as DiffusionNFT keeps them)"""
     resume: str = flag("", "I/O")
     """run folder to continue in place from its newest intact checkpoint (its config.json gives the settings; flags
     given now override those that may change)"""
@@ -158,7 +160,8 @@ class NFTArgs(RunArgs):
 
     # method
     rewards: str = flag("", "method")
-    """comma-separated reward names, in budget order (default for the embedded model: its four default rewards)"""
+    """comma-separated reward names, in budget order (default: the embedded model's four; required for another
+    model)"""
     budgets: str = flag("0.4,0.3,0.2,0.1", "method")
     """reward budgets lambda_k, one per reward (W's row sums)"""
     permute_rewards: str = flag("", "method")
@@ -238,15 +241,19 @@ def make_parser(Args, groups, doc, suppress=False):
     tyro puts a flat dataclass's flags in one section, in base-class order, and cannot tell which flags were given,
     which the sections and --resume's rules need."""
     parser = argparse.ArgumentParser(
-        description=doc.split("\n\n")[0], argument_default=argparse.SUPPRESS if suppress else None
+        description=" ".join(doc.split("\n\n")[0].split()),
+        argument_default=argparse.SUPPRESS if suppress else None,
+        epilog=HELP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the epilog's lines as written
     )
     sections = {title: parser.add_argument_group(title, text) for title, text in groups.items()}
     docs = field_docs(Args)
     for f in sorted(fields(Args), key=lambda f: list(groups).index(f.metadata["group"])):  # the usage line, by section
         name, section = "--" + f.name.replace("_", "-"), sections[f.metadata["group"]]
         extra = {} if suppress else {"default": f.default}
-        shown = "off" if f.default is False else repr(f.default) if f.default == "" else f.default
-        text = f"{docs[f.name]} (default: {shown})".replace("%", "%%")  # argparse formats help with %
+        shown = "off" if f.default is False or f.default is None else "none" if f.default == "" else f.default
+        said = "(default: " in docs[f.name]  # a default the help line words itself (device, dtype, ...)
+        text = (docs[f.name] if said else f"{docs[f.name]} (default: {shown})").replace("%", "%%")  # argparse: %
         if f.type in (bool, "bool"):
             section.add_argument(name, action=argparse.BooleanOptionalAction, help=text, **extra)  # --no-x: off
         else:
@@ -260,6 +267,36 @@ def make_parser(Args, groups, doc, suppress=False):
         "run's config.json); flags given on the command line override it",
     )
     return parser
+
+
+HELP_EPILOG = "\n".join(  # --help's last lines: the reward names, then examples (%(prog)s: the script)
+    [
+        "rewards (--rewards, comma-separated, one budget each):",
+        textwrap.fill(
+            f"real models: {', '.join(sorted(REWARD_MODELS))} (kit/reward_models.py)",
+            79,
+            initial_indent="  ",
+            subsequent_indent="    ",
+        ),
+        textwrap.fill(
+            f"embedded model: {', '.join(shapes_world.DEFAULT_REWARDS)} (its defaults); also "
+            f"{', '.join(sorted(set(shapes_world.REWARDS) - set(shapes_world.DEFAULT_REWARDS)))} "
+            "(world/shapes_world.py)",
+            79,
+            initial_indent="  ",
+            subsequent_indent="    ",
+        ),
+        "",
+        "examples:",
+        "  python %(prog)s  # the embedded model on the CPU, its default rewards",
+        "  python %(prog)s --iterations 2 --prompts-per-iter 1 --n-branch 2 \\",
+        "      --train-steps-per-leaf 2 --updates-per-iter 1 --eval-every 0  # smoke run",
+        "  python %(prog)s --config configs/FILE.yaml --seed 1  # a recipe, flags override it",
+        "  python %(prog)s --resume runs/RUN --iterations 200  # continue a run in place",
+        "  python %(prog)s --dry-run  # SD3.5-Medium's LoRA and memory plan, no weights",
+        "  accelerate launch --multi_gpu --num_processes 8 %(prog)s --config configs/FILE.yaml",
+    ]
+)
 
 
 # Refused on --resume when they differ from the saved run (those of them a script has): a checkpoint is only valid with
@@ -526,6 +563,20 @@ def parse_budgets(text: str) -> list[float]:
     return out
 
 
+def check_launch():
+    """`accelerate launch --cpu --num_processes N` with N > 1 starts one process (accelerate's --cpu launcher runs
+    several only through MPI), which would train on 1/N of the batch asked for: refused, with the launch that works.
+    That launcher leaves MASTER_ADDR and ACCELERATE_USE_CPU set and no process count (WORLD_SIZE, or MPI's)."""
+    env = os.environ
+    counts = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+    if env.get("ACCELERATE_USE_CPU", "").lower() == "true" and "MASTER_ADDR" in env and not any(map(env.get, counts)):
+        raise SystemExit(
+            "accelerate launch --cpu --num_processes N starts only one process (its --cpu launcher needs MPI for "
+            "more). For N CPU processes: accelerate launch --multi_gpu --num_processes N <script>.py --device cpu ...; "
+            "for one, drop --num_processes"
+        )
+
+
 def check_common(args, extra_rewards=None):
     """The checks both scripts make on the user's input, before any model is loaded or any file in a run folder
     changes: flag ranges, tracker, resolution, device, model, budgets and rewards (the reward models' weights, files
@@ -533,6 +584,7 @@ def check_common(args, extra_rewards=None):
     names, budgets, branch steps). Raises SystemExit with the problem and the fix."""
     check_ranges(args)
     check_report_to(args.report_to)
+    check_launch()
     if args.resolution % 16:
         raise SystemExit(
             f"--resolution {args.resolution}: SD3 needs a multiple of 16 (VAE 8 x patch 2), "
@@ -886,7 +938,8 @@ def shuffle_within_groups(R, groups, rng):
 
 def dry_run(args):
     """SD3.5-Medium readiness without weights: its transformer (shipped config) on the meta device,
-    the LoRA attached, trainable parameters and a memory plan for one micro-batch."""
+    the LoRA adapters attached ("default", "old", with --ema "ema"), trainable parameters and a memory plan for one
+    micro-batch."""
     from accelerate import init_empty_weights
     from diffusers import SD3Transformer2DModel
     from peft import LoraConfig
@@ -896,18 +949,20 @@ def dry_run(args):
         transformer = SD3Transformer2DModel.from_config(config)
         lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=LORA_TARGETS)
         transformer.add_adapter(lora, adapter_name="default")
+        adapters = ["default", "old"] + (["ema"] if args.ema else [])
         with warnings.catch_warnings():  # several adapters on one model are the design here (as in load_pipeline)
             warnings.filterwarnings("ignore", message="Already found a `peft_config`")
-            transformer.add_adapter(lora, adapter_name="old")
-    total = sum(p.numel() for p in transformer.parameters())
+            for name in adapters[1:]:
+                transformer.add_adapter(lora, adapter_name=name)
     trainable = sum(p.numel() for p in lora_params(transformer, "default"))
+    total = sum(p.numel() for p in transformer.parameters()) - len(adapters) * trainable  # the transformer alone
     targets = sum(1 for n, _ in transformer.named_modules() if n.endswith(".lora_A.default"))
     res = args.resolution or 512
     tokens = (res // 8 // config["patch_size"]) ** 2 + 77 + (args.max_sequence_length or 128)
     gib = 2**30
     plan = {
-        "frozen weights (bf16)": 2 * (total - 2 * trainable) / gib,
-        "two LoRA adapters (fp32)": 4 * 2 * trainable / gib,
+        "frozen weights (bf16)": 2 * total / gib,
+        f"{len(adapters)} LoRA adapters ({', '.join(adapters)}; fp32)": 4 * len(adapters) * trainable / gib,
         "AdamW state + grads (fp32)": 3 * 4 * trainable / gib,
         # rough activation size kept for backward: per block ~ 12 tensors of (tokens, hidden) in bf16
         f"activations, micro-batch {args.train_batch} (estimate)": args.train_batch
@@ -1011,6 +1066,7 @@ class Run:
     max_len: int  # T5 tokens of the text conditioning
     prompts_per_iter: int  # prompt groups per iteration and process
     seed: int  # --seed, which draws the prompts
+    keep_checkpoints: int = 2  # --keep-checkpoints: the newest N kept (0: all)
 
     def reduce(self, a):
         """Sum numpy statistics over processes."""
@@ -1090,6 +1146,7 @@ def load_run(args, names, budgets, branch, script, extra_rewards=None, judges=No
         max_len=max_len,
         prompts_per_iter=args.prompts_per_iter,
         seed=args.seed,
+        keep_checkpoints=args.keep_checkpoints,
     )
 
 
@@ -1113,7 +1170,7 @@ def stop_if_a_reward_failed(run: Run, it, n_valid, state):
     resume trains iteration 0), and the message names the reward(s) and how to continue. n_valid (K,)."""
     if (n_valid == 0).any():
         if run.acc.is_main_process and it > 0:
-            save_checkpoint(run.out, it - 1, run.transformer, run.opt, state)
+            save_checkpoint(run.out, it - 1, run.transformer, run.opt, state, keep=run.keep_checkpoints)
         bad = [n for n, c in zip(run.names, n_valid) if c == 0]
         done = f"the state after iteration {it - 1} is saved in {run.out}" if it else "nothing was trained"
         raise SystemExit(
@@ -1170,7 +1227,7 @@ def finish_iteration(run: Run, args, it, metrics, state, before, sample):
         if evaluated:
             show_evaluation(run, it, evaluated, state)
         if (it + 1) % args.save_every == 0 or last:
-            save_checkpoint(run.out, it, run.transformer, run.opt, state)
+            save_checkpoint(run.out, it, run.transformer, run.opt, state, keep=run.keep_checkpoints)
     run.acc.wait_for_everyone()
 
 
@@ -1657,14 +1714,15 @@ def git_sha():
 # =============================================================================
 
 
-def save_checkpoint(out, iteration, transformer, opt, state):
+def save_checkpoint(out, iteration, transformer, opt, state, keep=2):
     """checkpoints/iter_N/: the "default" LoRA in diffusers' format with its LoraConfig as metadata, so that
     pipe.load_lora_weights("<run>/checkpoints/iter_N") gives the trained model exactly (without the metadata
     diffusers takes lora_alpha = r, a wrong scale unless alpha = r); iter_N/ema the EMA with --ema; and state.pt
     (every adapter, optimizer, level statistics, optimizer-step count, iteration, and the run that wrote it:
     run_identity). Written to a .tmp folder,
     renamed, then `latest` is replaced atomically: a kill at any moment leaves the last good one.
-    Keeps this checkpoint and the newest earlier one. Refuses to write non-finite weights."""
+    Keeps this checkpoint and the newest keep - 1 earlier ones (keep=0: every earlier one); a later one (left by a run
+    resumed from an earlier checkpoint) goes. Refuses to write non-finite weights."""
     from diffusers import StableDiffusion3Pipeline
     from peft.utils import get_peft_model_state_dict
 
@@ -1701,10 +1759,10 @@ def save_checkpoint(out, iteration, transformer, opt, state):
             f"writing the checkpoint of iteration {iteration} failed ({err}); is the disk full? "
             f"The last good checkpoint in {root} is kept; free space, then continue with --resume {out}"
         ) from None
-    previous = max((p for p in root.glob("iter_??????") if p.name < final.name), default=None)
-    for old in root.glob("iter_??????"):
-        if old not in (final, previous):
-            shutil.rmtree(old, ignore_errors=True)
+    earlier = sorted(p for p in root.glob("iter_??????") if p.name < final.name)
+    later = [p for p in root.glob("iter_??????") if p.name > final.name]
+    for old in later + (earlier[: max(0, len(earlier) - keep + 1)] if keep else []):
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def model_after_a_move(saved, given, folder):
@@ -2092,7 +2150,7 @@ def print_summary(out):
     with iteration 0, and the last eval/*, after iteration i: i + 1 trained); for ReCAST's credit, W's departure from
     uniform per reward, max_j |W_kj / (lambda_k / T) - 1| (0: W = lambda / T; with --column-units gradient the
     uniform share is lambda_k c_j / Lam); the run folder; the checkpoint to load, the line of Python that loads it
-    (the README's) and one that samples as the run did (`sampling_line`). Returns the lines printed."""
+    (kit/README.md's) and one that samples as the run did (`sampling_line`). Returns the lines printed."""
     config = json.loads((out / "config.json").read_text())
     args, rows = config["args"], [json.loads(line) for _, line in metrics_lines(out / "metrics.jsonl")]
     lines = []
@@ -2121,7 +2179,7 @@ def print_summary(out):
         embedded = is_embedded(args["model"])
         local = ", local_files_only=True" if embedded else ""
         lines.append(f"trained LoRA{' (its EMA, as evaluated)' if args.get('ema') else ''}: {folder}")
-        lines.append(  # the README's two lines: the transformer's LoRA only, so diffusers logs no text-encoder notice
+        lines.append(  # kit/README.md's lines: the transformer's LoRA only, so diffusers logs no text-encoder notice
             f'  pipe = StableDiffusion3Pipeline.from_pretrained("{args["model"]}"{local}); '
             f'pipe.transformer.load_lora_adapter("{folder}", prefix="transformer", '
             'weight_name="pytorch_lora_weights.safetensors")'

@@ -560,6 +560,26 @@ def test_overwrite_replaces_a_run(finished_run, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").glob("iter_*")) == ["iter_000000"]
 
 
+def test_keep_checkpoints_keeps_the_newest_n_or_all(finished_run, tmp_path):
+    """--keep-checkpoints N keeps the newest N checkpoints, 0 every one (DiffusionNFT's way); the default keeps two."""
+    script, out = finished_run.script, copy_of(finished_run, tmp_path)
+
+    def kept():
+        return sorted(p.name for p in (out / "checkpoints").glob("iter_*"))
+
+    assert kept() == ["iter_000000", "iter_000001"]  # the default, 2, after two saves
+    more = ["--eval-every", "0", "--save-every", "1"]
+    script.train(
+        script.parse_args(["--resume", str(out), "--iterations", "4", "--keep-checkpoints", "0", *more]), TINY_REWARDS
+    )
+    assert kept() == ["iter_000000", "iter_000001", "iter_000002", "iter_000003"]
+    script.train(
+        script.parse_args(["--resume", str(out), "--iterations", "5", "--keep-checkpoints", "3", *more]), TINY_REWARDS
+    )
+    assert kept() == ["iter_000002", "iter_000003", "iter_000004"]
+    assert (out / "checkpoints" / "latest").read_text() == "iter_000004"
+
+
 def test_resume_trains_the_folder_given_wherever_it_lies(finished_run, tmp_path):
     script = finished_run.script
     original = snapshot(finished_run.out)
@@ -777,6 +797,27 @@ def test_a_stray_rank_variable_leaves_a_single_process_run_checked_and_locked(fi
     finally:
         held.close()
     assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_accelerate_cpu_launch_of_several_processes_is_refused_with_the_launch_that_works(
+    tiny, tmp_path, monkeypatch, module
+):
+    """`accelerate launch --cpu --num_processes 2` starts one process with MASTER_ADDR and ACCELERATE_USE_CPU set and
+    no WORLD_SIZE (accelerate's simple launcher): refused before the run folder exists, naming --multi_gpu. Under
+    --multi_gpu (WORLD_SIZE set) or a single --cpu process (no MASTER_ADDR) the same check passes."""
+    script, out = __import__(module), tmp_path / "run"
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit, match=r"accelerate launch --multi_gpu --num_processes N .* --device cpu"):
+        script.validate(script.parse_args(tiny_argv(tiny, out)), extra_rewards=TINY_REWARDS)
+    assert not out.exists()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    run_kit.check_launch()
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("MASTER_ADDR")
+    run_kit.check_launch()
 
 
 def test_out_inside_a_run_is_refused(finished_run, tmp_path):
@@ -1013,6 +1054,12 @@ def test_help_reads_as_sections_with_every_flag_in_its_own(module, capsys):
         assert text.index(f"\n{f.metadata['group']}:\n") < at < ends[f.metadata["group"]], f.name
         shown = " ".join(text[at : text.find("\n  --", at + 1)].split())
         assert re.search(r"\(default: \S", shown), f"--help shows no default of {f.name}"
+    flat = " ".join(text.split())
+    assert "(default: '')" not in flat and "(default: None)" not in flat  # words: none, off
+    rewards, examples = text.split("\nrewards (--rewards")[1].split("\nexamples:\n")  # the epilog, after the flags
+    for name in [*reward_models.REWARD_MODELS, *run_kit.shapes_world.REWARDS]:
+        assert re.search(rf"\b{name}\b", rewards), f"--help does not name the reward {name}"
+    assert all(f" {flag}" in examples for flag in ("--config configs/", "--resume", "--dry-run", "--eval-every 0"))
     for name in ("pickscore_model", "pickscore_processor", "clip_model", "geneval_url", "geneval_key"):
         assert getattr(script.Args(), name) == reward_models.DEFAULTS[name]
 
@@ -1060,6 +1107,11 @@ def test_dry_run_attaches_lora_to_sd35_medium_on_the_meta_device(capsys, recwarn
     plan = [line for line in capsys.readouterr().out.splitlines() if line.endswith(" GiB")]
     assert len(plan) == 5 and plan[-1].lstrip().startswith("total") and len({len(line) for line in plan}) == 1
     assert not [w for w in recwarn if "peft_config" in str(w.message)]
+    lora_gib = 4 * info["trainable_params"] / 2**30  # one adapter's fp32 weights
+    assert info["memory_gib"]["2 LoRA adapters (default, old; fp32)"] == pytest.approx(2 * lora_gib)
+    with_ema = __import__(module).main(["--dry-run", "--ema"])  # the EMA is a third adapter
+    assert with_ema["memory_gib"]["3 LoRA adapters (default, old, ema; fp32)"] == pytest.approx(3 * lora_gib)
+    assert with_ema["total_params"] == info["total_params"]  # the transformer's own count, adapters apart
 
 
 # -----------------------------------------------------------------------------
@@ -1155,28 +1207,33 @@ def test_resume_never_takes_overwrite_from_the_saved_run(tmp_path, script):
 # -----------------------------------------------------------------------------
 
 SD35M = "--model stabilityai/stable-diffusion-3.5-medium --resolution 512 --steps 10"
+CADENCE = "--iterations 100000 --eval-every 10 --save-every 30 --keep-checkpoints 0"  # DiffusionNFT's
 NFT = (
-    f"--credit nft --budgets 1 {SD35M} --sampler ode --n-roots 24 --prompts-per-iter 6 --train-steps-per-leaf 9 --ema "
-    "--eval-steps 40 --lr 3e-4 --rollout-batch 8 --train-batch 9 --train-prompts train_prompts.txt "
-    "--eval-prompts eval_prompts.txt"
+    f"--credit nft --budgets 1 {SD35M} --max-sequence-length 128 --sampler ode --n-roots 24 --prompts-per-iter 6 --ema "
+    f"--eval-steps 40 --lr 3e-4 --rollout-batch 8 --train-batch 9 {CADENCE}"
 )
-GENEVAL_SERVER = "--geneval-url http://127.0.0.1:18085 --geneval-metadata geneval_train_metadata.jsonl"
-AESTHETIC = "--aesthetic-mlp sac+logos+ava1-l14-linearMSE.pth"
+GENEVAL_SERVER = "--geneval-url http://127.0.0.1:18085 --geneval-metadata"
+AESTHETIC = "--aesthetic-mlp reward_ckpts/sac+logos+ava1-l14-linearMSE.pth"
+PROMPTS = "--train-prompts dataset/{0}/train.txt --eval-prompts dataset/{0}/test.txt"  # DiffusionNFT's layout
+OWN = "--train-prompts train_prompts.txt --eval-prompts eval_prompts.txt"
 RECIPES = {  # configs/<file>: the SD3.5-M commands as flags (DiffusionNFT's config/nft.py settings; see NOTES.md)
-    "nft-geneval.yaml": f"{NFT} --rewards geneval --updates-per-iter 1 --nft-b 1 --old-decay 1 {GENEVAL_SERVER}",
-    "nft-pickscore.yaml": f"{NFT} --rewards pickscore --updates-per-iter 1 --nft-b 1 --old-decay 1",
-    "nft-ocr.yaml": f"{NFT} --rewards ocr --updates-per-iter 2 --nft-b 0.1 --old-decay 2",
+    "nft-geneval.yaml": f"{NFT} --rewards geneval --updates-per-iter 1 --train-steps-per-leaf 9 --nft-b 1 "
+    f"--old-decay 1 {GENEVAL_SERVER} dataset/geneval/metadata.jsonl {PROMPTS.format('geneval')}",
+    "nft-pickscore.yaml": f"{NFT} --rewards pickscore --updates-per-iter 1 --train-steps-per-leaf 9 --nft-b 1 "
+    f"--old-decay 1 {PROMPTS.format('pickscore')}",
+    "nft-ocr.yaml": f"{NFT} --rewards ocr --updates-per-iter 2 --train-steps-per-leaf 9 --nft-b 0.1 --old-decay 2 "
+    f"{PROMPTS.format('ocr')}",
     "nft-multi.yaml": f"{NFT} --rewards pickscore,clipscore,aesthetic --budgets 1,1,1 --updates-per-iter 1 "
-    f"--nft-b 0.1 --old-decay 1 --steps 25 {AESTHETIC}",
+    f"--nft-b 0.1 --old-decay 1 --steps 25 --train-steps-per-leaf 24 {AESTHETIC} {PROMPTS.format('pickscore')}",
     "recast-sd35m.yaml": f"--credit recast {SD35M} --rewards pickscore,clipscore,aesthetic,ocr --budgets "
-    f"0.4,0.3,0.2,0.1 {AESTHETIC} --train-prompts train_prompts.txt --eval-prompts eval_prompts.txt --n-roots 3 "
+    f"0.4,0.3,0.2,0.1 {AESTHETIC} {OWN} --n-roots 3 "
     "--n-branch 8 --branch-steps rotate --prompts-per-iter 6 --updates-per-iter 1 --train-steps-per-leaf 9 "
     "--nft-b 0.1 --ema --eval-steps 40 --lr 3e-4 --rollout-batch 8 --train-batch 9 --iterations 1000 "
-    "--eval-every 50 --save-every 25",
+    "--eval-every 10 --save-every 30 --keep-checkpoints 0",
     "rvge-sd35m.yaml": f"{SD35M} --rewards geneval,ocr,pickscore,clipscore,aesthetic --budgets 1,1,1,1,1 "
-    f"{GENEVAL_SERVER} {AESTHETIC} --train-prompts train_prompts.txt --n-roots 4 --n-branch 4 --branch-steps 7 "
+    f"{GENEVAL_SERVER} geneval_metadata.jsonl {AESTHETIC} {OWN} --n-roots 4 --n-branch 4 --branch-steps 7 "
     "--prompts-per-iter 6 --updates-per-iter 1 --train-steps-per-leaf 9 --ema --eval-steps 40 --lr 3e-4 "
-    "--iterations 1000",
+    "--rollout-batch 8 --train-batch 9 --iterations 1000 --eval-every 10 --save-every 30 --keep-checkpoints 0",
     "recast-embedded.yaml": "",  # the embedded default: `python recast.py`
 }
 
@@ -1189,7 +1246,7 @@ def test_a_recipe_file_parsed_equals_the_same_flags(recipe):
     root = Path(__file__).resolve().parents[1]
     assert script.parse_args(["--config", str(root / "configs" / recipe)]) == script.parse_args(RECIPES[recipe].split())
     assert f"--config configs/{recipe}" in (root / "README.md").read_text()
-    assert sorted(p.name for p in (root / "configs").iterdir()) == sorted(RECIPES)
+    assert sorted(p.name for p in (root / "configs").glob("*.yaml")) == sorted(RECIPES)  # reference/: not a recipe
 
 
 def test_flags_on_the_command_line_override_the_config_file(tmp_path):
