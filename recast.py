@@ -1,9 +1,10 @@
 """ReCAST: Reward Credit Assignment across Timesteps, on top of DiffusionNFT.
 
-Read top to bottom: ReCAST's math (the Renyi discriminability of each reward, its curve measured during training
-with standard errors, the gains per sampler step shrunk by their evidence, the W solver, the mixed optimality), its
-glue (credit, the update, DiffusionNFT's multi-reward baseline), the train loop, the flags and ReCAST's checks, the
-entry points. DiffusionNFT itself (optimality, schedules, sampler steps, tree rollouts, the loss,
+Read top to bottom: ReCAST's objects first, in the order one derives the next (the credit matrix W and its solver,
+W in DiffusionNFT's loss as the mixed optimality, the per-step gains and profiles W is solved from, the Renyi
+discriminability D whose gains they are, D measured during training with standard errors), then its glue (credit,
+the update, DiffusionNFT's multi-reward baseline), the train loop, the flags and ReCAST's checks, the controls the
+experiments use, the entry points. DiffusionNFT itself (optimality, schedules, sampler steps, tree rollouts, the loss,
 the update loop) is nft.py, written once for both methods (rvge.py has the same skeleton, so `diff recast.py
 rvge.py` shows the two methods); the run machinery (flag parsing, the flags both scripts share, the shared checks,
 run folders, resume, checkpoints, trackers, figures, model loading, the transformer call) is kit/run_kit.py's.
@@ -37,6 +38,8 @@ Where to change what (nft.x: in nft.py; run_kit.x: in kit/run_kit.py)
     loss       nft_update: nft.nft_loss on mix_optimality (r~ per step); the loop shared with rvge.py:
                nft.update_loop (with nft.frozen_velocities, nft.optimizer_step)
     old policy nft.old_decay (the soft update of "old" each iteration, run_kit.copy_adapter), nft.ema_decay (--ema)
+    controls   the experiments' --credit recast_reversed, --column-units gradient, --gain-init: "Controls for the
+               experiments" (controlled_W_inputs, column_sums, step_weights, gain_prior)
     logging    run_kit.reward_metrics + train's metrics line, run_kit.finish_iteration (metrics.jsonl,
                run_kit.log_to_trackers, checkpoints), progress bar in train, figures in run_kit.plot_run,
                show_evaluation; the held-out evaluation run_kit.evaluate (with nft.ode_sample); the closing lines
@@ -78,6 +81,224 @@ from kit.run_kit import (
     start_or_resume,
     stop_if_a_reward_failed,
 )
+
+# =============================================================================
+# NOTES.md §3.4 and §3.1, our reconstruction: the W solver, and W in DiffusionNFT's loss
+# =============================================================================
+
+
+def solve_W(budgets, profile, tau=1.0, eps=1e-3, tol=1e-12, max_iter=20000, col_sums=None):
+    """Credit matrix W (K, T): the KL (I-)projection of K_kj = lambda_k P~_kj^tau onto
+    {row sums = lambda, column sums = Lam / T}, with P~ = (1 - eps) P + eps / T.
+
+    The solution has the form W = diag(a) K diag(b) and is found by Sinkhorn
+    iterations in the log domain (derivations.ipynb §8). Rewards with budget 0
+    get a zero row. eps > 0 keeps K positive so a unique solution exists; eps = 0
+    is allowed when the profile is strictly positive. tau = 0 gives the uniform
+    W_kj = lambda_k / T; identical profiles give it too.
+    col_sums (T,): other column sums than the equal Lam / T (positive, summing to Lam), e.g. columns equal in
+    gradient units (toy_gaussian.py --train, derivations.ipynb §11); None (the default) is the equal Lam / T.
+    """
+    lam = np.asarray(budgets, dtype=np.float64)
+    P = np.asarray(profile, dtype=np.float64)
+    if P.ndim != 2 or P.shape[0] != lam.shape[0]:
+        raise ValueError(f"profile must have shape (K, T) with K = {lam.shape[0]} budgets, got {P.shape}")
+    if (lam < 0).any() or not np.isfinite(lam).all() or lam.sum() <= 0:
+        raise ValueError(f"budgets must be finite, non-negative and not all zero, got {lam}")
+    if (P < 0).any() or not np.isfinite(P).all():
+        raise ValueError("profile must be finite and non-negative")
+    if not 0 <= eps <= 1 or tau < 0:
+        raise ValueError(f"need 0 <= eps <= 1 and tau >= 0, got eps={eps}, tau={tau}")
+    T = P.shape[1]
+    P_tilde = (1 - eps) * P + eps / T
+    active = lam > 0
+    if (P_tilde[active] <= 0).any() and tau > 0:
+        raise ValueError("profile has zeros: use eps > 0 so that a solution with these marginals exists")
+    logK = np.log(lam[active])[:, None] + tau * np.log(np.where(P_tilde[active] > 0, P_tilde[active], 1.0))
+    log_row, log_col = np.log(lam[active]), np.full(T, np.log(lam.sum() / T))
+    if col_sums is not None:
+        col = np.asarray(col_sums, dtype=np.float64)
+        if col.shape != (T,) or not (col > 0).all() or not np.isclose(col.sum(), lam.sum(), rtol=1e-9, atol=0):
+            raise ValueError(f"col_sums must be {T} positive numbers summing to sum(budgets) = {lam.sum()}, got {col}")
+        log_col = np.log(col)
+    f, g = np.zeros(active.sum()), np.zeros(T)
+    from scipy.special import logsumexp
+
+    for _ in range(max_iter):
+        f = log_row - logsumexp(logK + g[None, :], axis=1)
+        g = log_col - logsumexp(logK + f[:, None], axis=0)
+        Wa = np.exp(logK + f[:, None] + g[None, :])
+        if np.abs(Wa.sum(1) - lam[active]).max() < tol * lam.sum():
+            break
+    W = np.zeros((lam.shape[0], T))
+    W[active] = Wa
+    return W
+
+
+def uniform_W(budgets, T, col_sums=None):
+    """W_kj = lambda_k / T: DiffusionNFT with per-reward normalisation (--credit uniform); with col_sums c (T,),
+    W_kj = lambda_k c_j / Lam."""
+    lam = np.asarray(budgets, dtype=np.float64)
+    if col_sums is None:
+        return np.repeat(lam[:, None] / T, T, axis=1)
+    return np.outer(lam, col_sums) / lam.sum()
+
+
+def mix_optimality(r, W, step):
+    """Per-sample mixture r~ = sum_k (T / Lam) W[k, step] r_k for training samples at grid step `step`.
+
+    r (N, K) tensor in [0, 1]; W (K, T) tensor; step (N,) long in [0, T). Columns of W
+    sum to Lam / T, so the weights T W_kj / Lam are convex and r~ stays in [0, 1].
+    Since the NFT loss is linear in r, this equals the W-weighted sum of
+    per-reward NFT losses (derivations.ipynb §4)."""
+    T = W.shape[1]
+    weights = W[:, step].T * (T / W.sum())  # (N, K)
+    return (weights * r).sum(-1)
+
+
+# =============================================================================
+# NOTES.md §3.3, our reconstruction: gains and profiles, shrunk by their evidence
+# =============================================================================
+
+
+def monotone_curve(t_levels, D_levels, weights=None):
+    """Project level estimates onto curves that are 0 at t = 1 and non-increasing in t.
+
+    Isotonic (least-squares, weighted) regression of D on decreasing t, then
+    clipped at 0 (D >= 0 for alpha > 0). NaN levels are dropped; t = 1 and t = 0
+    must be among the levels. Returns (t ascending (M,), D (M,))."""
+    t = np.asarray(t_levels, dtype=np.float64)
+    D = np.asarray(D_levels, dtype=np.float64)
+    w = np.ones_like(t) if weights is None else np.asarray(weights, dtype=np.float64)
+    keep = np.isfinite(D) & (w > 0)
+    t, D, w = t[keep], D[keep], w[keep]
+    if not (np.isclose(t, 0).any() and np.isclose(t, 1).any()):
+        raise ValueError("Renyi levels must include t = 0 (final rewards) and t = 1 (independent roots)")
+    order = np.argsort(-t, kind="stable")  # from t = 1 down to t = 0: D non-decreasing along this
+    from scipy.optimize import isotonic_regression
+
+    fit = np.maximum(isotonic_regression(D[order], weights=w[order], increasing=True).x, 0.0)
+    t_sorted = t[order]
+    fit[t_sorted == 1.0] = 0.0
+    t_u, first = np.unique(t_sorted[::-1], return_index=True)  # ascending t, duplicates merged
+    return t_u, fit[::-1][first]
+
+
+def gains_on_grid(t_levels, D_levels, sigmas, weights=None):
+    """Renyi curves on the sampler grid and their per-step gains (NOTES.md §3.3).
+
+    t_levels (L,); D_levels (K, L) raw estimates; sigmas (T+1,) from 1 down to 0.
+    Monotone projection, then monotone (PCHIP) interpolation to the grid, then
+    g_kj = D_k(s_j) - D_k(s_{j-1}). PCHIP reproduces the end points, so each row
+    of gains sums to D_k(0) (telescoping, derivations.ipynb §6).
+    Returns (D_grid (K, T+1), gains (K, T))."""
+    from scipy.interpolate import PchipInterpolator
+
+    D_levels = np.atleast_2d(np.asarray(D_levels, dtype=np.float64))
+    sigmas = np.asarray(sigmas, dtype=np.float64)
+    D_grid = np.zeros((D_levels.shape[0], len(sigmas)))
+    for k, row in enumerate(D_levels):
+        t_u, D_u = monotone_curve(t_levels, row, weights)
+        D_grid[k] = PchipInterpolator(t_u, D_u)(np.clip(sigmas, 0.0, 1.0))
+    D_grid = np.maximum(D_grid, 0.0)  # PCHIP is monotone on monotone data: this only removes rounding
+    return D_grid, np.maximum(np.diff(D_grid, axis=1), 0.0)
+
+
+def profiles(gains):
+    """P_kj = g_kj / sum_j g_kj, uniform 1/T for a reward whose total gain is 0. (K, T) -> (K, T)."""
+    gains = np.asarray(gains, dtype=np.float64)
+    total = gains.sum(1, keepdims=True)
+    return np.where(total > 0, gains / np.where(total > 0, total, 1.0), 1.0 / gains.shape[1])
+
+
+def evidence_weight(D, se, c=2.0, n=None, family=True):
+    """rho_k in [0, 1]: how far reward k's measured curve departs from the rewards' common shape, in
+    its own standard errors (derivations.ipynb §6b). W only moves credit *between* rewards, so the
+    null is "every reward has the same profile": D_k(s_j) = D_k(0) c_j with c_j = sum_k D_kj / sum_k D_k(0).
+    With z_kj = (D_kj - D_k(0) c_j) / sqrt(se_kj^2 + c_j^2 se_k(0)^2) over the p measured inner levels
+    and Q_k = sum_j z_kj^2: rho_k = max(0, 1 - c p / Q_k), a positive-part James-Stein factor with a
+    stricter constant (c = 2 keeps rho = 0 unless Q > 2p; a chi^2_8 exceeds 16 with probability 4%).
+    n (T+1,): the levels' observation counts. The se are estimated from those observations, so with few of
+    them z_kj has Student-t tails, not normal ones, and pure-noise rewards passed the chi^2 test far more often
+    than 4% (NOTES.md §3.3). Each z_kj is then replaced by the normal score of its t tail probability
+    with nu = min(n_j, n_0) - 1 degrees of freedom (derivations.ipynb §6c), which leaves it unchanged as n grows.
+    family: the K rewards are K tests, and W moves as soon as one of them passes, so with K = 4 pure-noise rewards
+    W left uniform ~4x as often as one test's rate. The threshold c p is then raised to the chi^2_p quantile at
+    1 - alpha / K, alpha = P(chi^2_p > c p) (Bonferroni: the chance that any reward passes under the null stays
+    <= alpha; derivations.ipynb §6d). K = 1 keeps c p. family=False: each reward tested alone.
+    D, se (K, T+1) from `level_curves`. Returns (K,)."""
+    j, z = evidence_departures(D, se, n)
+    if not len(j):
+        return np.zeros(D.shape[0])
+    Q = (z**2).sum(1)
+    threshold = evidence_threshold(c, len(j), D.shape[0], family)
+    return np.where(Q > 0, np.maximum(0.0, 1.0 - threshold / np.where(Q > 0, Q, 1.0)), 0.0)
+
+
+def evidence_departures(D, se, n=None):
+    """The z_kj of `evidence_weight`: reward k's departure from the rewards' common shape at each measured inner level
+    j, in its standard error; the normal scores of their t tails when the counts n are given (§6c). Returns
+    (j (p,), z (K, p)), p = 0 when no inner level is measured or the D(0) sum to 0."""
+    T = D.shape[1] - 1
+    inner = np.arange(1, T)
+    measured = np.isfinite(D[:, inner]).all(0) & np.isfinite(D[:, T]).all()
+    if not measured.any() or not np.sum(D[:, T]) > 0:
+        return inner[:0], np.zeros((D.shape[0], 0))
+    j = inner[measured]
+    shape = D[:, j].sum(0) / D[:, T].sum()  # (p,) the common curve, D(0) = 1
+    sd = np.sqrt(se[:, j] ** 2 + (shape * se[:, T:]) ** 2)
+    z = (D[:, j] - D[:, T:] * shape) / np.where(sd > 0, sd, np.inf)
+    if n is not None:
+        z = normal_score_of_t(z, np.minimum(np.asarray(n, dtype=np.float64)[j], float(n[T])) - 1.0)
+    return j, z
+
+
+def evidence_threshold(c, p, K, family=True):
+    """The Q_k above which `evidence_weight` gives reward k credit: c p alone; with family (K > 1) the chi^2_p quantile
+    at 1 - P(chi^2_p > c p) / K, so that any of K null rewards passes with at most one test's rate (§6d)."""
+    if not family or K <= 1:
+        return c * p
+    from scipy.stats import chi2
+
+    return chi2.isf(chi2.sf(c * p, p) / K, p)
+
+
+def normal_score_of_t(z, nu):
+    """sign(z) Phi^-1(1 - F_t(|z|; nu)): the standard normal value with the same tail probability as z under
+    Student's t with nu degrees of freedom (nu may be fractional: discounted counts). nu < 1e-6 is taken as 1e-6
+    (one observation: no spread measured, z carries no evidence). In log space, so that far tails keep their size;
+    where even the log tail underflows (huge z at huge nu, where t is normal) z itself. Never larger than |z|."""
+    from scipy import special, stats
+
+    z = np.asarray(z, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        score = -special.ndtri_exp(stats.t.logsf(np.abs(z), np.maximum(nu, 1e-6)))
+    return np.sign(z) * np.where(np.isfinite(score), np.minimum(score, np.abs(z)), np.abs(z))
+
+
+def credit_profiles(D, se, sigmas, n, c=2.0):
+    """From measured levels to the profiles W is built from (NOTES.md §3.3, derivations.ipynb §6b).
+    Per reward the measured levels (NaN ones skipped) are monotone-projected and PCHIP-interpolated to
+    the grid (`gains_on_grid`, weights = observation counts). Each gain gets its noise floor added,
+    g~_kj = g_kj + delta_k (delta_k: the mean standard error of reward k's level differences), so a step
+    where no reward's gain is measurable carries no ratio between rewards; the profile P_k of g~ is then
+    shrunk towards the rewards' mean profile by its evidence: P~_k = rho_k P_k + (1 - rho_k) mean_k P_k.
+    rho = 0 for every reward gives identical profiles and so the uniform W; with more samples delta -> 0
+    and rho -> 1, and W tends to the exact one. Returns (D_grid (K, T+1), gains (K, T), P~ (K, T), rho (K,))."""
+    sigmas = np.asarray(sigmas, dtype=np.float64)
+    T = len(sigmas) - 1
+    D_grid, gains = np.zeros_like(D), np.zeros((D.shape[0], T))
+    for k in range(D.shape[0]):
+        if np.isfinite(D[k, T]):
+            D_grid[k], gains[k] = (
+                a[0] for a in gains_on_grid(sigmas, D[k][None], sigmas, weights=np.maximum(n, 1e-12))
+            )
+    se_steps = np.sqrt(se[:, 1:] ** 2 + se[:, :-1] ** 2)  # (K, T) level differences; unmeasured levels excluded
+    floor = np.array([np.nanmean(row) if np.isfinite(row).any() else 0.0 for row in se_steps])
+    P = profiles(gains + floor[:, None])
+    rho = evidence_weight(D, se, c, n) if c > 0 else np.ones(D.shape[0])
+    return D_grid, gains, rho[:, None] * P + (1 - rho[:, None]) * P.mean(0), rho
+
 
 # =============================================================================
 # NOTES.md §3.2, our reconstruction: Renyi discriminability of a reward's positive policy
@@ -247,247 +468,6 @@ def level_curves(n, s1, s2, estimator="pairs", alpha=2.0):
 
 
 # =============================================================================
-# NOTES.md §3.3, our reconstruction: gains and profiles, shrunk by their evidence
-# =============================================================================
-
-
-def monotone_curve(t_levels, D_levels, weights=None):
-    """Project level estimates onto curves that are 0 at t = 1 and non-increasing in t.
-
-    Isotonic (least-squares, weighted) regression of D on decreasing t, then
-    clipped at 0 (D >= 0 for alpha > 0). NaN levels are dropped; t = 1 and t = 0
-    must be among the levels. Returns (t ascending (M,), D (M,))."""
-    t = np.asarray(t_levels, dtype=np.float64)
-    D = np.asarray(D_levels, dtype=np.float64)
-    w = np.ones_like(t) if weights is None else np.asarray(weights, dtype=np.float64)
-    keep = np.isfinite(D) & (w > 0)
-    t, D, w = t[keep], D[keep], w[keep]
-    if not (np.isclose(t, 0).any() and np.isclose(t, 1).any()):
-        raise ValueError("Renyi levels must include t = 0 (final rewards) and t = 1 (independent roots)")
-    order = np.argsort(-t, kind="stable")  # from t = 1 down to t = 0: D non-decreasing along this
-    from scipy.optimize import isotonic_regression
-
-    fit = np.maximum(isotonic_regression(D[order], weights=w[order], increasing=True).x, 0.0)
-    t_sorted = t[order]
-    fit[t_sorted == 1.0] = 0.0
-    t_u, first = np.unique(t_sorted[::-1], return_index=True)  # ascending t, duplicates merged
-    return t_u, fit[::-1][first]
-
-
-def gains_on_grid(t_levels, D_levels, sigmas, weights=None):
-    """Renyi curves on the sampler grid and their per-step gains (NOTES.md §3.3).
-
-    t_levels (L,); D_levels (K, L) raw estimates; sigmas (T+1,) from 1 down to 0.
-    Monotone projection, then monotone (PCHIP) interpolation to the grid, then
-    g_kj = D_k(s_j) - D_k(s_{j-1}). PCHIP reproduces the end points, so each row
-    of gains sums to D_k(0) (telescoping, derivations.ipynb §6).
-    Returns (D_grid (K, T+1), gains (K, T))."""
-    from scipy.interpolate import PchipInterpolator
-
-    D_levels = np.atleast_2d(np.asarray(D_levels, dtype=np.float64))
-    sigmas = np.asarray(sigmas, dtype=np.float64)
-    D_grid = np.zeros((D_levels.shape[0], len(sigmas)))
-    for k, row in enumerate(D_levels):
-        t_u, D_u = monotone_curve(t_levels, row, weights)
-        D_grid[k] = PchipInterpolator(t_u, D_u)(np.clip(sigmas, 0.0, 1.0))
-    D_grid = np.maximum(D_grid, 0.0)  # PCHIP is monotone on monotone data: this only removes rounding
-    return D_grid, np.maximum(np.diff(D_grid, axis=1), 0.0)
-
-
-def profiles(gains):
-    """P_kj = g_kj / sum_j g_kj, uniform 1/T for a reward whose total gain is 0. (K, T) -> (K, T)."""
-    gains = np.asarray(gains, dtype=np.float64)
-    total = gains.sum(1, keepdims=True)
-    return np.where(total > 0, gains / np.where(total > 0, total, 1.0), 1.0 / gains.shape[1])
-
-
-def evidence_weight(D, se, c=2.0, n=None, family=True):
-    """rho_k in [0, 1]: how far reward k's measured curve departs from the rewards' common shape, in
-    its own standard errors (derivations.ipynb §6b). W only moves credit *between* rewards, so the
-    null is "every reward has the same profile": D_k(s_j) = D_k(0) c_j with c_j = sum_k D_kj / sum_k D_k(0).
-    With z_kj = (D_kj - D_k(0) c_j) / sqrt(se_kj^2 + c_j^2 se_k(0)^2) over the p measured inner levels
-    and Q_k = sum_j z_kj^2: rho_k = max(0, 1 - c p / Q_k), a positive-part James-Stein factor with a
-    stricter constant (c = 2 keeps rho = 0 unless Q > 2p; a chi^2_8 exceeds 16 with probability 4%).
-    n (T+1,): the levels' observation counts. The se are estimated from those observations, so with few of
-    them z_kj has Student-t tails, not normal ones, and pure-noise rewards passed the chi^2 test far more often
-    than 4% (NOTES.md §3.3). Each z_kj is then replaced by the normal score of its t tail probability
-    with nu = min(n_j, n_0) - 1 degrees of freedom (derivations.ipynb §6c), which leaves it unchanged as n grows.
-    family: the K rewards are K tests, and W moves as soon as one of them passes, so with K = 4 pure-noise rewards
-    W left uniform ~4x as often as one test's rate. The threshold c p is then raised to the chi^2_p quantile at
-    1 - alpha / K, alpha = P(chi^2_p > c p) (Bonferroni: the chance that any reward passes under the null stays
-    <= alpha; derivations.ipynb §6d). K = 1 keeps c p. family=False: each reward tested alone.
-    D, se (K, T+1) from `level_curves`. Returns (K,)."""
-    j, z = evidence_departures(D, se, n)
-    if not len(j):
-        return np.zeros(D.shape[0])
-    Q = (z**2).sum(1)
-    threshold = evidence_threshold(c, len(j), D.shape[0], family)
-    return np.where(Q > 0, np.maximum(0.0, 1.0 - threshold / np.where(Q > 0, Q, 1.0)), 0.0)
-
-
-def evidence_departures(D, se, n=None):
-    """The z_kj of `evidence_weight`: reward k's departure from the rewards' common shape at each measured inner level
-    j, in its standard error; the normal scores of their t tails when the counts n are given (§6c). Returns
-    (j (p,), z (K, p)), p = 0 when no inner level is measured or the D(0) sum to 0."""
-    T = D.shape[1] - 1
-    inner = np.arange(1, T)
-    measured = np.isfinite(D[:, inner]).all(0) & np.isfinite(D[:, T]).all()
-    if not measured.any() or not np.sum(D[:, T]) > 0:
-        return inner[:0], np.zeros((D.shape[0], 0))
-    j = inner[measured]
-    shape = D[:, j].sum(0) / D[:, T].sum()  # (p,) the common curve, D(0) = 1
-    sd = np.sqrt(se[:, j] ** 2 + (shape * se[:, T:]) ** 2)
-    z = (D[:, j] - D[:, T:] * shape) / np.where(sd > 0, sd, np.inf)
-    if n is not None:
-        z = normal_score_of_t(z, np.minimum(np.asarray(n, dtype=np.float64)[j], float(n[T])) - 1.0)
-    return j, z
-
-
-def evidence_threshold(c, p, K, family=True):
-    """The Q_k above which `evidence_weight` gives reward k credit: c p alone; with family (K > 1) the chi^2_p quantile
-    at 1 - P(chi^2_p > c p) / K, so that any of K null rewards passes with at most one test's rate (§6d)."""
-    if not family or K <= 1:
-        return c * p
-    from scipy.stats import chi2
-
-    return chi2.isf(chi2.sf(c * p, p) / K, p)
-
-
-def normal_score_of_t(z, nu):
-    """sign(z) Phi^-1(1 - F_t(|z|; nu)): the standard normal value with the same tail probability as z under
-    Student's t with nu degrees of freedom (nu may be fractional: discounted counts). nu < 1e-6 is taken as 1e-6
-    (one observation: no spread measured, z carries no evidence). In log space, so that far tails keep their size;
-    where even the log tail underflows (huge z at huge nu, where t is normal) z itself. Never larger than |z|."""
-    from scipy import special, stats
-
-    z = np.asarray(z, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        score = -special.ndtri_exp(stats.t.logsf(np.abs(z), np.maximum(nu, 1e-6)))
-    return np.sign(z) * np.where(np.isfinite(score), np.minimum(score, np.abs(z)), np.abs(z))
-
-
-def credit_profiles(D, se, sigmas, n, c=2.0):
-    """From measured levels to the profiles W is built from (NOTES.md §3.3, derivations.ipynb §6b).
-    Per reward the measured levels (NaN ones skipped) are monotone-projected and PCHIP-interpolated to
-    the grid (`gains_on_grid`, weights = observation counts). Each gain gets its noise floor added,
-    g~_kj = g_kj + delta_k (delta_k: the mean standard error of reward k's level differences), so a step
-    where no reward's gain is measurable carries no ratio between rewards; the profile P_k of g~ is then
-    shrunk towards the rewards' mean profile by its evidence: P~_k = rho_k P_k + (1 - rho_k) mean_k P_k.
-    rho = 0 for every reward gives identical profiles and so the uniform W; with more samples delta -> 0
-    and rho -> 1, and W tends to the exact one. Returns (D_grid (K, T+1), gains (K, T), P~ (K, T), rho (K,))."""
-    sigmas = np.asarray(sigmas, dtype=np.float64)
-    T = len(sigmas) - 1
-    D_grid, gains = np.zeros_like(D), np.zeros((D.shape[0], T))
-    for k in range(D.shape[0]):
-        if np.isfinite(D[k, T]):
-            D_grid[k], gains[k] = (
-                a[0] for a in gains_on_grid(sigmas, D[k][None], sigmas, weights=np.maximum(n, 1e-12))
-            )
-    se_steps = np.sqrt(se[:, 1:] ** 2 + se[:, :-1] ** 2)  # (K, T) level differences; unmeasured levels excluded
-    floor = np.array([np.nanmean(row) if np.isfinite(row).any() else 0.0 for row in se_steps])
-    P = profiles(gains + floor[:, None])
-    rho = evidence_weight(D, se, c, n) if c > 0 else np.ones(D.shape[0])
-    return D_grid, gains, rho[:, None] * P + (1 - rho[:, None]) * P.mean(0), rho
-
-
-# =============================================================================
-# NOTES.md §3.4, our reconstruction: the W solver
-# =============================================================================
-
-
-def solve_W(budgets, profile, tau=1.0, eps=1e-3, tol=1e-12, max_iter=20000, col_sums=None):
-    """Credit matrix W (K, T): the KL (I-)projection of K_kj = lambda_k P~_kj^tau onto
-    {row sums = lambda, column sums = Lam / T}, with P~ = (1 - eps) P + eps / T.
-
-    The solution has the form W = diag(a) K diag(b) and is found by Sinkhorn
-    iterations in the log domain (derivations.ipynb §8). Rewards with budget 0
-    get a zero row. eps > 0 keeps K positive so a unique solution exists; eps = 0
-    is allowed when the profile is strictly positive. tau = 0 gives the uniform
-    W_kj = lambda_k / T; identical profiles give it too.
-    col_sums (T,): other column sums than the equal Lam / T (positive, summing to Lam), e.g. columns equal in
-    gradient units (toy_gaussian.py --train, derivations.ipynb §11); None (the default) is the equal Lam / T.
-    """
-    lam = np.asarray(budgets, dtype=np.float64)
-    P = np.asarray(profile, dtype=np.float64)
-    if P.ndim != 2 or P.shape[0] != lam.shape[0]:
-        raise ValueError(f"profile must have shape (K, T) with K = {lam.shape[0]} budgets, got {P.shape}")
-    if (lam < 0).any() or not np.isfinite(lam).all() or lam.sum() <= 0:
-        raise ValueError(f"budgets must be finite, non-negative and not all zero, got {lam}")
-    if (P < 0).any() or not np.isfinite(P).all():
-        raise ValueError("profile must be finite and non-negative")
-    if not 0 <= eps <= 1 or tau < 0:
-        raise ValueError(f"need 0 <= eps <= 1 and tau >= 0, got eps={eps}, tau={tau}")
-    T = P.shape[1]
-    P_tilde = (1 - eps) * P + eps / T
-    active = lam > 0
-    if (P_tilde[active] <= 0).any() and tau > 0:
-        raise ValueError("profile has zeros: use eps > 0 so that a solution with these marginals exists")
-    logK = np.log(lam[active])[:, None] + tau * np.log(np.where(P_tilde[active] > 0, P_tilde[active], 1.0))
-    log_row, log_col = np.log(lam[active]), np.full(T, np.log(lam.sum() / T))
-    if col_sums is not None:
-        col = np.asarray(col_sums, dtype=np.float64)
-        if col.shape != (T,) or not (col > 0).all() or not np.isclose(col.sum(), lam.sum(), rtol=1e-9, atol=0):
-            raise ValueError(f"col_sums must be {T} positive numbers summing to sum(budgets) = {lam.sum()}, got {col}")
-        log_col = np.log(col)
-    f, g = np.zeros(active.sum()), np.zeros(T)
-    from scipy.special import logsumexp
-
-    for _ in range(max_iter):
-        f = log_row - logsumexp(logK + g[None, :], axis=1)
-        g = log_col - logsumexp(logK + f[:, None], axis=0)
-        Wa = np.exp(logK + f[:, None] + g[None, :])
-        if np.abs(Wa.sum(1) - lam[active]).max() < tol * lam.sum():
-            break
-    W = np.zeros((lam.shape[0], T))
-    W[active] = Wa
-    return W
-
-
-def uniform_W(budgets, T, col_sums=None):
-    """W_kj = lambda_k / T: DiffusionNFT with per-reward normalisation (--credit uniform); with col_sums c (T,),
-    W_kj = lambda_k c_j / Lam."""
-    lam = np.asarray(budgets, dtype=np.float64)
-    if col_sums is None:
-        return np.repeat(lam[:, None] / T, T, axis=1)
-    return np.outer(lam, col_sums) / lam.sum()
-
-
-def gradient_unit_columns(sigmas, budgets):
-    """Column sums equal in gradient units (--column-units gradient): c_j propto 1 / s_j, scaled to sum to Lam.
-    nft.nft_loss's velocity gradient per unit weight at t = s_j is proportional to s_j (derivations.ipynb §11), so
-    c_j s_j, each step's share of the update, is the same for every step. sigmas (T+1,) -> (T,)."""
-    inv = 1.0 / np.asarray(sigmas[:-1], dtype=np.float64)
-    return float(np.sum(budgets)) * inv / inv.sum()
-
-
-def equal_columns(W):
-    """Split a W with unequal column sums c_j into the step weight omega_j = T c_j / Lam and the equal-column
-    W' = W Lam / (T c_j). The NFT loss is linear in r (derivations.ipynb §4), so
-    sum_k (T / Lam) W_kj L(r_k) = omega_j L(r~'_j) with r~'_j = mix_optimality(r, W', j) in [0, 1].
-    W (K, T) -> (omega (T,), W')."""
-    W = np.asarray(W, dtype=np.float64)
-    Lam, T, c = W.sum(), W.shape[1], W.sum(0)
-    return T * c / Lam, W * (Lam / T) / c
-
-
-# =============================================================================
-# NOTES.md §3.1, our reconstruction: the mixed optimality (W in DiffusionNFT's loss)
-# =============================================================================
-
-
-def mix_optimality(r, W, step):
-    """Per-sample mixture r~ = sum_k (T / Lam) W[k, step] r_k for training samples at grid step `step`.
-
-    r (N, K) tensor in [0, 1]; W (K, T) tensor; step (N,) long in [0, T). Columns of W
-    sum to Lam / T, so the weights T W_kj / Lam are convex and r~ stays in [0, 1].
-    Since the NFT loss is linear in r, this equals the W-weighted sum of
-    per-reward NFT losses (derivations.ipynb §4)."""
-    T = W.shape[1]
-    weights = W[:, step].T * (T / W.sum())  # (N, K)
-    return (weights * r).sum(-1)
-
-
-# =============================================================================
 # ReCAST's glue: credit (curves -> W), the update, DiffusionNFT's multi-reward baseline
 # =============================================================================
 
@@ -531,8 +511,7 @@ def credit(settings: CreditSettings, stats, r, std, b, budgets, sigmas, reduce):
     stats = new if stats is None else [c.gain_ema * old + now for old, now in zip(stats, new)]
     D, se = level_curves(*stats, c.estimator, c.alpha)
     D_grid, gains, P, rho = credit_profiles(D, se, sigmas, stats[0], c.evidence)
-    cols = gradient_unit_columns(sigmas, budgets) if c.column_units == "gradient" else None
-    P_W = P[:, ::-1] if c.reverse_time else P  # the control: the same marginals, each profile flipped in time
+    P_W, cols = controlled_W_inputs(c, P, sigmas, budgets)  # (P, None) unless a control of the experiments is on
     W = solve_W(budgets, P_W, c.tau, c.eps, col_sums=cols) if c.learn_W else uniform_W(budgets, T, cols)
     info = {
         "recast/D": D_grid.tolist(),
@@ -550,13 +529,10 @@ def credit(settings: CreditSettings, stats, r, std, b, budgets, sigmas, reduce):
 def nft_update(run, b, r_mix_table, W, args, gen, on_step):
     """ReCAST's update: `nft.update_loop` with DiffusionNFT's loss (`nft.nft_loss`) on the mixed optimality. The loss at
     t = sigmas[j] (the velocity that moves s_j -> s_{j+1}) uses r~ = sum_k (T / Lam) W_kj r_k (`mix_optimality`).
-    With --column-units gradient W's columns differ: the loss at step j is omega_j L(r~'_j) (`equal_columns`).
+    With --column-units gradient W's columns differ: the loss at step j is omega_j L(r~'_j) (`step_weights`).
     b: the iteration's rollout (leaves, groups, emb, pooled); r_mix_table (N, K) optimality per reward; W (K, T)."""
     r_t = torch.as_tensor(r_mix_table, dtype=torch.float32)
-    omega = None
-    if args.column_units == "gradient":
-        omega, W = equal_columns(W)
-        omega = torch.as_tensor(omega, dtype=torch.float32)
+    omega, W = step_weights(args.column_units, W)  # (None, W) unless --column-units gradient
     W_t = torch.as_tensor(W / W.sum(), dtype=torch.float32)  # scale-free before float32 (budgets of 1e-40 or 1e300)
 
     def policy_loss(nb, v_theta, v_old):
@@ -574,7 +550,7 @@ def nft_baseline(R, groups, budgets, sigmas, reduce, column_units="loss"):
     weights omega_j)."""
     Rc = nft.combine_raw(R, budgets)[:, None]
     _, _, std = nft.global_stats(Rc, reduce)
-    cols = gradient_unit_columns(sigmas, [1.0]) if column_units == "gradient" else None
+    cols = column_sums(column_units, sigmas, [1.0])  # None (equal columns) unless --column-units gradient
     return nft.optimality(Rc, groups, std=std), uniform_W([1.0], len(sigmas) - 1, cols)
 
 
@@ -587,7 +563,7 @@ def train(args: Args, extra_rewards=None, judges=None):
     """The whole run: per iteration rollout -> rewards -> credit (D, W) -> NFT update -> soft update
     of "old" -> log / evaluate / checkpoint. Returns the run folder."""
     run = setup_run(args, extra_rewards, judges)
-    prior = read_level_stats(args.gain_init, run.names, args.steps) if args.gain_init else None
+    prior = gain_prior(args, run.names)  # --gain-init (a control of the experiments), else None
     start, state = start_or_resume(run, args)
     budgets = run.budgets
     if start == 0 and prior is not None:
@@ -719,8 +695,7 @@ def validate(args: Args, extra_rewards=None):
             )
         if args.n_roots < 2 or not branch:
             raise SystemExit("--gain-estimator pairs needs --n-roots >= 2 and at least one --branch-steps entry")
-    if args.gain_init:
-        read_level_stats(args.gain_init, names, args.steps)
+    gain_prior(args, names)  # --gain-init: refused here when it does not fit the run
     check_files(args, names)
     args.out = run_folder(args, default_name(args))
     return names, budgets, branch
@@ -729,6 +704,63 @@ def validate(args: Args, extra_rewards=None):
 def default_name(args):
     """--name's default."""
     return f"recast-{args.credit}-{args.seed}"
+
+
+# =============================================================================
+# Controls for the experiments: --credit recast_reversed, --column-units gradient, --gain-init
+# =============================================================================
+# Not ReCAST: each answers a reviewer's question about it (experiments/bench.py: the recast-reversed and recast-units
+# experiments, the protocol's recast_prior arm). Off by default, they leave ReCAST as it is; credit, nft_update,
+# nft_baseline, validate and train each call them in one line.
+
+
+def controlled_W_inputs(settings: CreditSettings, P, sigmas, budgets):
+    """The profile and the column sums W is solved with: ReCAST's own (P, None: columns Lam / T each) unless a
+    control changes them. --credit recast_reversed, the control for credit in time: each reward's profile flipped in
+    time (the same marginals as recast's W; with equal columns it is recast's W flipped). --column-units gradient:
+    the column sums of `column_sums`. P (K, T) -> (P_W (K, T), cols (T,) or None)."""
+    P_W = P[:, ::-1] if settings.reverse_time else P
+    return P_W, column_sums(settings.column_units, sigmas, budgets)
+
+
+def column_sums(column_units, sigmas, budgets):
+    """W's column sums: None (loss units, ReCAST's: Lam / T each) or, with --column-units gradient,
+    `gradient_unit_columns`."""
+    return gradient_unit_columns(sigmas, budgets) if column_units == "gradient" else None
+
+
+def gradient_unit_columns(sigmas, budgets):
+    """Column sums equal in gradient units (--column-units gradient): c_j propto 1 / s_j, scaled to sum to Lam.
+    nft.nft_loss's velocity gradient per unit weight at t = s_j is proportional to s_j (derivations.ipynb §11), so
+    c_j s_j, each step's share of the update, is the same for every step. sigmas (T+1,) -> (T,)."""
+    inv = 1.0 / np.asarray(sigmas[:-1], dtype=np.float64)
+    return float(np.sum(budgets)) * inv / inv.sum()
+
+
+def step_weights(column_units, W):
+    """The loss's weight per step and the W that mix_optimality reads: ReCAST's (None, W) in loss units; with
+    --column-units gradient, W's columns differ and `equal_columns` splits them into omega (T,) float32 and the
+    equal-column W'."""
+    if column_units != "gradient":
+        return None, W
+    omega, W = equal_columns(W)
+    return torch.as_tensor(omega, dtype=torch.float32), W
+
+
+def equal_columns(W):
+    """Split a W with unequal column sums c_j into the step weight omega_j = T c_j / Lam and the equal-column
+    W' = W Lam / (T c_j). The NFT loss is linear in r (derivations.ipynb §4), so
+    sum_k (T / Lam) W_kj L(r_k) = omega_j L(r~'_j) with r~'_j = mix_optimality(r, W', j) in [0, 1].
+    W (K, T) -> (omega (T,), W')."""
+    W = np.asarray(W, dtype=np.float64)
+    Lam, T, c = W.sum(), W.shape[1], W.sum(0)
+    return T * c / Lam, W * (Lam / T) / c
+
+
+def gain_prior(args, names):
+    """--gain-init: the discounted level statistics the run starts from (bench.py's profiles.json, measured on the
+    pretrained model with many groups; `run_kit.read_level_stats` refuses one that does not fit), else None."""
+    return read_level_stats(args.gain_init, names, args.steps) if args.gain_init else None
 
 
 # =============================================================================
