@@ -694,12 +694,17 @@ def test_recast_two_iterations_write_metrics_W_figures_and_a_loadable_lora(tiny,
 def test_where_to_change_what_names_functions_that_exist(module):
     script = __import__(module)
     block = script.__doc__.split("Where to change what")[1]
-    words = {"reward_models", "run_kit", "w_kj", "README"}  # files and a symbol named in the map
+    words = {"reward_models", "run_kit", "w_kj", "README", "recast_reversed"}  # files, a symbol, a flag value
     names = set(re.findall(r"\b(?:[a-z0-9]+_[a-z0-9_]+|Args|Run|[A-Z_]{4,})\b", block)) - words
     assert len(names) > 20
-    homes = (script, run_kit, reward_models)
+    homes = (script, nft, run_kit, reward_models)
     missing = [n for n in names if not any(hasattr(home, n) for home in homes)]
-    assert not missing, f"the map in {module}.py's docstring names {missing}, which {module}.py does not define"
+    assert not missing, (
+        f"the map in {module}.py's docstring names {missing}, which neither {module}.py, nft.py nor the kit defines"
+    )
+    for home in (nft, run_kit):  # a qualified name lives where it says
+        named = set(re.findall(rf"\b{home.__name__.split('.')[-1]}\.([A-Za-z0-9_]+)\b", block)) - {"x", "py"}
+        assert named and not [n for n in named if not hasattr(home, n)], (home.__name__, named)
 
 
 def test_the_main_command_prints_one_progress_bar_with_reward_and_loss_and_no_warnings(tmp_path):
@@ -879,7 +884,8 @@ def test_rvge_ablation_flags_train_end_to_end(tiny, tmp_path, monkeypatch):
 TWO_PROC_SCRIPT = """
 import sys, numpy as np
 sys.path.insert(0, {repo!r})
-import {module} as script, recast, run_kit, test_recast
+import {module} as script, recast, test_recast
+from kit import run_kit
 from accelerate import PartialState
 solve = recast.solve_W  # both scripts build W in recast.credit
 def recorded(*a, **k):
