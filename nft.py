@@ -1,11 +1,11 @@
 """DiffusionNFT: the online reinforcement step on the forward process that ReCAST and DiffusionRVGE build on.
 
-Written once, to be read next to the DiffusionNFT paper (Zheng et al. 2025, "DiffusionNFT: Online Diffusion
-Reinforcement with Forward Process") and its public code (NVlabs/DiffusionNFT, `scripts/train_nft_sd3.py`); NOTES.md
+Written once, to be read next to the DiffusionNFT paper (Zheng et al., "DiffusionNFT: Online Diffusion Reinforcement
+with Forward Process", arXiv:2509.16117) and its public code (NVlabs/DiffusionNFT, `scripts/train_nft_sd3.py`); NOTES.md
 §2 writes the step down and tables how this code matches theirs ("DiffusionNFT fidelity"). recast.py and rvge.py
 import it (`import nft`) and change one thing each: the optimality the loss is fed per timestep (ReCAST's W) or the
-loss itself (RVGE's regression to target velocities); `python recast.py --credit nft` is DiffusionNFT as it is.
-Read top to bottom, as one iteration runs through it:
+loss itself (RVGE's regression to target velocities); `recast.py --config configs/nft-geneval.yaml` runs DiffusionNFT.
+Read top to bottom, one section each:
     rewards -> optimality   global_stats (the std over all processes), advantages, optimality; several rewards:
                             combine_raw (added with their weights, then normalised once)
     schedules               old_decay (the soft update of the sampling adapter "old"), ema_decay (the evaluation's EMA)

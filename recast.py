@@ -548,9 +548,9 @@ def nft_baseline(R, groups, budgets, sigmas, reduce, column_units="loss"):
     sum_k lambda_k R_k (`nft.combine_raw`), normalised once over all processes. Returns its optimality (N, 1) and the
     one-row W (1, T) that leaves it as is (with --column-units gradient, its columns in gradient units: the step
     weights omega_j)."""
+    cols = column_sums(column_units, sigmas, [1.0])  # None (equal columns) unless --column-units gradient
     Rc = nft.combine_raw(R, budgets)[:, None]
     _, _, std = nft.global_stats(Rc, reduce)
-    cols = column_sums(column_units, sigmas, [1.0])  # None (equal columns) unless --column-units gradient
     return nft.optimality(Rc, groups, std=std), uniform_W([1.0], len(sigmas) - 1, cols)
 
 
