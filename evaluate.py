@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+import nft
 from kit import run_kit
 
 OWN_FLAGS = ("--base", "--eval-prompts", "--eval-steps", "--device", "--json", "--replace")
@@ -196,7 +197,7 @@ def main(argv=None, extra_rewards=None, judges=None):
                 set_peft_model_state_dict(run.transformer, weights, adapter_name=adapter)
         run.transformer.set_adapter("default")
         iteration = state["iteration"]
-    metrics, images, R = run_kit.evaluate(run, args, script.ode_sample)
+    metrics, images, R = run_kit.evaluate(run, args, nft.ode_sample)
     if not run.acc.is_main_process:
         return metrics
     logged = next(

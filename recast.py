@@ -1,12 +1,13 @@
 """ReCAST: Reward Credit Assignment across Timesteps, on top of DiffusionNFT.
 
-Read top to bottom: ReCAST's math (the Renyi discriminability of each reward, its curve measured during training
-with standard errors, the gains per sampler step shrunk by their evidence, the W solver, the mixed NFT loss), its
-glue (credit, the update, DiffusionNFT's multi-reward baseline), the train loop, the flags and ReCAST's checks; then
-DiffusionNFT's training core (optimality, schedules, sampler steps, tree rollouts, the update loop), one block that
-is the same text in rvge.py (so `diff recast.py rvge.py` shows the two methods). The run machinery (flag parsing,
-the flags both scripts share, the shared checks, run folders, resume, checkpoints, trackers, figures, model
-loading, the transformer call, the frozen forwards and the optimizer step) is run_kit.py's.
+Read top to bottom: ReCAST's objects first, in the order one derives the next (the credit matrix W and its solver,
+W in DiffusionNFT's loss as the mixed optimality, the per-step gains and profiles W is solved from, the Renyi
+discriminability D whose gains they are, D measured during training with standard errors), then its glue (credit,
+the update, DiffusionNFT's multi-reward baseline), the train loop, the flags and ReCAST's checks, the controls the
+experiments use, the entry points. DiffusionNFT itself (optimality, schedules, sampler steps, tree rollouts, the loss,
+the update loop) is nft.py, written once for both methods (rvge.py has the same skeleton, so `diff recast.py
+rvge.py` shows the two methods); the run machinery (flag parsing, the flags both scripts share, the shared checks,
+run folders, resume, checkpoints, trackers, figures, model loading, the transformer call) is kit/run_kit.py's.
 The paper's full text was not available: each "NOTES.md §n" names a section of our reconstruction of the method,
 and derivations.ipynb derives each formula.
 
@@ -14,39 +15,40 @@ Notation map (code name -> symbol)
     lam      (K,)      reward budgets lambda_k (user preference), not normalised
     Lam                sum_k lambda_k
     sigmas   (T+1,)    sampler grid s_0 = 1 > s_1 > ... > s_T = 0 (t = 1 is pure noise)
-    r        (N, K)    per-reward optimality probability r_k in [0, 1] (DiffusionNFT)
-    D        (K, T+1)  Renyi discriminability curve D_k(s_j), D_k(1) = 0
-    gains    (K, T)    g_kj = D_k(s_j) - D_k(s_{j-1}) >= 0, rows sum to D_k(0)
-    P        (K, T)    profile P_kj = g_kj / sum_j g_kj
+    r        (N, K)    per-reward optimality probability r_k in [0, 1] (DiffusionNFT: nft.optimality)
     W        (K, T)    credit matrix, rows sum to lambda_k, columns to Lam / T
     r_mix    (N,)      per-timestep mixture sum_k (T / Lam) W_kj r_k
+    gains    (K, T)    g_kj = D_k(s_j) - D_k(s_{j-1}) >= 0, rows sum to D_k(0)
+    P        (K, T)    profile P_kj = g_kj / sum_j g_kj
+    D        (K, T+1)  Renyi discriminability curve D_k(s_j), D_k(1) = 0
     v_*      (B, C, H, W) velocities; x0_hat = x_t - t v (Tweedie, rectified flow)
 
 Conventions: x_t = (1 - t) x0 + t eps; all losses are means over latent
 dimensions, then over the batch; numpy math is float64.
 
-Where to change what (run_kit.x: in run_kit.py)
+Where to change what (nft.x: in nft.py; run_kit.x: in kit/run_kit.py)
     flags      Args (a field, its --help section in ARG_GROUPS, its checks), validate; run_kit.check_common;
                the flags both scripts share: run_kit.NFTArgs (rewards, budgets, rollout, optimisation),
                run_kit.RunArgs (evaluation, I/O, reward models)
-    sampler    tree_rollout (trees; sde_step / sde_continue after a branch, ode_step or dpm2_step before),
-               rollout_and_score (which adapter samples, what is decoded and scored)
-    rewards    reward_models.py (REWARD_MODELS, build_rewards; README "Add a reward"), run_kit.score,
-               run_kit.reward_extras
+    sampler    nft.tree_rollout (trees; nft.sde_step / nft.sde_continue after a branch, nft.ode_step or
+               nft.dpm2_step before), nft.rollout_and_score (which adapter samples, what is decoded and scored)
+    rewards    kit/reward_models.py (REWARD_MODELS, build_rewards; README "Add a reward"), run_kit.score,
+               run_kit.reward_extras; reward -> optimality: nft.optimality (nft.global_stats's std)
     credit     credit: level_observations -> level_curves -> credit_profiles -> solve_W; --credit nft: nft_baseline
-    loss       nft_loss, mix_optimality (r~ per step), nft_update; the loop shared with rvge.py: update_loop
-               (with run_kit.frozen_velocities, run_kit.optimizer_step)
-    old policy old_decay (the soft update of "old" each iteration), ema_decay (--ema)
+    loss       nft_update: nft.nft_loss on mix_optimality (r~ per step); the loop shared with rvge.py:
+               nft.update_loop (with nft.frozen_velocities, nft.optimizer_step)
+    old policy nft.old_decay (the soft update of "old" each iteration, run_kit.copy_adapter), nft.ema_decay (--ema)
+    controls   the experiments' --credit recast_reversed, --column-units gradient, --gain-init: "Controls for the
+               experiments" (controlled_W_inputs, column_sums, step_weights, gain_prior)
     logging    run_kit.reward_metrics + train's metrics line, run_kit.finish_iteration (metrics.jsonl,
                run_kit.log_to_trackers, checkpoints), progress bar in train, figures in run_kit.plot_run,
-               show_evaluation; the held-out evaluation run_kit.evaluate (the script's ode_sample); the closing lines
+               show_evaluation; the held-out evaluation run_kit.evaluate (with nft.ode_sample); the closing lines
                (before -> after, the checkpoint to load) in run_kit.print_summary
     the loop   train (steps 1-4), setup_run (run_kit.Run), run_kit.start_or_resume
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +58,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import nft
 from kit.run_kit import (
     RUN_ARG_GROUPS,
     NFTArgs,
@@ -63,31 +66,239 @@ from kit.run_kit import (
     check_common,
     check_files,
     copy_adapter,
-    decode,
     dry_run,
-    encode,
     evaluate_before,
     finish_iteration,
     flag,
-    frozen_velocities,
-    frozen_velocities_ahead,
-    global_stats,
     iteration_generator,
     load_run,
-    lora_params,
-    optimizer_step,
     parse_flags,
-    permute_within_groups,
     plot_run,
     print_summary,
     read_level_stats,
     reward_metrics,
     run_folder,
-    score,
     start_or_resume,
     stop_if_a_reward_failed,
-    velocity,
 )
+
+# =============================================================================
+# NOTES.md §3.4 and §3.1, our reconstruction: the W solver, and W in DiffusionNFT's loss
+# =============================================================================
+
+
+def solve_W(budgets, profile, tau=1.0, eps=1e-3, tol=1e-12, max_iter=20000, col_sums=None):
+    """Credit matrix W (K, T): the KL (I-)projection of K_kj = lambda_k P~_kj^tau onto
+    {row sums = lambda, column sums = Lam / T}, with P~ = (1 - eps) P + eps / T.
+
+    The solution has the form W = diag(a) K diag(b) and is found by Sinkhorn
+    iterations in the log domain (derivations.ipynb §8). Rewards with budget 0
+    get a zero row. eps > 0 keeps K positive so a unique solution exists; eps = 0
+    is allowed when the profile is strictly positive. tau = 0 gives the uniform
+    W_kj = lambda_k / T; identical profiles give it too.
+    col_sums (T,): other column sums than the equal Lam / T (positive, summing to Lam), e.g. columns equal in
+    gradient units (toy_gaussian.py --train, derivations.ipynb §11); None (the default) is the equal Lam / T.
+    """
+    lam = np.asarray(budgets, dtype=np.float64)
+    P = np.asarray(profile, dtype=np.float64)
+    if P.ndim != 2 or P.shape[0] != lam.shape[0]:
+        raise ValueError(f"profile must have shape (K, T) with K = {lam.shape[0]} budgets, got {P.shape}")
+    if (lam < 0).any() or not np.isfinite(lam).all() or lam.sum() <= 0:
+        raise ValueError(f"budgets must be finite, non-negative and not all zero, got {lam}")
+    if (P < 0).any() or not np.isfinite(P).all():
+        raise ValueError("profile must be finite and non-negative")
+    if not 0 <= eps <= 1 or tau < 0:
+        raise ValueError(f"need 0 <= eps <= 1 and tau >= 0, got eps={eps}, tau={tau}")
+    T = P.shape[1]
+    P_tilde = (1 - eps) * P + eps / T
+    active = lam > 0
+    if (P_tilde[active] <= 0).any() and tau > 0:
+        raise ValueError("profile has zeros: use eps > 0 so that a solution with these marginals exists")
+    logK = np.log(lam[active])[:, None] + tau * np.log(np.where(P_tilde[active] > 0, P_tilde[active], 1.0))
+    log_row, log_col = np.log(lam[active]), np.full(T, np.log(lam.sum() / T))
+    if col_sums is not None:
+        col = np.asarray(col_sums, dtype=np.float64)
+        if col.shape != (T,) or not (col > 0).all() or not np.isclose(col.sum(), lam.sum(), rtol=1e-9, atol=0):
+            raise ValueError(f"col_sums must be {T} positive numbers summing to sum(budgets) = {lam.sum()}, got {col}")
+        log_col = np.log(col)
+    f, g = np.zeros(active.sum()), np.zeros(T)
+    from scipy.special import logsumexp
+
+    for _ in range(max_iter):
+        f = log_row - logsumexp(logK + g[None, :], axis=1)
+        g = log_col - logsumexp(logK + f[:, None], axis=0)
+        Wa = np.exp(logK + f[:, None] + g[None, :])
+        if np.abs(Wa.sum(1) - lam[active]).max() < tol * lam.sum():
+            break
+    W = np.zeros((lam.shape[0], T))
+    W[active] = Wa
+    return W
+
+
+def uniform_W(budgets, T, col_sums=None):
+    """W_kj = lambda_k / T: DiffusionNFT with per-reward normalisation (--credit uniform); with col_sums c (T,),
+    W_kj = lambda_k c_j / Lam."""
+    lam = np.asarray(budgets, dtype=np.float64)
+    if col_sums is None:
+        return np.repeat(lam[:, None] / T, T, axis=1)
+    return np.outer(lam, col_sums) / lam.sum()
+
+
+def mix_optimality(r, W, step):
+    """Per-sample mixture r~ = sum_k (T / Lam) W[k, step] r_k for training samples at grid step `step`.
+
+    r (N, K) tensor in [0, 1]; W (K, T) tensor; step (N,) long in [0, T). Columns of W
+    sum to Lam / T, so the weights T W_kj / Lam are convex and r~ stays in [0, 1].
+    Since the NFT loss is linear in r, this equals the W-weighted sum of
+    per-reward NFT losses (derivations.ipynb §4)."""
+    T = W.shape[1]
+    weights = W[:, step].T * (T / W.sum())  # (N, K)
+    return (weights * r).sum(-1)
+
+
+# =============================================================================
+# NOTES.md §3.3, our reconstruction: gains and profiles, shrunk by their evidence
+# =============================================================================
+
+
+def monotone_curve(t_levels, D_levels, weights=None):
+    """Project level estimates onto curves that are 0 at t = 1 and non-increasing in t.
+
+    Isotonic (least-squares, weighted) regression of D on decreasing t, then
+    clipped at 0 (D >= 0 for alpha > 0). NaN levels are dropped; t = 1 and t = 0
+    must be among the levels. Returns (t ascending (M,), D (M,))."""
+    t = np.asarray(t_levels, dtype=np.float64)
+    D = np.asarray(D_levels, dtype=np.float64)
+    w = np.ones_like(t) if weights is None else np.asarray(weights, dtype=np.float64)
+    keep = np.isfinite(D) & (w > 0)
+    t, D, w = t[keep], D[keep], w[keep]
+    if not (np.isclose(t, 0).any() and np.isclose(t, 1).any()):
+        raise ValueError("Renyi levels must include t = 0 (final rewards) and t = 1 (independent roots)")
+    order = np.argsort(-t, kind="stable")  # from t = 1 down to t = 0: D non-decreasing along this
+    from scipy.optimize import isotonic_regression
+
+    fit = np.maximum(isotonic_regression(D[order], weights=w[order], increasing=True).x, 0.0)
+    t_sorted = t[order]
+    fit[t_sorted == 1.0] = 0.0
+    t_u, first = np.unique(t_sorted[::-1], return_index=True)  # ascending t, duplicates merged
+    return t_u, fit[::-1][first]
+
+
+def gains_on_grid(t_levels, D_levels, sigmas, weights=None):
+    """Renyi curves on the sampler grid and their per-step gains (NOTES.md §3.3).
+
+    t_levels (L,); D_levels (K, L) raw estimates; sigmas (T+1,) from 1 down to 0.
+    Monotone projection, then monotone (PCHIP) interpolation to the grid, then
+    g_kj = D_k(s_j) - D_k(s_{j-1}). PCHIP reproduces the end points, so each row
+    of gains sums to D_k(0) (telescoping, derivations.ipynb §6).
+    Returns (D_grid (K, T+1), gains (K, T))."""
+    from scipy.interpolate import PchipInterpolator
+
+    D_levels = np.atleast_2d(np.asarray(D_levels, dtype=np.float64))
+    sigmas = np.asarray(sigmas, dtype=np.float64)
+    D_grid = np.zeros((D_levels.shape[0], len(sigmas)))
+    for k, row in enumerate(D_levels):
+        t_u, D_u = monotone_curve(t_levels, row, weights)
+        D_grid[k] = PchipInterpolator(t_u, D_u)(np.clip(sigmas, 0.0, 1.0))
+    D_grid = np.maximum(D_grid, 0.0)  # PCHIP is monotone on monotone data: this only removes rounding
+    return D_grid, np.maximum(np.diff(D_grid, axis=1), 0.0)
+
+
+def profiles(gains):
+    """P_kj = g_kj / sum_j g_kj, uniform 1/T for a reward whose total gain is 0. (K, T) -> (K, T)."""
+    gains = np.asarray(gains, dtype=np.float64)
+    total = gains.sum(1, keepdims=True)
+    return np.where(total > 0, gains / np.where(total > 0, total, 1.0), 1.0 / gains.shape[1])
+
+
+def evidence_weight(D, se, c=2.0, n=None, family=True):
+    """rho_k in [0, 1]: how far reward k's measured curve departs from the rewards' common shape, in
+    its own standard errors (derivations.ipynb §6b). W only moves credit *between* rewards, so the
+    null is "every reward has the same profile": D_k(s_j) = D_k(0) c_j with c_j = sum_k D_kj / sum_k D_k(0).
+    With z_kj = (D_kj - D_k(0) c_j) / sqrt(se_kj^2 + c_j^2 se_k(0)^2) over the p measured inner levels
+    and Q_k = sum_j z_kj^2: rho_k = max(0, 1 - c p / Q_k), a positive-part James-Stein factor with a
+    stricter constant (c = 2 keeps rho = 0 unless Q > 2p; a chi^2_8 exceeds 16 with probability 4%).
+    n (T+1,): the levels' observation counts. The se are estimated from those observations, so with few of
+    them z_kj has Student-t tails, not normal ones, and pure-noise rewards passed the chi^2 test far more often
+    than 4% (NOTES.md §3.3). Each z_kj is then replaced by the normal score of its t tail probability
+    with nu = min(n_j, n_0) - 1 degrees of freedom (derivations.ipynb §6c), which leaves it unchanged as n grows.
+    family: the K rewards are K tests, and W moves as soon as one of them passes, so with K = 4 pure-noise rewards
+    W left uniform ~4x as often as one test's rate. The threshold c p is then raised to the chi^2_p quantile at
+    1 - alpha / K, alpha = P(chi^2_p > c p) (Bonferroni: the chance that any reward passes under the null stays
+    <= alpha; derivations.ipynb §6d). K = 1 keeps c p. family=False: each reward tested alone.
+    D, se (K, T+1) from `level_curves`. Returns (K,)."""
+    j, z = evidence_departures(D, se, n)
+    if not len(j):
+        return np.zeros(D.shape[0])
+    Q = (z**2).sum(1)
+    threshold = evidence_threshold(c, len(j), D.shape[0], family)
+    return np.where(Q > 0, np.maximum(0.0, 1.0 - threshold / np.where(Q > 0, Q, 1.0)), 0.0)
+
+
+def evidence_departures(D, se, n=None):
+    """The z_kj of `evidence_weight`: reward k's departure from the rewards' common shape at each measured inner level
+    j, in its standard error; the normal scores of their t tails when the counts n are given (§6c). Returns
+    (j (p,), z (K, p)), p = 0 when no inner level is measured or the D(0) sum to 0."""
+    T = D.shape[1] - 1
+    inner = np.arange(1, T)
+    measured = np.isfinite(D[:, inner]).all(0) & np.isfinite(D[:, T]).all()
+    if not measured.any() or not np.sum(D[:, T]) > 0:
+        return inner[:0], np.zeros((D.shape[0], 0))
+    j = inner[measured]
+    shape = D[:, j].sum(0) / D[:, T].sum()  # (p,) the common curve, D(0) = 1
+    sd = np.sqrt(se[:, j] ** 2 + (shape * se[:, T:]) ** 2)
+    z = (D[:, j] - D[:, T:] * shape) / np.where(sd > 0, sd, np.inf)
+    if n is not None:
+        z = normal_score_of_t(z, np.minimum(np.asarray(n, dtype=np.float64)[j], float(n[T])) - 1.0)
+    return j, z
+
+
+def evidence_threshold(c, p, K, family=True):
+    """The Q_k above which `evidence_weight` gives reward k credit: c p alone; with family (K > 1) the chi^2_p quantile
+    at 1 - P(chi^2_p > c p) / K, so that any of K null rewards passes with at most one test's rate (§6d)."""
+    if not family or K <= 1:
+        return c * p
+    from scipy.stats import chi2
+
+    return chi2.isf(chi2.sf(c * p, p) / K, p)
+
+
+def normal_score_of_t(z, nu):
+    """sign(z) Phi^-1(1 - F_t(|z|; nu)): the standard normal value with the same tail probability as z under
+    Student's t with nu degrees of freedom (nu may be fractional: discounted counts). nu < 1e-6 is taken as 1e-6
+    (one observation: no spread measured, z carries no evidence). In log space, so that far tails keep their size;
+    where even the log tail underflows (huge z at huge nu, where t is normal) z itself. Never larger than |z|."""
+    from scipy import special, stats
+
+    z = np.asarray(z, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        score = -special.ndtri_exp(stats.t.logsf(np.abs(z), np.maximum(nu, 1e-6)))
+    return np.sign(z) * np.where(np.isfinite(score), np.minimum(score, np.abs(z)), np.abs(z))
+
+
+def credit_profiles(D, se, sigmas, n, c=2.0):
+    """From measured levels to the profiles W is built from (NOTES.md §3.3, derivations.ipynb §6b).
+    Per reward the measured levels (NaN ones skipped) are monotone-projected and PCHIP-interpolated to
+    the grid (`gains_on_grid`, weights = observation counts). Each gain gets its noise floor added,
+    g~_kj = g_kj + delta_k (delta_k: the mean standard error of reward k's level differences), so a step
+    where no reward's gain is measurable carries no ratio between rewards; the profile P_k of g~ is then
+    shrunk towards the rewards' mean profile by its evidence: P~_k = rho_k P_k + (1 - rho_k) mean_k P_k.
+    rho = 0 for every reward gives identical profiles and so the uniform W; with more samples delta -> 0
+    and rho -> 1, and W tends to the exact one. Returns (D_grid (K, T+1), gains (K, T), P~ (K, T), rho (K,))."""
+    sigmas = np.asarray(sigmas, dtype=np.float64)
+    T = len(sigmas) - 1
+    D_grid, gains = np.zeros_like(D), np.zeros((D.shape[0], T))
+    for k in range(D.shape[0]):
+        if np.isfinite(D[k, T]):
+            D_grid[k], gains[k] = (
+                a[0] for a in gains_on_grid(sigmas, D[k][None], sigmas, weights=np.maximum(n, 1e-12))
+            )
+    se_steps = np.sqrt(se[:, 1:] ** 2 + se[:, :-1] ** 2)  # (K, T) level differences; unmeasured levels excluded
+    floor = np.array([np.nanmean(row) if np.isfinite(row).any() else 0.0 for row in se_steps])
+    P = profiles(gains + floor[:, None])
+    rho = evidence_weight(D, se, c, n) if c > 0 else np.ones(D.shape[0])
+    return D_grid, gains, rho[:, None] * P + (1 - rho[:, None]) * P.mean(0), rho
+
 
 # =============================================================================
 # NOTES.md §3.2, our reconstruction: Renyi discriminability of a reward's positive policy
@@ -257,274 +468,6 @@ def level_curves(n, s1, s2, estimator="pairs", alpha=2.0):
 
 
 # =============================================================================
-# NOTES.md §3.3, our reconstruction: gains and profiles, shrunk by their evidence
-# =============================================================================
-
-
-def monotone_curve(t_levels, D_levels, weights=None):
-    """Project level estimates onto curves that are 0 at t = 1 and non-increasing in t.
-
-    Isotonic (least-squares, weighted) regression of D on decreasing t, then
-    clipped at 0 (D >= 0 for alpha > 0). NaN levels are dropped; t = 1 and t = 0
-    must be among the levels. Returns (t ascending (M,), D (M,))."""
-    t = np.asarray(t_levels, dtype=np.float64)
-    D = np.asarray(D_levels, dtype=np.float64)
-    w = np.ones_like(t) if weights is None else np.asarray(weights, dtype=np.float64)
-    keep = np.isfinite(D) & (w > 0)
-    t, D, w = t[keep], D[keep], w[keep]
-    if not (np.isclose(t, 0).any() and np.isclose(t, 1).any()):
-        raise ValueError("Renyi levels must include t = 0 (final rewards) and t = 1 (independent roots)")
-    order = np.argsort(-t, kind="stable")  # from t = 1 down to t = 0: D non-decreasing along this
-    from scipy.optimize import isotonic_regression
-
-    fit = np.maximum(isotonic_regression(D[order], weights=w[order], increasing=True).x, 0.0)
-    t_sorted = t[order]
-    fit[t_sorted == 1.0] = 0.0
-    t_u, first = np.unique(t_sorted[::-1], return_index=True)  # ascending t, duplicates merged
-    return t_u, fit[::-1][first]
-
-
-def gains_on_grid(t_levels, D_levels, sigmas, weights=None):
-    """Renyi curves on the sampler grid and their per-step gains (NOTES.md §3.3).
-
-    t_levels (L,); D_levels (K, L) raw estimates; sigmas (T+1,) from 1 down to 0.
-    Monotone projection, then monotone (PCHIP) interpolation to the grid, then
-    g_kj = D_k(s_j) - D_k(s_{j-1}). PCHIP reproduces the end points, so each row
-    of gains sums to D_k(0) (telescoping, derivations.ipynb §6).
-    Returns (D_grid (K, T+1), gains (K, T))."""
-    from scipy.interpolate import PchipInterpolator
-
-    D_levels = np.atleast_2d(np.asarray(D_levels, dtype=np.float64))
-    sigmas = np.asarray(sigmas, dtype=np.float64)
-    D_grid = np.zeros((D_levels.shape[0], len(sigmas)))
-    for k, row in enumerate(D_levels):
-        t_u, D_u = monotone_curve(t_levels, row, weights)
-        D_grid[k] = PchipInterpolator(t_u, D_u)(np.clip(sigmas, 0.0, 1.0))
-    D_grid = np.maximum(D_grid, 0.0)  # PCHIP is monotone on monotone data: this only removes rounding
-    return D_grid, np.maximum(np.diff(D_grid, axis=1), 0.0)
-
-
-def profiles(gains):
-    """P_kj = g_kj / sum_j g_kj, uniform 1/T for a reward whose total gain is 0. (K, T) -> (K, T)."""
-    gains = np.asarray(gains, dtype=np.float64)
-    total = gains.sum(1, keepdims=True)
-    return np.where(total > 0, gains / np.where(total > 0, total, 1.0), 1.0 / gains.shape[1])
-
-
-def evidence_weight(D, se, c=2.0, n=None, family=True):
-    """rho_k in [0, 1]: how far reward k's measured curve departs from the rewards' common shape, in
-    its own standard errors (derivations.ipynb §6b). W only moves credit *between* rewards, so the
-    null is "every reward has the same profile": D_k(s_j) = D_k(0) c_j with c_j = sum_k D_kj / sum_k D_k(0).
-    With z_kj = (D_kj - D_k(0) c_j) / sqrt(se_kj^2 + c_j^2 se_k(0)^2) over the p measured inner levels
-    and Q_k = sum_j z_kj^2: rho_k = max(0, 1 - c p / Q_k), a positive-part James-Stein factor with a
-    stricter constant (c = 2 keeps rho = 0 unless Q > 2p; a chi^2_8 exceeds 16 with probability 4%).
-    n (T+1,): the levels' observation counts. The se are estimated from those observations, so with few of
-    them z_kj has Student-t tails, not normal ones, and pure-noise rewards passed the chi^2 test far more often
-    than 4% (NOTES.md §3.3). Each z_kj is then replaced by the normal score of its t tail probability
-    with nu = min(n_j, n_0) - 1 degrees of freedom (derivations.ipynb §6c), which leaves it unchanged as n grows.
-    family: the K rewards are K tests, and W moves as soon as one of them passes, so with K = 4 pure-noise rewards
-    W left uniform ~4x as often as one test's rate. The threshold c p is then raised to the chi^2_p quantile at
-    1 - alpha / K, alpha = P(chi^2_p > c p) (Bonferroni: the chance that any reward passes under the null stays
-    <= alpha; derivations.ipynb §6d). K = 1 keeps c p. family=False: each reward tested alone.
-    D, se (K, T+1) from `level_curves`. Returns (K,)."""
-    j, z = evidence_departures(D, se, n)
-    if not len(j):
-        return np.zeros(D.shape[0])
-    Q = (z**2).sum(1)
-    threshold = evidence_threshold(c, len(j), D.shape[0], family)
-    return np.where(Q > 0, np.maximum(0.0, 1.0 - threshold / np.where(Q > 0, Q, 1.0)), 0.0)
-
-
-def evidence_departures(D, se, n=None):
-    """The z_kj of `evidence_weight`: reward k's departure from the rewards' common shape at each measured inner level
-    j, in its standard error; the normal scores of their t tails when the counts n are given (§6c). Returns
-    (j (p,), z (K, p)), p = 0 when no inner level is measured or the D(0) sum to 0."""
-    T = D.shape[1] - 1
-    inner = np.arange(1, T)
-    measured = np.isfinite(D[:, inner]).all(0) & np.isfinite(D[:, T]).all()
-    if not measured.any() or not np.sum(D[:, T]) > 0:
-        return inner[:0], np.zeros((D.shape[0], 0))
-    j = inner[measured]
-    shape = D[:, j].sum(0) / D[:, T].sum()  # (p,) the common curve, D(0) = 1
-    sd = np.sqrt(se[:, j] ** 2 + (shape * se[:, T:]) ** 2)
-    z = (D[:, j] - D[:, T:] * shape) / np.where(sd > 0, sd, np.inf)
-    if n is not None:
-        z = normal_score_of_t(z, np.minimum(np.asarray(n, dtype=np.float64)[j], float(n[T])) - 1.0)
-    return j, z
-
-
-def evidence_threshold(c, p, K, family=True):
-    """The Q_k above which `evidence_weight` gives reward k credit: c p alone; with family (K > 1) the chi^2_p quantile
-    at 1 - P(chi^2_p > c p) / K, so that any of K null rewards passes with at most one test's rate (§6d)."""
-    if not family or K <= 1:
-        return c * p
-    from scipy.stats import chi2
-
-    return chi2.isf(chi2.sf(c * p, p) / K, p)
-
-
-def normal_score_of_t(z, nu):
-    """sign(z) Phi^-1(1 - F_t(|z|; nu)): the standard normal value with the same tail probability as z under
-    Student's t with nu degrees of freedom (nu may be fractional: discounted counts). nu < 1e-6 is taken as 1e-6
-    (one observation: no spread measured, z carries no evidence). In log space, so that far tails keep their size;
-    where even the log tail underflows (huge z at huge nu, where t is normal) z itself. Never larger than |z|."""
-    from scipy import special, stats
-
-    z = np.asarray(z, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        score = -special.ndtri_exp(stats.t.logsf(np.abs(z), np.maximum(nu, 1e-6)))
-    return np.sign(z) * np.where(np.isfinite(score), np.minimum(score, np.abs(z)), np.abs(z))
-
-
-def credit_profiles(D, se, sigmas, n, c=2.0):
-    """From measured levels to the profiles W is built from (NOTES.md §3.3, derivations.ipynb §6b).
-    Per reward the measured levels (NaN ones skipped) are monotone-projected and PCHIP-interpolated to
-    the grid (`gains_on_grid`, weights = observation counts). Each gain gets its noise floor added,
-    g~_kj = g_kj + delta_k (delta_k: the mean standard error of reward k's level differences), so a step
-    where no reward's gain is measurable carries no ratio between rewards; the profile P_k of g~ is then
-    shrunk towards the rewards' mean profile by its evidence: P~_k = rho_k P_k + (1 - rho_k) mean_k P_k.
-    rho = 0 for every reward gives identical profiles and so the uniform W; with more samples delta -> 0
-    and rho -> 1, and W tends to the exact one. Returns (D_grid (K, T+1), gains (K, T), P~ (K, T), rho (K,))."""
-    sigmas = np.asarray(sigmas, dtype=np.float64)
-    T = len(sigmas) - 1
-    D_grid, gains = np.zeros_like(D), np.zeros((D.shape[0], T))
-    for k in range(D.shape[0]):
-        if np.isfinite(D[k, T]):
-            D_grid[k], gains[k] = (
-                a[0] for a in gains_on_grid(sigmas, D[k][None], sigmas, weights=np.maximum(n, 1e-12))
-            )
-    se_steps = np.sqrt(se[:, 1:] ** 2 + se[:, :-1] ** 2)  # (K, T) level differences; unmeasured levels excluded
-    floor = np.array([np.nanmean(row) if np.isfinite(row).any() else 0.0 for row in se_steps])
-    P = profiles(gains + floor[:, None])
-    rho = evidence_weight(D, se, c, n) if c > 0 else np.ones(D.shape[0])
-    return D_grid, gains, rho[:, None] * P + (1 - rho[:, None]) * P.mean(0), rho
-
-
-# =============================================================================
-# NOTES.md §3.4, our reconstruction: the W solver
-# =============================================================================
-
-
-def solve_W(budgets, profile, tau=1.0, eps=1e-3, tol=1e-12, max_iter=20000, col_sums=None):
-    """Credit matrix W (K, T): the KL (I-)projection of K_kj = lambda_k P~_kj^tau onto
-    {row sums = lambda, column sums = Lam / T}, with P~ = (1 - eps) P + eps / T.
-
-    The solution has the form W = diag(a) K diag(b) and is found by Sinkhorn
-    iterations in the log domain (derivations.ipynb §8). Rewards with budget 0
-    get a zero row. eps > 0 keeps K positive so a unique solution exists; eps = 0
-    is allowed when the profile is strictly positive. tau = 0 gives the uniform
-    W_kj = lambda_k / T; identical profiles give it too.
-    col_sums (T,): other column sums than the equal Lam / T (positive, summing to Lam), e.g. columns equal in
-    gradient units (toy_gaussian.py --train, derivations.ipynb §11); None (the default) is the equal Lam / T.
-    """
-    lam = np.asarray(budgets, dtype=np.float64)
-    P = np.asarray(profile, dtype=np.float64)
-    if P.ndim != 2 or P.shape[0] != lam.shape[0]:
-        raise ValueError(f"profile must have shape (K, T) with K = {lam.shape[0]} budgets, got {P.shape}")
-    if (lam < 0).any() or not np.isfinite(lam).all() or lam.sum() <= 0:
-        raise ValueError(f"budgets must be finite, non-negative and not all zero, got {lam}")
-    if (P < 0).any() or not np.isfinite(P).all():
-        raise ValueError("profile must be finite and non-negative")
-    if not 0 <= eps <= 1 or tau < 0:
-        raise ValueError(f"need 0 <= eps <= 1 and tau >= 0, got eps={eps}, tau={tau}")
-    T = P.shape[1]
-    P_tilde = (1 - eps) * P + eps / T
-    active = lam > 0
-    if (P_tilde[active] <= 0).any() and tau > 0:
-        raise ValueError("profile has zeros: use eps > 0 so that a solution with these marginals exists")
-    logK = np.log(lam[active])[:, None] + tau * np.log(np.where(P_tilde[active] > 0, P_tilde[active], 1.0))
-    log_row, log_col = np.log(lam[active]), np.full(T, np.log(lam.sum() / T))
-    if col_sums is not None:
-        col = np.asarray(col_sums, dtype=np.float64)
-        if col.shape != (T,) or not (col > 0).all() or not np.isclose(col.sum(), lam.sum(), rtol=1e-9, atol=0):
-            raise ValueError(f"col_sums must be {T} positive numbers summing to sum(budgets) = {lam.sum()}, got {col}")
-        log_col = np.log(col)
-    f, g = np.zeros(active.sum()), np.zeros(T)
-    from scipy.special import logsumexp
-
-    for _ in range(max_iter):
-        f = log_row - logsumexp(logK + g[None, :], axis=1)
-        g = log_col - logsumexp(logK + f[:, None], axis=0)
-        Wa = np.exp(logK + f[:, None] + g[None, :])
-        if np.abs(Wa.sum(1) - lam[active]).max() < tol * lam.sum():
-            break
-    W = np.zeros((lam.shape[0], T))
-    W[active] = Wa
-    return W
-
-
-def uniform_W(budgets, T, col_sums=None):
-    """W_kj = lambda_k / T: DiffusionNFT with per-reward normalisation (--credit uniform); with col_sums c (T,),
-    W_kj = lambda_k c_j / Lam."""
-    lam = np.asarray(budgets, dtype=np.float64)
-    if col_sums is None:
-        return np.repeat(lam[:, None] / T, T, axis=1)
-    return np.outer(lam, col_sums) / lam.sum()
-
-
-def gradient_unit_columns(sigmas, budgets):
-    """Column sums equal in gradient units (--column-units gradient): c_j propto 1 / s_j, scaled to sum to Lam.
-    nft_loss's velocity gradient per unit weight at t = s_j is proportional to s_j (derivations.ipynb §11), so
-    c_j s_j, each step's share of the update, is the same for every step. sigmas (T+1,) -> (T,)."""
-    inv = 1.0 / np.asarray(sigmas[:-1], dtype=np.float64)
-    return float(np.sum(budgets)) * inv / inv.sum()
-
-
-def equal_columns(W):
-    """Split a W with unequal column sums c_j into the step weight omega_j = T c_j / Lam and the equal-column
-    W' = W Lam / (T c_j). The NFT loss is linear in r (derivations.ipynb §4), so
-    sum_k (T / Lam) W_kj L(r_k) = omega_j L(r~'_j) with r~'_j = mix_optimality(r, W', j) in [0, 1].
-    W (K, T) -> (omega (T,), W')."""
-    W = np.asarray(W, dtype=np.float64)
-    Lam, T, c = W.sum(), W.shape[1], W.sum(0)
-    return T * c / Lam, W * (Lam / T) / c
-
-
-# =============================================================================
-# NOTES.md §3.1, our reconstruction: the mixed NFT loss
-# =============================================================================
-
-
-def mix_optimality(r, W, step):
-    """Per-sample mixture r~ = sum_k (T / Lam) W[k, step] r_k for training samples at grid step `step`.
-
-    r (N, K) tensor in [0, 1]; W (K, T) tensor; step (N,) long in [0, T). Columns of W
-    sum to Lam / T, so the weights T W_kj / Lam are convex and r~ stays in [0, 1].
-    Since the NFT loss is linear in r, this equals the W-weighted sum of
-    per-reward NFT losses (derivations.ipynb §4)."""
-    T = W.shape[1]
-    weights = W[:, step].T * (T / W.sum())  # (N, K)
-    return (weights * r).sum(-1)
-
-
-def nft_loss(v_theta, v_old, x_t, x0, t, r, b=1.0, adv_clip=5.0):
-    """DiffusionNFT's per-sample policy loss (NOTES.md §2), mean over latent dims.
-
-    v+ = (1 - b) v_old + b v_theta,  v- = (1 + b) v_old - b v_theta,
-    x0_hat± = x_t - t v±,  L± = mean((x0_hat± - x0)^2) / sg(mean|x0_hat± - x0|),
-    L = adv_clip (r L+ + (1 - r) L-) / b.
-    The factor adv_clip (5) is DiffusionNFT's: its batch policy loss is the per-sample loss times
-    adv_clip_max before the mean (NVlabs/DiffusionNFT scripts/train_nft_sd3.py, `policy_loss = ...`,
-    ~L960), so base_reg and the gradient clip act as theirs do.
-    Shapes: v_*, x_t, x0 (N, ...); t (N,) or (N, 1, 1, 1); r (N,). Returns (N,).
-    Optimum of the unweighted loss: v_theta* = v_old + (1 / b) E[(2r - 1)(u - v_old) | x_t]; it is
-    v_old + (2 / b) h (v+ - v_old), h = E[r | x_t], only when v_old is the exact velocity of the law the
-    rollouts come from (derivations.ipynb §3)."""
-    t = t.reshape(-1, *([1] * (x_t.dim() - 1)))
-    v_old = v_old.detach()
-    dims = tuple(range(1, x_t.dim()))
-
-    def adaptive(v):
-        err = x_t - t * v - x0
-        scale = err.detach().abs().mean(dims).clamp_min(1e-5)
-        return (err**2).mean(dims) / scale
-
-    loss_pos = adaptive((1 - b) * v_old + b * v_theta)
-    loss_neg = adaptive((1 + b) * v_old - b * v_theta)
-    return adv_clip * (r * loss_pos + (1 - r) * loss_neg) / b
-
-
-# =============================================================================
 # ReCAST's glue: credit (curves -> W), the update, DiffusionNFT's multi-reward baseline
 # =============================================================================
 
@@ -563,13 +506,12 @@ def credit(settings: CreditSettings, stats, r, std, b, budgets, sigmas, reduce):
     over processes, are added to the discounted statistics (stats = gain_ema stats + new), then
     D, its standard error, the evidence-shrunk profiles and W. Returns (stats, info dict, W)."""
     T, c = len(sigmas) - 1, settings
-    probes = [(j, optimality(Rp, gp, std=std), gp) for j, Rp, gp in b.probe_R]
+    probes = [(j, nft.optimality(Rp, gp, std=std), gp) for j, Rp, gp in b.probe_R]
     new = [reduce(a) for a in level_observations(r, b.groups, b.ancestry, b.layouts, T, probes, c.estimator, c.alpha)]
     stats = new if stats is None else [c.gain_ema * old + now for old, now in zip(stats, new)]
     D, se = level_curves(*stats, c.estimator, c.alpha)
     D_grid, gains, P, rho = credit_profiles(D, se, sigmas, stats[0], c.evidence)
-    cols = gradient_unit_columns(sigmas, budgets) if c.column_units == "gradient" else None
-    P_W = P[:, ::-1] if c.reverse_time else P  # the control: the same marginals, each profile flipped in time
+    P_W, cols = controlled_W_inputs(c, P, sigmas, budgets)  # (P, None) unless a control of the experiments is on
     W = solve_W(budgets, P_W, c.tau, c.eps, col_sums=cols) if c.learn_W else uniform_W(budgets, T, cols)
     info = {
         "recast/D": D_grid.tolist(),
@@ -585,39 +527,31 @@ def credit(settings: CreditSettings, stats, r, std, b, budgets, sigmas, reduce):
 
 
 def nft_update(run, b, r_mix_table, W, args, gen, on_step):
-    """ReCAST's update: `update_loop` with DiffusionNFT's loss (`nft_loss`) on the mixed optimality. The loss at
+    """ReCAST's update: `nft.update_loop` with DiffusionNFT's loss (`nft.nft_loss`) on the mixed optimality. The loss at
     t = sigmas[j] (the velocity that moves s_j -> s_{j+1}) uses r~ = sum_k (T / Lam) W_kj r_k (`mix_optimality`).
-    With --column-units gradient W's columns differ: the loss at step j is omega_j L(r~'_j) (`equal_columns`).
+    With --column-units gradient W's columns differ: the loss at step j is omega_j L(r~'_j) (`step_weights`).
     b: the iteration's rollout (leaves, groups, emb, pooled); r_mix_table (N, K) optimality per reward; W (K, T)."""
     r_t = torch.as_tensor(r_mix_table, dtype=torch.float32)
-    omega = None
-    if args.column_units == "gradient":
-        omega, W = equal_columns(W)
-        omega = torch.as_tensor(omega, dtype=torch.float32)
+    omega, W = step_weights(args.column_units, W)  # (None, W) unless --column-units gradient
     W_t = torch.as_tensor(W / W.sum(), dtype=torch.float32)  # scale-free before float32 (budgets of 1e-40 or 1e300)
 
     def policy_loss(nb, v_theta, v_old):
         r = mix_optimality(r_t[nb.i], W_t, nb.j).to(nb.x0.device)
-        loss = nft_loss(v_theta, v_old, nb.x_t, nb.x0, nb.s, r, b=args.nft_b)
+        loss = nft.nft_loss(v_theta, v_old, nb.x_t, nb.x0, nb.s, r, b=args.nft_b)
         return loss if omega is None else loss * omega[nb.j].to(loss.device)
 
-    return update_loop(run, b, args, gen, on_step, policy_loss)
-
-
-def combine_raw(rewards, budgets):
-    """DiffusionNFT's multi-reward baseline (--credit nft): R = sum_k lambda_k R_k, before normalising.
-    rewards (N, K) -> (N,); a non-finite reward makes the sum non-finite (then r = 0.5)."""
-    return np.asarray(rewards, dtype=np.float64) @ np.asarray(budgets, dtype=np.float64)
+    return nft.update_loop(run, b, args, gen, on_step, policy_loss)
 
 
 def nft_baseline(R, groups, budgets, sigmas, reduce, column_units="loss"):
-    """--credit nft, DiffusionNFT's multi-reward baseline: one combined raw reward sum_k lambda_k R_k (`combine_raw`),
-    normalised once over all processes. Returns its optimality (N, 1) and the one-row W (1, T) that leaves it as is
-    (with --column-units gradient, its columns in gradient units: the step weights omega_j)."""
-    Rc = combine_raw(R, budgets)[:, None]
-    _, _, std = global_stats(Rc, reduce)
-    cols = gradient_unit_columns(sigmas, [1.0]) if column_units == "gradient" else None
-    return optimality(Rc, groups, std=std), uniform_W([1.0], len(sigmas) - 1, cols)
+    """--credit nft, DiffusionNFT's multi-reward baseline in ReCAST's update: one combined raw reward
+    sum_k lambda_k R_k (`nft.combine_raw`), normalised once over all processes. Returns its optimality (N, 1) and the
+    one-row W (1, T) that leaves it as is (with --column-units gradient, its columns in gradient units: the step
+    weights omega_j)."""
+    cols = column_sums(column_units, sigmas, [1.0])  # None (equal columns) unless --column-units gradient
+    Rc = nft.combine_raw(R, budgets)[:, None]
+    _, _, std = nft.global_stats(Rc, reduce)
+    return nft.optimality(Rc, groups, std=std), uniform_W([1.0], len(sigmas) - 1, cols)
 
 
 # =============================================================================
@@ -629,7 +563,7 @@ def train(args: Args, extra_rewards=None, judges=None):
     """The whole run: per iteration rollout -> rewards -> credit (D, W) -> NFT update -> soft update
     of "old" -> log / evaluate / checkpoint. Returns the run folder."""
     run = setup_run(args, extra_rewards, judges)
-    prior = read_level_stats(args.gain_init, run.names, args.steps) if args.gain_init else None
+    prior = gain_prior(args, run.names)  # --gain-init (a control of the experiments), else None
     start, state = start_or_resume(run, args)
     budgets = run.budgets
     if start == 0 and prior is not None:
@@ -638,7 +572,7 @@ def train(args: Args, extra_rewards=None, judges=None):
     def on_step():  # after every optimizer step: the EMA of the trained LoRA (DiffusionNFT's evaluation weights)
         state["opt_steps"] += 1
         if args.ema:
-            copy_adapter(run.transformer, "default", "ema", keep=ema_decay(state["opt_steps"]))
+            copy_adapter(run.transformer, "default", "ema", keep=nft.ema_decay(state["opt_steps"]))
 
     bar = tqdm(
         range(start, args.iterations),
@@ -650,15 +584,15 @@ def train(args: Args, extra_rewards=None, judges=None):
     for it in bar:
         gen, before = iteration_generator(args.seed, it), None
         if it == 0 and args.eval_every and run.eval_prompts:  # the pretrained model, every process its share
-            before = evaluate_before(run, args, ode_sample, state)
+            before = evaluate_before(run, args, nft.ode_sample, state)
         t0 = time.perf_counter()  # training time: the evaluation above is not part of it
         # 1. rollouts from the old policy, rewards
-        b = rollout_and_score(run, args, it, gen, "layout" if args.gain_estimator == "denoised" else ())
+        b = nft.rollout_and_score(run, args, it, gen, "layout" if args.gain_estimator == "denoised" else ())
         t2 = time.perf_counter()
         # 2. per-reward optimality (global std across processes), Renyi curves with errors, W
-        n_valid, mean_R, std = global_stats(b.R, run.reduce)
+        n_valid, mean_R, std = nft.global_stats(b.R, run.reduce)
         stop_if_a_reward_failed(run, it, n_valid, state)
-        r = optimality(b.R, b.groups, std=std)
+        r = nft.optimality(b.R, b.groups, std=std)
         sigmas = run.sigmas.double().numpy()
         state["level_stats"], credit_info, W = credit(
             credit_settings(args), state.get("level_stats"), r, std, b, budgets, sigmas, run.reduce
@@ -670,7 +604,7 @@ def train(args: Args, extra_rewards=None, judges=None):
         t3 = time.perf_counter()
         # 3. NFT update of "default", then the soft update of "old"
         losses = nft_update(run, b, r_train, W_train, args, gen, on_step)
-        copy_adapter(run.transformer, "default", "old", keep=old_decay(state["opt_steps"], args.old_decay))
+        copy_adapter(run.transformer, "default", "old", keep=nft.old_decay(state["opt_steps"], args.old_decay))
         t4 = time.perf_counter()
         # 4. log, evaluate, checkpoint
         metrics = {
@@ -682,7 +616,7 @@ def train(args: Args, extra_rewards=None, judges=None):
             "time/gains_W": t3 - t2,
             "time/update": t4 - t3,
         }
-        finish_iteration(run, args, it, metrics, state, before, ode_sample)
+        finish_iteration(run, args, it, metrics, state, before, nft.ode_sample)
         bar.set_postfix({"reward": f"{metrics['reward/weighted']:.3f}", "loss": f"{metrics['loss/policy']:.4g}"})
     if run.acc.is_main_process:
         plot_run(run.out, run.names)
@@ -761,8 +695,7 @@ def validate(args: Args, extra_rewards=None):
             )
         if args.n_roots < 2 or not branch:
             raise SystemExit("--gain-estimator pairs needs --n-roots >= 2 and at least one --branch-steps entry")
-    if args.gain_init:
-        read_level_stats(args.gain_init, names, args.steps)
+    gain_prior(args, names)  # --gain-init: refused here when it does not fit the run
     check_files(args, names)
     args.out = run_folder(args, default_name(args))
     return names, budgets, branch
@@ -773,383 +706,61 @@ def default_name(args):
     return f"recast-{args.credit}-{args.seed}"
 
 
-# #####################################################################################################################
-# DiffusionNFT's training core: identical in recast.py and rvge.py, in this order, to the end of the file.
-# test_recast.py checks that the two blocks are the same text; change it in recast.py, then
-# `python test_recast.py --fix-copies` rewrites rvge.py's block from it. The run machinery around it (flags, checks,
-# run folders, resume, checkpoints, trackers, figures, model loading, the transformer call, frozen forwards, optimizer
-# step) is run_kit.py's.
-# #####################################################################################################################
-
-
 # =============================================================================
-# DiffusionNFT's rewards to optimality, and its schedules (NOTES.md §2)
+# Controls for the experiments: --credit recast_reversed, --column-units gradient, --gain-init
 # =============================================================================
+# Not ReCAST: each answers a reviewer's question about it (experiments/bench.py: the recast-reversed and recast-units
+# experiments, the protocol's recast_prior arm). Off by default, they leave ReCAST as it is; credit, nft_update,
+# nft_baseline, validate and train each call them in one line.
 
 
-def advantages(rewards, groups, std=None, clip=5.0, eps=1e-4):
-    """DiffusionNFT's clipped advantage, per reward column:
-    A = clip((R - mean_group R) / (std_global R + eps), -clip, clip).
-    rewards (N,) or (N, K); groups (N,) prompt-group ids; std: the global std
-    per reward if already reduced across processes (else computed here).
-    Non-finite rewards are left out of the group means and the std and get
-    A = 0 (no preference); so does a group whose rewards all tie.
-    Returns A with the shape of rewards."""
-    R = np.asarray(rewards, dtype=np.float64)
-    squeeze = R.ndim == 1
-    R = R[:, None] if squeeze else R
-    groups = np.asarray(groups)
-    valid = np.isfinite(R)
-    if std is None:
-        std = np.array([R[valid[:, k], k].std() if valid[:, k].any() else 0.0 for k in range(R.shape[1])])
-    A = np.zeros_like(R)
-    for g in np.unique(groups):
-        rows = groups == g
-        Rg, vg = R[rows], valid[rows]
-        n = vg.sum(0)
-        mean = np.where(vg, Rg, 0.0).sum(0) / np.maximum(n, 1)
-        A[rows] = np.where(vg, (np.where(vg, Rg, 0.0) - mean) / (np.asarray(std) + eps), 0.0)
-    A = np.clip(A, -clip, clip)
-    return A[:, 0] if squeeze else A
+def controlled_W_inputs(settings: CreditSettings, P, sigmas, budgets):
+    """The profile and the column sums W is solved with: ReCAST's own (P, None: columns Lam / T each) unless a
+    control changes them. --credit recast_reversed, the control for credit in time: each reward's profile flipped in
+    time (the same marginals as recast's W; with equal columns it is recast's W flipped). --column-units gradient:
+    the column sums of `column_sums`. P (K, T) -> (P_W (K, T), cols (T,) or None)."""
+    P_W = P[:, ::-1] if settings.reverse_time else P
+    return P_W, column_sums(settings.column_units, sigmas, budgets)
 
 
-def optimality(rewards, groups, std=None, clip=5.0, eps=1e-4):
-    """DiffusionNFT's reward -> optimality probability: r = 0.5 + 0.5 A / clip in [0, 1], A the
-    clipped advantage (`advantages`, same arguments). Non-finite rewards and tied groups get r = 0.5."""
-    return 0.5 + 0.5 * advantages(rewards, groups, std, clip, eps) / clip
+def column_sums(column_units, sigmas, budgets):
+    """W's column sums: None (loss units, ReCAST's: Lam / T each) or, with --column-units gradient,
+    `gradient_unit_columns`."""
+    return gradient_unit_columns(sigmas, budgets) if column_units == "gradient" else None
 
 
-def old_decay(step, decay_type):
-    """DiffusionNFT's `return_decay`: the weight kept by the sampling ("old") adapter in
-    old <- decay old + (1 - decay) default, after `step` optimizer steps in all.
-    Type 0: always 0 (old = the trained policy); 1: min(0.001 step, 0.5) (GenEval, PickScore,
-    multi-reward); 2: 0 for 75 steps, then 0.0075 per step up to 0.999 (OCR)."""
-    flat, rate, cap = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}[decay_type]
-    return 0.0 if step < flat else min((step - flat) * rate, cap)
+def gradient_unit_columns(sigmas, budgets):
+    """Column sums equal in gradient units (--column-units gradient): c_j propto 1 / s_j, scaled to sum to Lam.
+    nft.nft_loss's velocity gradient per unit weight at t = s_j is proportional to s_j (derivations.ipynb §11), so
+    c_j s_j, each step's share of the update, is the same for every step. sigmas (T+1,) -> (T,)."""
+    inv = 1.0 / np.asarray(sigmas[:-1], dtype=np.float64)
+    return float(np.sum(budgets)) * inv / inv.sum()
 
 
-def ema_decay(step):
-    """Decay of DiffusionNFT's EMA of the trained LoRA after optimizer step `step` (1, 2, ...):
-    min((1 + step) / (10 + step), 0.9) (flow_grpo/ema.py); the evaluation uses the EMA weights."""
-    return min((1 + step) / (10 + step), 0.9)
+def step_weights(column_units, W):
+    """The loss's weight per step and the W that mix_optimality reads: ReCAST's (None, W) in loss units; with
+    --column-units gradient, W's columns differ and `equal_columns` splits them into omega (T,) float32 and the
+    equal-column W'."""
+    if column_units != "gradient":
+        return None, W
+    omega, W = equal_columns(W)
+    return torch.as_tensor(omega, dtype=torch.float32), W
 
 
-# =============================================================================
-# Sampler steps on torch tensors (NOTES.md §1)
-# =============================================================================
+def equal_columns(W):
+    """Split a W with unequal column sums c_j into the step weight omega_j = T c_j / Lam and the equal-column
+    W' = W Lam / (T c_j). The NFT loss is linear in r (derivations.ipynb §4), so
+    sum_k (T / Lam) W_kj L(r_k) = omega_j L(r~'_j) with r~'_j = mix_optimality(r, W', j) in [0, 1].
+    W (K, T) -> (omega (T,), W')."""
+    W = np.asarray(W, dtype=np.float64)
+    Lam, T, c = W.sum(), W.shape[1], W.sum(0)
+    return T * c / Lam, W * (Lam / T) / c
 
 
-def sde_step(x, v, s, s_next, a, s_first, noise):
-    """One FlowGRPO-form SDE step from sigma s to s_next < s (NOTES.md §1).
-
-    g = a sqrt(s / (1 - s)) (at s = 1 the denominator uses s_first = s_1),
-    mean = x (1 + g^2 dt / (2 s)) + v (1 + g^2 (1 - s) / (2 s)) dt,  dt = s_next - s < 0,
-    x' = mean + g sqrt(-dt) noise.
-    Euler-Maruyama for the reverse SDE with drift v - (g^2 / 2) score, so it keeps
-    the model's marginals as steps shrink (derivations.ipynb §2; toy_gaussian.py).
-    Works on floats, numpy arrays or tensors."""
-    dt = s_next - s
-    g = a * math.sqrt(s / (1 - (s_first if s >= 1 else s)))
-    mean = x * (1 + g * g * dt / (2 * s)) + v * (1 + g * g * (1 - s) / (2 * s)) * dt
-    return mean + g * math.sqrt(-dt) * noise
-
-
-def ode_step(x, v, s, s_next):
-    """Euler step of dx/dt = v from sigma s to s_next."""
-    return x + (s_next - s) * v
-
-
-def dpm2_step(x, x0_hat, x0_hat_prev, s_prev, s, s_next):
-    """One step of DPM-Solver++(2M) (Lu et al. 2022, multistep, data prediction) for rectified flow,
-    alpha_t = 1 - t, sigma_t = t, lambda = log(alpha / sigma): from sigma s to s_next < s,
-      h = lambda(s_next) - lambda(s),  D = x0_hat + (x0_hat - x0_hat_prev) / (2 r),  r = h_prev / h,
-      x' = (s_next / s) x - alpha(s_next) (exp(-h) - 1) D.
-    First order (D = x0_hat, DDIM) at the first step (x0_hat_prev None) and at the last (s_next = 0,
-    where x' = x0_hat), as diffusers' DPMSolverMultistepScheduler with lower_order_final and
-    DiffusionNFT's deterministic "dpm2" rollouts do. x0_hat = x - s v. Works on floats, arrays, tensors."""
-    if s_next <= 0:
-        return x0_hat
-    if s >= 1:  # lambda(1) = -inf: h = inf, the DDIM step from pure noise
-        return s_next * x + (1 - s_next) * x0_hat
-    lam = lambda u: math.log((1 - u) / u)  # noqa: E731
-    h = lam(s_next) - lam(s)
-    D = x0_hat
-    if x0_hat_prev is not None and s_prev < 1:  # s_prev = 1: lambda = -inf, r = inf, no correction
-        D = x0_hat + (x0_hat - x0_hat_prev) * h / (2 * (lam(s) - lam(s_prev)))
-    return (s_next / s) * x - (1 - s_next) * math.expm1(-h) * D
-
-
-def shifted_sigmas(T, shift=3.0):
-    """Grid 1 = s_0 > ... > s_T = 0 with SD3's time shift s -> shift s / (1 + (shift - 1) s) on a
-    uniform grid. The training loop uses the scheduler's own sigmas; this is for the toy and tests."""
-    u = np.linspace(1.0, 0.0, T + 1)
-    return shift * u / (1 + (shift - 1) * u)
-
-
-# =============================================================================
-# Tree rollouts (NOTES.md §5), rewards, the held-out sampler
-# =============================================================================
-
-
-def branch_layout(n_groups, T, branch_steps, offset=0):
-    """Branch steps of each prompt group (NOTES.md §3.3, §5). branch_steps: a list of steps shared by
-    every group, or "rotate": group p branches once, at step 1 + (offset + p) mod (T - 2), so that
-    consecutive groups (and iterations, through `offset`) cover every step 1..T-2 in turn and each
-    sampler level gets a measured D. Returns a list of n_groups sorted lists."""
-    if branch_steps == "rotate":
-        return [[1 + (offset + p) % (T - 2)] for p in range(n_groups)]
-    return [list(branch_steps) for _ in range(n_groups)]
-
-
-def tree_rollout(
-    transformer,
-    emb,
-    pooled,
-    sigmas,
-    n_roots,
-    n_branch,
-    branch,
-    sde_a,
-    gen,
-    shape,
-    chunk=64,
-    probe_steps=(),
-    substeps=1,
-    solver="euler",
-    noise=None,
-):
-    """One tree per prompt (NOTES.md §5): n_roots noises run with the ODE to the group's first branch
-    step; at each of its branch steps every state is copied n_branch times; after the first branch the
-    SDE continues (`substeps` Euler-Maruyama sub-steps per grid interval, so that siblings sample
-    x0 | x_t closely: derivations.ipynb §7); the last step is an Euler step, so leaves are clean.
-    branch / probe_steps: a list of steps shared by every prompt, or one list per prompt (`branch_layout`);
-    every prompt must have the same number of branch steps. solver: the ODE before branching, "euler"
-    or "dpm2" (`dpm2_step`, DiffusionNFT's deterministic sampler). sigmas (T+1,) float tensor, 1 -> 0.
-    noise (P n_roots, C, h, w): the roots' starting noise (default: drawn from gen).
-
-    Returns leaves (N, C, h, w), groups (N,) prompt index, ancestry (N, 1 + L) codes for
-    `split_levels`, and probes: a list of (step, x0_hat = x - s v, groups) for the denoised estimator."""
-    device = emb.device
-    P, T = len(emb), len(sigmas) - 1
-
-    def per_group(steps):
-        return [list(x) for x in steps] if steps and isinstance(steps[0], (list, tuple)) else [list(steps)] * P
-
-    branch, probe_steps = per_group(branch), per_group(probe_steps)
-    L = len(branch[0])
-    first = np.array([min(b) if b else T for b in branch])
-    x = (torch.randn((P * n_roots, *shape), generator=gen) if noise is None else noise).to(device)
-    groups = np.arange(P).repeat(n_roots)
-    ancestry = np.zeros((len(x), 1 + L), dtype=np.int64)
-    ancestry[:, 0] = np.arange(len(x))
-    x0_prev, probes = None, []
-    with torch.no_grad():
-        for j in range(T):
-            column = np.array([branch[g].index(j) + 1 if j in branch[g] else 0 for g in groups])
-            if column.any():  # copy the branching states n_branch times, recording the branch index taken
-                copies = np.where(column > 0, n_branch, 1)
-                child = np.concatenate([np.arange(c) for c in copies])
-                x, groups, column = (
-                    x.repeat_interleave(torch.as_tensor(copies, device=device), 0),
-                    groups.repeat(copies),
-                    column.repeat(copies),
-                )
-                ancestry = ancestry.repeat(copies, 0)
-                ancestry[column > 0, column[column > 0]] = child[column > 0]
-                x0_prev = (
-                    None if x0_prev is None else x0_prev.repeat_interleave(torch.as_tensor(copies, device=device), 0)
-                )
-            s, s_next = float(sigmas[j]), float(sigmas[j + 1])
-            v = velocity(transformer, x, torch.full((len(x),), s, device=device), emb[groups], pooled[groups], chunk)
-            x0_hat = x - s * v
-            probing = np.array([j in probe_steps[g] for g in groups])
-            if probing.any():
-                probes.append((j, x0_hat[torch.as_tensor(probing)], groups[probing]))
-            sde = torch.as_tensor((first[groups] <= j) & (j < T - 1), device=device)  # after the group's first branch
-            if solver == "dpm2":
-                x_ode = dpm2_step(x, x0_hat, x0_prev, float(sigmas[j - 1]) if j else 1.0, s, s_next)
-            else:
-                x_ode = ode_step(x, v, s, s_next)
-            if sde.any():
-                on = sde.cpu().numpy()
-                x_ode = x_ode.clone()
-                x_ode[sde] = sde_continue(
-                    transformer,
-                    x[sde],
-                    v[sde],
-                    s,
-                    s_next,
-                    emb[groups[on]],
-                    pooled[groups[on]],
-                    sde_a,
-                    float(sigmas[1]),
-                    substeps,
-                    gen,
-                    chunk,
-                )
-            x, x0_prev = x_ode, x0_hat
-    return x, groups, ancestry, probes
-
-
-def ode_sample(transformer, emb, pooled, sigmas, shape, seed, chunk=64, noise=None):
-    """One image latent per prompt by the Euler ODE from fixed noise (`seed`, or `noise` (P, C, h, w): one process's
-    share of the evaluation's noise, `run_kit.evaluate`): the held-out samplers' rollout (a tree with one root and no
-    branch)."""
-    return tree_rollout(
-        transformer,
-        emb,
-        pooled,
-        sigmas,
-        n_roots=1,
-        n_branch=1,
-        branch=[],
-        sde_a=0.0,
-        gen=torch.Generator().manual_seed(seed),
-        shape=shape,
-        chunk=chunk,
-        noise=noise,
-    )[0]
-
-
-def sde_continue(transformer, x, v, s, s_next, emb, pooled, sde_a, s_first, substeps, gen, chunk):
-    """`substeps` SDE steps from s to s_next on an even sub-grid; v is the velocity already taken at s."""
-    grid = np.linspace(s, s_next, substeps + 1)
-    for i, (u, u_next) in enumerate(zip(grid[:-1], grid[1:])):
-        if i:
-            v = velocity(transformer, x, torch.full((len(x),), float(u), device=x.device), emb, pooled, chunk)
-        x = sde_step(x, v, float(u), float(u_next), sde_a, s_first, torch.randn(x.shape, generator=gen).to(x.device))
-    return x
-
-
-@dataclass
-class Rollout:
-    """One iteration's rollouts and rewards (`rollout_and_score`): what the method's step 2 and the update read."""
-
-    prompts: list[str]  # (P,) this process's prompts, one per tree
-    emb: torch.Tensor  # (P, L, D) CFG-free text embeddings
-    pooled: torch.Tensor  # (P, D') pooled text embeddings
-    leaves: torch.Tensor  # (N, C, h, w) clean latents of the leaves
-    groups: np.ndarray  # (N,) prompt index of each leaf
-    ancestry: np.ndarray  # (N, 1 + L) each leaf's root and branch indices (`split_levels`)
-    layouts: list[list[int]]  # each prompt's branch steps (`branch_layout`; [] each with --sampler ode)
-    R: np.ndarray  # (N, K) rewards; NaN where a reward failed
-    probes: list  # [(step, x0_hat (M, C, h, w), groups (M,))] at the probe steps
-    probe_R: list  # [(step, rewards (M, K), groups (M,))]: the decoded probes, scored
-    t_rollout: float  # time.perf_counter() when the rollouts ended (the rewards' clock starts there)
-
-
-def rollout_and_score(run: Run, args: Args, it, gen, probe_steps=()) -> Rollout:
-    """Step 1 of an iteration: prompts, rollouts from the "old" adapter (--sampler tree: branched trees
-    with this iteration's branch layout; ode: independent deterministic DPM-Solver-2 samples, as
-    DiffusionNFT), decoded leaves scored; x0_hat kept, decoded and scored at probe_steps (steps, or
-    "layout": each group's layout steps, the denoised estimator). Returns the Rollout."""
-    prompts = run.prompts_for(it)
-    emb, pooled = encode(run.pipe, prompts, run.max_len, run.acc.device)
-    P = len(prompts)
-    layouts = branch_layout(P, args.steps, run.branch, offset=(it * run.acc.num_processes + run.acc.process_index) * P)
-    tree = args.sampler == "tree"
-    run.transformer.set_adapter("old")
-    leaves, groups, ancestry, probes = tree_rollout(
-        run.transformer,
-        emb,
-        pooled,
-        run.sigmas,
-        n_roots=args.n_roots,
-        n_branch=args.n_branch,
-        branch=layouts if tree else [],
-        sde_a=args.sde_a,
-        gen=gen,
-        shape=run.shape,
-        chunk=args.rollout_batch,
-        probe_steps=layouts if probe_steps == "layout" else probe_steps,
-        substeps=args.sde_substeps,
-        solver="euler" if tree else "dpm2",
-    )
-    run.transformer.set_adapter("default")
-    t_rollout = time.perf_counter()
-    R = score(run.rewards, decode(run.pipe, leaves), [prompts[g] for g in groups])
-    R = permute_within_groups(R, groups, run.names, args.permute_rewards, args.seed, it, run.acc.process_index)
-    probe_R = [(j, score(run.rewards, decode(run.pipe, x0h), [prompts[g] for g in gp]), gp) for j, x0h, gp in probes]
-    return Rollout(
-        prompts=prompts,
-        emb=emb,
-        pooled=pooled,
-        leaves=leaves,
-        groups=groups,
-        ancestry=ancestry,
-        layouts=layouts if tree else [[]] * P,
-        R=R,
-        probes=probes,
-        probe_R=probe_R,
-        t_rollout=t_rollout,
-    )
-
-
-# =============================================================================
-# The update loop: (leaf, timestep) samples, noised batches, the loss (NOTES.md §2)
-# =============================================================================
-
-
-def training_pairs(N, T, per_leaf, gen):
-    """(N * per_leaf, 2) (leaf, grid step) pairs in random order: each leaf trains on `per_leaf`
-    distinct sampler steps, the first of a random permutation of the T (DiffusionNFT: 9 of 10)."""
-    steps = torch.stack([torch.randperm(T, generator=gen)[: min(per_leaf, T)] for _ in range(N)])
-    pairs = torch.stack([torch.arange(N).repeat_interleave(steps.shape[1]), steps.reshape(-1)], 1)
-    return pairs[torch.randperm(len(pairs), generator=gen)]
-
-
-def update_loop(run: Run, b: Rollout, args: Args, gen, on_step, policy_loss):
-    """The update both methods share (NOTES.md §2, §4.3): the iteration's (leaf, timestep) samples in
-    --updates-per-iter equal chunks, one AdamW step per chunk on the mean loss over its samples (all processes;
-    1 chunk is DiffusionNFT's one step per epoch). Per micro-batch: fresh noise (`noised_batch`), the frozen
-    v_old / v_base, v_theta, and loss = mean(policy_loss(nb, v_theta, v_old)) + base_reg mean(|v_theta - v_base|^2),
-    policy_loss the method's per-sample loss (B,). `on_step()` runs after every optimizer step (the EMA).
-    Returns mean losses, the last gradient norm and the counts."""
-    transformer, sigmas, leaves, groups = run.transformer, run.sigmas, b.leaves, torch.as_tensor(b.groups)
-    pairs = training_pairs(len(leaves), len(sigmas) - 1, args.train_steps_per_leaf, gen)
-    params = lora_params(transformer, "default")
-    totals = {"loss/policy": 0.0, "loss/base_reg": 0.0, "train/opt_steps": 0, "train/samples": len(pairs)}
-    for chunk in pairs.tensor_split(args.updates_per_iter):
-        batches = [
-            noised_batch(mb, leaves, groups, b.emb, b.pooled, sigmas, gen) for mb in chunk.split(args.train_batch)
-        ]
-        with_base = args.base_reg > 0
-        frozen = (
-            frozen_velocities_ahead(transformer, batches, args.frozen_batch, with_base) if args.frozen_batch else None
-        )
-        for k, nb in enumerate(batches):
-            v_old, v_base = frozen[k] if frozen else frozen_velocities(transformer, nb.x_t, nb.s, nb.cond, with_base)
-            v_theta = velocity(transformer, nb.x_t, nb.s, *nb.cond)
-            policy = policy_loss(nb, v_theta, v_old).mean()
-            base = ((v_theta - v_base) ** 2).mean()
-            ((policy + args.base_reg * base) * (len(nb.pairs) / len(chunk))).backward()
-            totals["loss/policy"] += policy.item() * len(nb.pairs) / len(pairs)
-            totals["loss/base_reg"] += base.item() * len(nb.pairs) / len(pairs)
-        optimizer_step(run.opt, params, totals, args.grad_clip, run.all_reduce_grads)
-        on_step()
-    return totals
-
-
-class NoisedBatch(NamedTuple):
-    """One micro-batch of training samples. pairs (B, 2) (leaf, grid step); i, j (B,) its columns; x0 (B, C, h, w)
-    the leaves; s (B,) sigmas[j]; x_t (B, C, h, w) = (1 - s) x0 + s eps; cond (emb (B, L, D), pooled (B, D'))."""
-
-    pairs: object
-    i: object
-    j: object
-    x0: object
-    s: object
-    x_t: object
-    cond: tuple
-
-
-def noised_batch(pairs, leaves, groups, emb, pooled, sigmas, gen):
-    """One micro-batch of (leaf, step) pairs -> NoisedBatch, with fresh noise eps from gen."""
-    i, j = pairs[:, 0], pairs[:, 1]
-    x0, s = leaves[i], sigmas[j].to(leaves.device)
-    eps = torch.randn(x0.shape, generator=gen).to(leaves.device)
-    x_t = (1 - s.view(-1, *[1] * (x0.dim() - 1))) * x0 + s.view(-1, *[1] * (x0.dim() - 1)) * eps
-    return NoisedBatch(pairs, i, j, x0, s, x_t, (emb[groups[i]], pooled[groups[i]]))
+def gain_prior(args, names):
+    """--gain-init: the discounted level statistics the run starts from (bench.py's profiles.json, measured on the
+    pretrained model with many groups; `run_kit.read_level_stats` refuses one that does not fit), else None."""
+    return read_level_stats(args.gain_init, names, args.steps) if args.gain_init else None
 
 
 # =============================================================================

@@ -2,18 +2,18 @@
 
 Read top to bottom: RVGE's math (centred reward / clean-image cross-covariance directions, the Gaussian
 posterior-variance transfer, target velocities, regression groups and bandwidth by reward continuity), its glue
-(directions per reward, the regression loss and update), the train loop, the flags and RVGE's checks; then
-DiffusionNFT's training core (optimality, schedules, sampler steps, tree rollouts, the update loop), one block that
-is the same text in recast.py (so `diff recast.py rvge.py` shows the two methods). The run machinery (flag parsing,
-the flags both scripts share, the shared checks, run folders, resume, checkpoints, trackers, figures, model
-loading, the transformer call, the frozen forwards and the optimizer step) is run_kit.py's;
---credit recast takes ReCAST's W from recast.py (`recast.credit`). The paper's full text was not available: each
-"NOTES.md §n" names a section of our reconstruction of the method, and derivations.ipynb derives each formula.
+(directions per reward, the regression loss and update), the train loop, the flags and RVGE's checks, the entry
+points. DiffusionNFT itself (optimality, schedules, sampler steps, tree rollouts, the update loop) is nft.py, written
+once for both methods (recast.py has the same skeleton, so `diff recast.py rvge.py` shows the two methods); the run
+machinery (flag parsing, the flags both scripts share, the shared checks, run folders, resume, checkpoints,
+trackers, figures, model loading, the transformer call) is kit/run_kit.py's; --credit recast takes ReCAST's W from
+recast.py (`recast.credit`). The paper's full text was not available: each "NOTES.md §n" names a section of our
+reconstruction of the method, and derivations.ipynb derives each formula.
 
 Notation map (code name -> symbol)
     lam      (K,)      reward budgets lambda_k, not normalised; Lam = sum_k lambda_k
     sigmas   (T+1,)    sampler grid s_0 = 1 > s_1 > ... > s_T = 0 (t = 1 is pure noise)
-    A        (N, K)    normalised rewards: clipped advantages (R - group mean) / global std (`advantages`)
+    A        (N, K)    normalised rewards: clipped advantages (R - group mean) / global std (`nft.advantages`)
     x0       (G, ...)  clean latents of one regression group B (posterior samples of x0 | x_{t_b})
     d_B      (...)     direction at the branch time: E*[x0 | x_{t_b}] - E[x0 | x_{t_b}]
     beta               trajectory-KL weight (None: first order with step size eta, = 1 / beta)
@@ -27,31 +27,31 @@ Notation map (code name -> symbol)
 Conventions: x_t = (1 - t) x0 + t eps; dv = -dx0_hat / t; all losses are means over latent
 dimensions, then over the batch; numpy math is float64.
 
-Where to change what (run_kit.x: in run_kit.py)
+Where to change what (nft.x: in nft.py; run_kit.x: in kit/run_kit.py)
     flags       Args (a field, its --help section in ARG_GROUPS, its checks), validate; run_kit.check_common;
                 the flags both scripts share: run_kit.NFTArgs (rewards, budgets, rollout, optimisation),
                 run_kit.RunArgs (evaluation, I/O, reward models)
-    sampler     tree_rollout (trees; sde_step / sde_continue after a branch, ode_step or dpm2_step before),
-                rollout_and_score (which adapter samples, what is decoded and scored; probes for --coords noisy)
-    rewards     reward_models.py (REWARD_MODELS, build_rewards; README "Add a reward"), run_kit.score,
-                run_kit.reward_extras
+    sampler     nft.tree_rollout (trees; nft.sde_step / nft.sde_continue after a branch, nft.ode_step or
+                nft.dpm2_step before), nft.rollout_and_score (which adapter samples, what is decoded and scored;
+                probes for --coords noisy)
+    rewards     kit/reward_models.py (REWARD_MODELS, build_rewards; README "Add a reward"), run_kit.score,
+                run_kit.reward_extras; reward -> advantage: nft.advantages (nft.global_stats's std)
     directions  value_directions: regression_groups, pick_bandwidth, group_directions -> value_direction
                 (--combine reward: one direction on the budget-weighted reward, weighted_advantage)
     transfer    reward_target: uses_local, target_velocity (transfer_ratio, posterior_var), query_weight
     credit      mixture_weights (w_kj from W); W itself is recast.credit (--credit recast)
-    loss        rvge_loss, mix_targets, rvge_update; the loop shared with recast.py: update_loop
-                (with run_kit.frozen_velocities, run_kit.optimizer_step)
-    old policy  old_decay (the soft update of "old" each iteration), ema_decay (--ema)
+    loss        rvge_loss, mix_targets, rvge_update; the loop shared with recast.py: nft.update_loop
+                (with nft.frozen_velocities, nft.optimizer_step)
+    old policy  nft.old_decay (the soft update of "old" each iteration, run_kit.copy_adapter), nft.ema_decay (--ema)
     logging     run_kit.reward_metrics + train's metrics line, run_kit.finish_iteration (metrics.jsonl,
                 run_kit.log_to_trackers, checkpoints), progress bar in train, figures in run_kit.plot_run,
-                show_evaluation; the held-out evaluation run_kit.evaluate (the script's ode_sample); the closing lines
+                show_evaluation; the held-out evaluation run_kit.evaluate (with nft.ode_sample); the closing lines
                 (before -> after, the checkpoint to load) in run_kit.print_summary
     the loop    train (steps 1-4), setup_run (run_kit.Run), run_kit.start_or_resume
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +61,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import nft
 from kit.run_kit import (
     RUN_ARG_GROUPS,
     NFTArgs,
@@ -68,31 +69,21 @@ from kit.run_kit import (
     check_common,
     check_files,
     copy_adapter,
-    decode,
     dry_run,
-    encode,
     evaluate_before,
     finish_iteration,
     flag,
-    frozen_velocities,
-    frozen_velocities_ahead,
-    global_stats,
     iteration_generator,
     load_run,
-    lora_params,
-    optimizer_step,
     parse_flags,
-    permute_within_groups,
     plot_run,
     print_summary,
     reward_metrics,
     run_folder,
-    score,
     start_or_resume,
     stop_if_a_reward_failed,
-    velocity,
 )
-from recast import CreditSettings, combine_raw, credit
+from recast import CreditSettings, credit
 
 # =============================================================================
 # NOTES.md §4.1-§4.3, our reconstruction: value directions and their transfer across t
@@ -355,12 +346,12 @@ def value_directions(b, A, sigmas, branch, bandwidths, names, args, reduce):
 
 
 def weighted_advantage(b, budgets, run):
-    """--combine reward: the advantage (N, 1) of the one reward sum_k lambda_k R_k (`recast.combine_raw`), normalised
+    """--combine reward: the advantage (N, 1) of the one reward sum_k lambda_k R_k (`nft.combine_raw`), normalised
     once with its global std over all processes, as DiffusionNFT's multi-reward baseline forms it
     (`recast.nft_baseline`)."""
-    Rc = combine_raw(b.R, budgets)[:, None]
-    _, _, std = global_stats(Rc, run.reduce)
-    return advantages(Rc, b.groups, std=std)
+    Rc = nft.combine_raw(b.R, budgets)[:, None]
+    _, _, std = nft.global_stats(Rc, run.reduce)
+    return nft.advantages(Rc, b.groups, std=std)
 
 
 def credit_settings(args):
@@ -380,7 +371,7 @@ def rvge_loss(v_theta, v_target, v_old, x_t, x0, t, weight):
 
 
 def rvge_update(run, b, directions, mix, s2, args, gen, on_step):
-    """RVGE's update: `update_loop` with the regression loss (`rvge_loss`) to the mixed target of each query at
+    """RVGE's update: `nft.update_loop` with the regression loss (`rvge_loss`) to the mixed target of each query at
     t = sigmas[j]: v_target = sum_k w_kj v_k, query weight q = sum_k w_kj q_k (`mix_targets`; w_kj = mix[k, j],
     sum_k w_kj = 1; v_k, q_k from `reward_target`). b: the iteration's rollout (leaves, groups, emb, pooled);
     directions: K RewardDirections (`value_directions`); mix (K, T); s2 the latent variance."""
@@ -396,7 +387,7 @@ def rvge_update(run, b, directions, mix, s2, args, gen, on_step):
             v_target, q = mix_targets(targets, w)
         return rvge_loss(v_theta, v_target, v_old, nb.x_t, nb.x0, nb.s, weight=q)
 
-    return update_loop(run, b, args, gen, on_step, policy_loss)
+    return nft.update_loop(run, b, args, gen, on_step, policy_loss)
 
 
 # =============================================================================
@@ -418,7 +409,7 @@ def train(args: Args, extra_rewards=None, judges=None):
     def on_step():  # after every optimizer step: the EMA of the trained LoRA (DiffusionNFT's evaluation weights)
         state["opt_steps"] += 1
         if args.ema:
-            copy_adapter(run.transformer, "default", "ema", keep=ema_decay(state["opt_steps"]))
+            copy_adapter(run.transformer, "default", "ema", keep=nft.ema_decay(state["opt_steps"]))
 
     bar = tqdm(
         range(start, args.iterations),
@@ -430,16 +421,19 @@ def train(args: Args, extra_rewards=None, judges=None):
     for it in bar:
         gen, before = iteration_generator(args.seed, it), None
         if it == 0 and args.eval_every and run.eval_prompts:  # the pretrained model, every process its share
-            before = evaluate_before(run, args, ode_sample, state)
+            before = evaluate_before(run, args, nft.ode_sample, state)
         t0 = time.perf_counter()  # training time: the evaluation above is not part of it
         # 1. rollouts from the old policy, rewards
-        b = rollout_and_score(run, args, it, gen, coordinate_steps(args.coords, run.branch))
+        b = nft.rollout_and_score(run, args, it, gen, coordinate_steps(args.coords, run.branch))
         t2 = time.perf_counter()
         # 2. normalised rewards (global std across processes); bandwidth, t_b and directions per reward
-        n_valid, mean_R, std = global_stats(b.R, run.reduce)
+        n_valid, mean_R, std = nft.global_stats(b.R, run.reduce)
         stop_if_a_reward_failed(run, it, n_valid, state)
-        A = advantages(b.R, b.groups, std=std) if args.combine == "directions" else weighted_advantage(b, budgets, run)
-        r = optimality(b.R, b.groups, std=std)  # for the pairs estimator of --credit recast
+        if args.combine == "directions":
+            A = nft.advantages(b.R, b.groups, std=std)
+        else:
+            A = weighted_advantage(b, budgets, run)
+        r = nft.optimality(b.R, b.groups, std=std)  # for the pairs estimator of --credit recast
         sigmas = run.sigmas.double().numpy()
         state["level_stats"], credit_info, W = credit(
             credit_settings(args), state.get("level_stats"), r, std, b, budgets, sigmas, run.reduce
@@ -451,7 +445,7 @@ def train(args: Args, extra_rewards=None, judges=None):
         t3 = time.perf_counter()
         # 3. regression update of "default", then the soft update of "old"
         losses = rvge_update(run, b, directions, mix, s2, args, gen, on_step)
-        copy_adapter(run.transformer, "default", "old", keep=old_decay(state["opt_steps"], args.old_decay))
+        copy_adapter(run.transformer, "default", "old", keep=nft.old_decay(state["opt_steps"], args.old_decay))
         t4 = time.perf_counter()
         # 4. log, evaluate, checkpoint
         metrics = {
@@ -464,7 +458,7 @@ def train(args: Args, extra_rewards=None, judges=None):
             "time/regression": t3 - t2,
             "time/update": t4 - t3,
         }
-        finish_iteration(run, args, it, metrics, state, before, ode_sample)
+        finish_iteration(run, args, it, metrics, state, before, nft.ode_sample)
         bar.set_postfix({"reward": f"{metrics['reward/weighted']:.3f}", "loss": f"{metrics['loss/policy']:.4g}"})
     if run.acc.is_main_process:
         plot_run(run.out, run.names)
@@ -606,385 +600,6 @@ def parse_bandwidths(text, K):
 def default_name(args):
     """--name's default."""
     return f"rvge-{args.credit}-{args.seed}"
-
-
-# #####################################################################################################################
-# DiffusionNFT's training core: identical in recast.py and rvge.py, in this order, to the end of the file.
-# test_recast.py checks that the two blocks are the same text; change it in recast.py, then
-# `python test_recast.py --fix-copies` rewrites rvge.py's block from it. The run machinery around it (flags, checks,
-# run folders, resume, checkpoints, trackers, figures, model loading, the transformer call, frozen forwards, optimizer
-# step) is run_kit.py's.
-# #####################################################################################################################
-
-
-# =============================================================================
-# DiffusionNFT's rewards to optimality, and its schedules (NOTES.md §2)
-# =============================================================================
-
-
-def advantages(rewards, groups, std=None, clip=5.0, eps=1e-4):
-    """DiffusionNFT's clipped advantage, per reward column:
-    A = clip((R - mean_group R) / (std_global R + eps), -clip, clip).
-    rewards (N,) or (N, K); groups (N,) prompt-group ids; std: the global std
-    per reward if already reduced across processes (else computed here).
-    Non-finite rewards are left out of the group means and the std and get
-    A = 0 (no preference); so does a group whose rewards all tie.
-    Returns A with the shape of rewards."""
-    R = np.asarray(rewards, dtype=np.float64)
-    squeeze = R.ndim == 1
-    R = R[:, None] if squeeze else R
-    groups = np.asarray(groups)
-    valid = np.isfinite(R)
-    if std is None:
-        std = np.array([R[valid[:, k], k].std() if valid[:, k].any() else 0.0 for k in range(R.shape[1])])
-    A = np.zeros_like(R)
-    for g in np.unique(groups):
-        rows = groups == g
-        Rg, vg = R[rows], valid[rows]
-        n = vg.sum(0)
-        mean = np.where(vg, Rg, 0.0).sum(0) / np.maximum(n, 1)
-        A[rows] = np.where(vg, (np.where(vg, Rg, 0.0) - mean) / (np.asarray(std) + eps), 0.0)
-    A = np.clip(A, -clip, clip)
-    return A[:, 0] if squeeze else A
-
-
-def optimality(rewards, groups, std=None, clip=5.0, eps=1e-4):
-    """DiffusionNFT's reward -> optimality probability: r = 0.5 + 0.5 A / clip in [0, 1], A the
-    clipped advantage (`advantages`, same arguments). Non-finite rewards and tied groups get r = 0.5."""
-    return 0.5 + 0.5 * advantages(rewards, groups, std, clip, eps) / clip
-
-
-def old_decay(step, decay_type):
-    """DiffusionNFT's `return_decay`: the weight kept by the sampling ("old") adapter in
-    old <- decay old + (1 - decay) default, after `step` optimizer steps in all.
-    Type 0: always 0 (old = the trained policy); 1: min(0.001 step, 0.5) (GenEval, PickScore,
-    multi-reward); 2: 0 for 75 steps, then 0.0075 per step up to 0.999 (OCR)."""
-    flat, rate, cap = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}[decay_type]
-    return 0.0 if step < flat else min((step - flat) * rate, cap)
-
-
-def ema_decay(step):
-    """Decay of DiffusionNFT's EMA of the trained LoRA after optimizer step `step` (1, 2, ...):
-    min((1 + step) / (10 + step), 0.9) (flow_grpo/ema.py); the evaluation uses the EMA weights."""
-    return min((1 + step) / (10 + step), 0.9)
-
-
-# =============================================================================
-# Sampler steps on torch tensors (NOTES.md §1)
-# =============================================================================
-
-
-def sde_step(x, v, s, s_next, a, s_first, noise):
-    """One FlowGRPO-form SDE step from sigma s to s_next < s (NOTES.md §1).
-
-    g = a sqrt(s / (1 - s)) (at s = 1 the denominator uses s_first = s_1),
-    mean = x (1 + g^2 dt / (2 s)) + v (1 + g^2 (1 - s) / (2 s)) dt,  dt = s_next - s < 0,
-    x' = mean + g sqrt(-dt) noise.
-    Euler-Maruyama for the reverse SDE with drift v - (g^2 / 2) score, so it keeps
-    the model's marginals as steps shrink (derivations.ipynb §2; toy_gaussian.py).
-    Works on floats, numpy arrays or tensors."""
-    dt = s_next - s
-    g = a * math.sqrt(s / (1 - (s_first if s >= 1 else s)))
-    mean = x * (1 + g * g * dt / (2 * s)) + v * (1 + g * g * (1 - s) / (2 * s)) * dt
-    return mean + g * math.sqrt(-dt) * noise
-
-
-def ode_step(x, v, s, s_next):
-    """Euler step of dx/dt = v from sigma s to s_next."""
-    return x + (s_next - s) * v
-
-
-def dpm2_step(x, x0_hat, x0_hat_prev, s_prev, s, s_next):
-    """One step of DPM-Solver++(2M) (Lu et al. 2022, multistep, data prediction) for rectified flow,
-    alpha_t = 1 - t, sigma_t = t, lambda = log(alpha / sigma): from sigma s to s_next < s,
-      h = lambda(s_next) - lambda(s),  D = x0_hat + (x0_hat - x0_hat_prev) / (2 r),  r = h_prev / h,
-      x' = (s_next / s) x - alpha(s_next) (exp(-h) - 1) D.
-    First order (D = x0_hat, DDIM) at the first step (x0_hat_prev None) and at the last (s_next = 0,
-    where x' = x0_hat), as diffusers' DPMSolverMultistepScheduler with lower_order_final and
-    DiffusionNFT's deterministic "dpm2" rollouts do. x0_hat = x - s v. Works on floats, arrays, tensors."""
-    if s_next <= 0:
-        return x0_hat
-    if s >= 1:  # lambda(1) = -inf: h = inf, the DDIM step from pure noise
-        return s_next * x + (1 - s_next) * x0_hat
-    lam = lambda u: math.log((1 - u) / u)  # noqa: E731
-    h = lam(s_next) - lam(s)
-    D = x0_hat
-    if x0_hat_prev is not None and s_prev < 1:  # s_prev = 1: lambda = -inf, r = inf, no correction
-        D = x0_hat + (x0_hat - x0_hat_prev) * h / (2 * (lam(s) - lam(s_prev)))
-    return (s_next / s) * x - (1 - s_next) * math.expm1(-h) * D
-
-
-def shifted_sigmas(T, shift=3.0):
-    """Grid 1 = s_0 > ... > s_T = 0 with SD3's time shift s -> shift s / (1 + (shift - 1) s) on a
-    uniform grid. The training loop uses the scheduler's own sigmas; this is for the toy and tests."""
-    u = np.linspace(1.0, 0.0, T + 1)
-    return shift * u / (1 + (shift - 1) * u)
-
-
-# =============================================================================
-# Tree rollouts (NOTES.md §5), rewards, the held-out sampler
-# =============================================================================
-
-
-def branch_layout(n_groups, T, branch_steps, offset=0):
-    """Branch steps of each prompt group (NOTES.md §3.3, §5). branch_steps: a list of steps shared by
-    every group, or "rotate": group p branches once, at step 1 + (offset + p) mod (T - 2), so that
-    consecutive groups (and iterations, through `offset`) cover every step 1..T-2 in turn and each
-    sampler level gets a measured D. Returns a list of n_groups sorted lists."""
-    if branch_steps == "rotate":
-        return [[1 + (offset + p) % (T - 2)] for p in range(n_groups)]
-    return [list(branch_steps) for _ in range(n_groups)]
-
-
-def tree_rollout(
-    transformer,
-    emb,
-    pooled,
-    sigmas,
-    n_roots,
-    n_branch,
-    branch,
-    sde_a,
-    gen,
-    shape,
-    chunk=64,
-    probe_steps=(),
-    substeps=1,
-    solver="euler",
-    noise=None,
-):
-    """One tree per prompt (NOTES.md §5): n_roots noises run with the ODE to the group's first branch
-    step; at each of its branch steps every state is copied n_branch times; after the first branch the
-    SDE continues (`substeps` Euler-Maruyama sub-steps per grid interval, so that siblings sample
-    x0 | x_t closely: derivations.ipynb §7); the last step is an Euler step, so leaves are clean.
-    branch / probe_steps: a list of steps shared by every prompt, or one list per prompt (`branch_layout`);
-    every prompt must have the same number of branch steps. solver: the ODE before branching, "euler"
-    or "dpm2" (`dpm2_step`, DiffusionNFT's deterministic sampler). sigmas (T+1,) float tensor, 1 -> 0.
-    noise (P n_roots, C, h, w): the roots' starting noise (default: drawn from gen).
-
-    Returns leaves (N, C, h, w), groups (N,) prompt index, ancestry (N, 1 + L) codes for
-    `split_levels`, and probes: a list of (step, x0_hat = x - s v, groups) for the denoised estimator."""
-    device = emb.device
-    P, T = len(emb), len(sigmas) - 1
-
-    def per_group(steps):
-        return [list(x) for x in steps] if steps and isinstance(steps[0], (list, tuple)) else [list(steps)] * P
-
-    branch, probe_steps = per_group(branch), per_group(probe_steps)
-    L = len(branch[0])
-    first = np.array([min(b) if b else T for b in branch])
-    x = (torch.randn((P * n_roots, *shape), generator=gen) if noise is None else noise).to(device)
-    groups = np.arange(P).repeat(n_roots)
-    ancestry = np.zeros((len(x), 1 + L), dtype=np.int64)
-    ancestry[:, 0] = np.arange(len(x))
-    x0_prev, probes = None, []
-    with torch.no_grad():
-        for j in range(T):
-            column = np.array([branch[g].index(j) + 1 if j in branch[g] else 0 for g in groups])
-            if column.any():  # copy the branching states n_branch times, recording the branch index taken
-                copies = np.where(column > 0, n_branch, 1)
-                child = np.concatenate([np.arange(c) for c in copies])
-                x, groups, column = (
-                    x.repeat_interleave(torch.as_tensor(copies, device=device), 0),
-                    groups.repeat(copies),
-                    column.repeat(copies),
-                )
-                ancestry = ancestry.repeat(copies, 0)
-                ancestry[column > 0, column[column > 0]] = child[column > 0]
-                x0_prev = (
-                    None if x0_prev is None else x0_prev.repeat_interleave(torch.as_tensor(copies, device=device), 0)
-                )
-            s, s_next = float(sigmas[j]), float(sigmas[j + 1])
-            v = velocity(transformer, x, torch.full((len(x),), s, device=device), emb[groups], pooled[groups], chunk)
-            x0_hat = x - s * v
-            probing = np.array([j in probe_steps[g] for g in groups])
-            if probing.any():
-                probes.append((j, x0_hat[torch.as_tensor(probing)], groups[probing]))
-            sde = torch.as_tensor((first[groups] <= j) & (j < T - 1), device=device)  # after the group's first branch
-            if solver == "dpm2":
-                x_ode = dpm2_step(x, x0_hat, x0_prev, float(sigmas[j - 1]) if j else 1.0, s, s_next)
-            else:
-                x_ode = ode_step(x, v, s, s_next)
-            if sde.any():
-                on = sde.cpu().numpy()
-                x_ode = x_ode.clone()
-                x_ode[sde] = sde_continue(
-                    transformer,
-                    x[sde],
-                    v[sde],
-                    s,
-                    s_next,
-                    emb[groups[on]],
-                    pooled[groups[on]],
-                    sde_a,
-                    float(sigmas[1]),
-                    substeps,
-                    gen,
-                    chunk,
-                )
-            x, x0_prev = x_ode, x0_hat
-    return x, groups, ancestry, probes
-
-
-def ode_sample(transformer, emb, pooled, sigmas, shape, seed, chunk=64, noise=None):
-    """One image latent per prompt by the Euler ODE from fixed noise (`seed`, or `noise` (P, C, h, w): one process's
-    share of the evaluation's noise, `run_kit.evaluate`): the held-out samplers' rollout (a tree with one root and no
-    branch)."""
-    return tree_rollout(
-        transformer,
-        emb,
-        pooled,
-        sigmas,
-        n_roots=1,
-        n_branch=1,
-        branch=[],
-        sde_a=0.0,
-        gen=torch.Generator().manual_seed(seed),
-        shape=shape,
-        chunk=chunk,
-        noise=noise,
-    )[0]
-
-
-def sde_continue(transformer, x, v, s, s_next, emb, pooled, sde_a, s_first, substeps, gen, chunk):
-    """`substeps` SDE steps from s to s_next on an even sub-grid; v is the velocity already taken at s."""
-    grid = np.linspace(s, s_next, substeps + 1)
-    for i, (u, u_next) in enumerate(zip(grid[:-1], grid[1:])):
-        if i:
-            v = velocity(transformer, x, torch.full((len(x),), float(u), device=x.device), emb, pooled, chunk)
-        x = sde_step(x, v, float(u), float(u_next), sde_a, s_first, torch.randn(x.shape, generator=gen).to(x.device))
-    return x
-
-
-@dataclass
-class Rollout:
-    """One iteration's rollouts and rewards (`rollout_and_score`): what the method's step 2 and the update read."""
-
-    prompts: list[str]  # (P,) this process's prompts, one per tree
-    emb: torch.Tensor  # (P, L, D) CFG-free text embeddings
-    pooled: torch.Tensor  # (P, D') pooled text embeddings
-    leaves: torch.Tensor  # (N, C, h, w) clean latents of the leaves
-    groups: np.ndarray  # (N,) prompt index of each leaf
-    ancestry: np.ndarray  # (N, 1 + L) each leaf's root and branch indices (`split_levels`)
-    layouts: list[list[int]]  # each prompt's branch steps (`branch_layout`; [] each with --sampler ode)
-    R: np.ndarray  # (N, K) rewards; NaN where a reward failed
-    probes: list  # [(step, x0_hat (M, C, h, w), groups (M,))] at the probe steps
-    probe_R: list  # [(step, rewards (M, K), groups (M,))]: the decoded probes, scored
-    t_rollout: float  # time.perf_counter() when the rollouts ended (the rewards' clock starts there)
-
-
-def rollout_and_score(run: Run, args: Args, it, gen, probe_steps=()) -> Rollout:
-    """Step 1 of an iteration: prompts, rollouts from the "old" adapter (--sampler tree: branched trees
-    with this iteration's branch layout; ode: independent deterministic DPM-Solver-2 samples, as
-    DiffusionNFT), decoded leaves scored; x0_hat kept, decoded and scored at probe_steps (steps, or
-    "layout": each group's layout steps, the denoised estimator). Returns the Rollout."""
-    prompts = run.prompts_for(it)
-    emb, pooled = encode(run.pipe, prompts, run.max_len, run.acc.device)
-    P = len(prompts)
-    layouts = branch_layout(P, args.steps, run.branch, offset=(it * run.acc.num_processes + run.acc.process_index) * P)
-    tree = args.sampler == "tree"
-    run.transformer.set_adapter("old")
-    leaves, groups, ancestry, probes = tree_rollout(
-        run.transformer,
-        emb,
-        pooled,
-        run.sigmas,
-        n_roots=args.n_roots,
-        n_branch=args.n_branch,
-        branch=layouts if tree else [],
-        sde_a=args.sde_a,
-        gen=gen,
-        shape=run.shape,
-        chunk=args.rollout_batch,
-        probe_steps=layouts if probe_steps == "layout" else probe_steps,
-        substeps=args.sde_substeps,
-        solver="euler" if tree else "dpm2",
-    )
-    run.transformer.set_adapter("default")
-    t_rollout = time.perf_counter()
-    R = score(run.rewards, decode(run.pipe, leaves), [prompts[g] for g in groups])
-    R = permute_within_groups(R, groups, run.names, args.permute_rewards, args.seed, it, run.acc.process_index)
-    probe_R = [(j, score(run.rewards, decode(run.pipe, x0h), [prompts[g] for g in gp]), gp) for j, x0h, gp in probes]
-    return Rollout(
-        prompts=prompts,
-        emb=emb,
-        pooled=pooled,
-        leaves=leaves,
-        groups=groups,
-        ancestry=ancestry,
-        layouts=layouts if tree else [[]] * P,
-        R=R,
-        probes=probes,
-        probe_R=probe_R,
-        t_rollout=t_rollout,
-    )
-
-
-# =============================================================================
-# The update loop: (leaf, timestep) samples, noised batches, the loss (NOTES.md §2)
-# =============================================================================
-
-
-def training_pairs(N, T, per_leaf, gen):
-    """(N * per_leaf, 2) (leaf, grid step) pairs in random order: each leaf trains on `per_leaf`
-    distinct sampler steps, the first of a random permutation of the T (DiffusionNFT: 9 of 10)."""
-    steps = torch.stack([torch.randperm(T, generator=gen)[: min(per_leaf, T)] for _ in range(N)])
-    pairs = torch.stack([torch.arange(N).repeat_interleave(steps.shape[1]), steps.reshape(-1)], 1)
-    return pairs[torch.randperm(len(pairs), generator=gen)]
-
-
-def update_loop(run: Run, b: Rollout, args: Args, gen, on_step, policy_loss):
-    """The update both methods share (NOTES.md §2, §4.3): the iteration's (leaf, timestep) samples in
-    --updates-per-iter equal chunks, one AdamW step per chunk on the mean loss over its samples (all processes;
-    1 chunk is DiffusionNFT's one step per epoch). Per micro-batch: fresh noise (`noised_batch`), the frozen
-    v_old / v_base, v_theta, and loss = mean(policy_loss(nb, v_theta, v_old)) + base_reg mean(|v_theta - v_base|^2),
-    policy_loss the method's per-sample loss (B,). `on_step()` runs after every optimizer step (the EMA).
-    Returns mean losses, the last gradient norm and the counts."""
-    transformer, sigmas, leaves, groups = run.transformer, run.sigmas, b.leaves, torch.as_tensor(b.groups)
-    pairs = training_pairs(len(leaves), len(sigmas) - 1, args.train_steps_per_leaf, gen)
-    params = lora_params(transformer, "default")
-    totals = {"loss/policy": 0.0, "loss/base_reg": 0.0, "train/opt_steps": 0, "train/samples": len(pairs)}
-    for chunk in pairs.tensor_split(args.updates_per_iter):
-        batches = [
-            noised_batch(mb, leaves, groups, b.emb, b.pooled, sigmas, gen) for mb in chunk.split(args.train_batch)
-        ]
-        with_base = args.base_reg > 0
-        frozen = (
-            frozen_velocities_ahead(transformer, batches, args.frozen_batch, with_base) if args.frozen_batch else None
-        )
-        for k, nb in enumerate(batches):
-            v_old, v_base = frozen[k] if frozen else frozen_velocities(transformer, nb.x_t, nb.s, nb.cond, with_base)
-            v_theta = velocity(transformer, nb.x_t, nb.s, *nb.cond)
-            policy = policy_loss(nb, v_theta, v_old).mean()
-            base = ((v_theta - v_base) ** 2).mean()
-            ((policy + args.base_reg * base) * (len(nb.pairs) / len(chunk))).backward()
-            totals["loss/policy"] += policy.item() * len(nb.pairs) / len(pairs)
-            totals["loss/base_reg"] += base.item() * len(nb.pairs) / len(pairs)
-        optimizer_step(run.opt, params, totals, args.grad_clip, run.all_reduce_grads)
-        on_step()
-    return totals
-
-
-class NoisedBatch(NamedTuple):
-    """One micro-batch of training samples. pairs (B, 2) (leaf, grid step); i, j (B,) its columns; x0 (B, C, h, w)
-    the leaves; s (B,) sigmas[j]; x_t (B, C, h, w) = (1 - s) x0 + s eps; cond (emb (B, L, D), pooled (B, D'))."""
-
-    pairs: object
-    i: object
-    j: object
-    x0: object
-    s: object
-    x_t: object
-    cond: tuple
-
-
-def noised_batch(pairs, leaves, groups, emb, pooled, sigmas, gen):
-    """One micro-batch of (leaf, step) pairs -> NoisedBatch, with fresh noise eps from gen."""
-    i, j = pairs[:, 0], pairs[:, 1]
-    x0, s = leaves[i], sigmas[j].to(leaves.device)
-    eps = torch.randn(x0.shape, generator=gen).to(leaves.device)
-    x_t = (1 - s.view(-1, *[1] * (x0.dim() - 1))) * x0 + s.view(-1, *[1] * (x0.dim() - 1)) * eps
-    return NoisedBatch(pairs, i, j, x0, s, x_t, (emb[groups[i]], pooled[groups[i]]))
 
 
 # =============================================================================

@@ -2,7 +2,7 @@
 
 Every quantity of NOTES.md §1-§4 has a closed form (or a quadrature that is exact
 to rounding) when the data is a Gaussian mixture, so this script checks the
-shipped functions of recast.py and rvge.py against them (it imports them and
+shipped functions of nft.py, recast.py and rvge.py against them (it imports them and
 never re-implements them). `python toy_gaussian.py` runs all checks, prints a
 table (check, measured, threshold, PASS/FAIL), writes PNG figures to --out and
 exits non-zero if a check fails; --quick runs the same checks on smaller samples.
@@ -37,6 +37,7 @@ import numpy as np
 from scipy.special import expit, iv, logsumexp
 from scipy.stats import kstest, norm
 
+import nft
 import recast
 import rvge
 from experiments.bench import (  # the experiments' statistics: the same tests for the toy and the embedded model
@@ -340,7 +341,7 @@ def check_telescoping(quick, out=None):
         (MIX1, (COARSE1, FINE1), 1201, 7.0, 21 if quick else 41, 10),
         (MIX2, (COARSE2, FINE2), 161, 6.0, 3 if quick else 9, 4 if quick else 10),
     ):
-        sig = recast.shifted_sigmas(T, 3.0)
+        sig = nft.shifted_sigmas(T, 3.0)
         ts = np.unique(np.concatenate([np.linspace(0, 1, n_lev), sig]))
         on_grid = np.searchsorted(ts, sig)
         for rew in rewards:
@@ -375,7 +376,7 @@ def check_coarse_fine(quick, out=None):
     the coarse reward's gains come earlier (larger gain-weighted mean t); solve_W with equal budgets gives
     the coarse reward most of the credit on the noisy steps where it gains and the fine reward the last step.
     (The very noisy first steps, where neither gains, go to the fine reward: its mass has to sit somewhere.)"""
-    sig = recast.shifted_sigmas(10, 3.0)
+    sig = nft.shifted_sigmas(10, 3.0)
     ts = np.unique(np.concatenate([np.linspace(0, 1, 21 if quick else 61), sig]))
     D = np.stack([exact_renyi(MIX1, rew, ts, (2.0,), 1201)[0][0] for rew in (COARSE1, FINE1)])
     D_grid, gains = recast.gains_on_grid(ts, D, sig)
@@ -504,31 +505,31 @@ def check_pairs(quick, out=None):
 
 
 def sde_sample(gm, T, n, rng, a=0.7, keep=()):
-    """x_1 ~ N(0, I), then T recast.sde_step's with the exact velocity on shifted_sigmas(T, 3).
+    """x_1 ~ N(0, I), then T nft.sde_step's with the exact velocity on shifted_sigmas(T, 3).
     Returns the final samples and {grid index: samples} for indices in keep."""
-    sig = recast.shifted_sigmas(T, 3.0)
+    sig = nft.shifted_sigmas(T, 3.0)
     x, kept = rng.standard_normal((n, gm.d)), {}
     for j in range(T):
-        x = recast.sde_step(x, gm.velocity(x, sig[j]), sig[j], sig[j + 1], a, sig[1], rng.standard_normal(x.shape))
+        x = nft.sde_step(x, gm.velocity(x, sig[j]), sig[j], sig[j + 1], a, sig[1], rng.standard_normal(x.shape))
         if j + 1 in keep:
             kept[j + 1] = x
     return x, kept
 
 
 def check_sde(quick, out=None):
-    """recast.sde_step keeps the model's marginals as steps grow. 1-D Gaussian N(0, 0.7^2), exact
+    """nft.sde_step keeps the model's marginals as steps grow. 1-D Gaussian N(0, 0.7^2), exact
     velocity (linear, so the variance recursion var' = c_x^2 var + c_n^2 is exact with the coefficients
     read off sde_step): final std 0.61 / 0.68 / 0.70 for 10 / 40 / 160 steps (NOTES.md §1), error shrinking.
     Mixture: KS distance to the data falls with steps; intermediate marginals match p_t."""
     steps = (10, 20, 40, 80, 160)
     s2, stds = 0.49, []
     for T in steps:
-        sig, var = recast.shifted_sigmas(T, 3.0), 1.0
+        sig, var = nft.shifted_sigmas(T, 3.0), 1.0
         for j in range(T):
             s, sn = sig[j], sig[j + 1]
             k = (1 - s) * s2 / ((1 - s) ** 2 * s2 + s * s)  # E[x0 | x_s] = k x_s
-            cx = recast.sde_step(1.0, (1 - k) / s, s, sn, 0.7, sig[1], 0.0)
-            cn = recast.sde_step(0.0, 0.0, s, sn, 0.7, sig[1], 1.0)
+            cx = nft.sde_step(1.0, (1 - k) / s, s, sn, 0.7, sig[1], 0.0)
+            cn = nft.sde_step(0.0, 0.0, s, sn, 0.7, sig[1], 1.0)
             var = cx * cx * var + cn * cn
         stds.append(np.sqrt(var))
     err = np.abs(np.array(stds) - 0.7)
@@ -539,7 +540,7 @@ def check_sde(quick, out=None):
     ks = {T: kstest(sde_sample(MIX1, T, n, rng)[0][:, 0], MIX1.cdf).statistic for T in (10, 40)}
     x, kept = sde_sample(MIX1, 160, n, rng, keep=(40, 80, 120))
     ks[160] = kstest(x[:, 0], MIX1.cdf).statistic
-    sig = recast.shifted_sigmas(160, 3.0)
+    sig = nft.shifted_sigmas(160, 3.0)
     ks_mid = max(kstest(v[:, 0], lambda z, t=sig[j]: MIX1.cdf(z, t)).statistic for j, v in kept.items())
     if out:
         import matplotlib.pyplot as plt
@@ -574,7 +575,7 @@ def check_sde(quick, out=None):
 
 class ExactVelocity:
     """Stand-in for the SD3 transformer inside run_kit.velocity: the exact velocity of a mixture, so the
-    shipped recast.tree_rollout runs on the toy. Counts the states it evaluates (rollout cost)."""
+    shipped nft.tree_rollout runs on the toy. Counts the states it evaluates (rollout cost)."""
 
     def __init__(self, gm):
         self.gm, self.evaluations = gm, 0
@@ -596,17 +597,17 @@ def training_regime(reward, gm, rng):
 
 
 def credit_iteration(gm, rewards, spec, n_prompts, offset, substeps, gen, estimator="pairs", T=10, noise_rng=None):
-    """One training iteration's credit statistics on the toy, through the shipped code: recast.branch_layout,
-    recast.tree_rollout (exact velocity, 2 roots x 4 children, a = sqrt 2), recast.optimality per group,
+    """One training iteration's credit statistics on the toy, through the shipped code: nft.branch_layout,
+    nft.tree_rollout (exact velocity, 2 roots x 4 children, a = sqrt 2), nft.optimality per group,
     recast.level_observations. noise_rng: pure-noise rewards instead (independent of x0).
     Returns ((n, s1, s2), rollout evaluations per leaf)."""
     import torch
 
-    sig = torch.as_tensor(recast.shifted_sigmas(T))
-    layouts = recast.branch_layout(n_prompts, T, spec, offset)
+    sig = torch.as_tensor(nft.shifted_sigmas(T))
+    layouts = nft.branch_layout(n_prompts, T, spec, offset)
     model = ExactVelocity(gm)
     emb, pooled = torch.zeros(n_prompts, 1, 1, dtype=torch.float64), torch.zeros(n_prompts, 1, dtype=torch.float64)
-    x, groups, anc, probes = recast.tree_rollout(
+    x, groups, anc, probes = nft.tree_rollout(
         model,
         emb,
         pooled,
@@ -629,8 +630,8 @@ def credit_iteration(gm, rewards, spec, n_prompts, offset, substeps, gen, estima
 
     R = score(x)
     std = R.std(0)
-    r = recast.optimality(R, groups, std=std)
-    probe_r = [(j, recast.optimality(score(x0h), gp, std=std), gp) for j, x0h, gp in probes]
+    r = nft.optimality(R, groups, std=std)
+    probe_r = [(j, nft.optimality(score(x0h), gp, std=std), gp) for j, x0h, gp in probes]
     return recast.level_observations(r, groups, anc, layouts, T, probe_r, estimator), model.evaluations / len(x)
 
 
@@ -673,7 +674,7 @@ def check_credit(quick, out=None):
     import torch
 
     rng = np.random.default_rng(7)
-    T, sig = 10, recast.shifted_sigmas(10)
+    T, sig = 10, nft.shifted_sigmas(10)
     rewards = [training_regime(rew, MIX1, rng) for rew in (COARSE1, FINE1)]
     ts = np.unique(np.concatenate([np.linspace(0, 1, 41), sig]))
     exact = np.stack([np.interp(sig, ts, exact_renyi(MIX1, rew, ts, (2.0,), 1201)[0][0]) for rew in rewards])
@@ -978,7 +979,7 @@ def nft_empirical_shift(x0, r, xq, t, x0_hat, b=1.0):
 
 
 def check_nft_closed_form(rng):
-    """`nft_empirical_shift` is the argmin of the shipped recast.nft_loss (weighted by w_i): a Newton step from v_old
+    """`nft_empirical_shift` is the argmin of the shipped nft.nft_loss (weighted by w_i): a Newton step from v_old
     at scale 1e-9, where nft_loss's adaptive scale sits at its 1e-5 floor (as in derivations.ipynb §3)."""
     import torch
 
@@ -993,7 +994,7 @@ def check_nft_closed_form(rng):
     def loss(v):
         return (
             w
-            * recast.nft_loss(
+            * nft.nft_loss(
                 v.expand(G, d), v_old, x_t, torch.as_tensor(x0[0] * sc), torch.full((G,), t), torch.as_tensor(r[0])
             )
         ).sum()
@@ -1010,7 +1011,7 @@ def check_nft_closed_form(rng):
 def diagnose(gm, reward, t_b, G, n, ts, rng, eta=0.2, b=1.0, cap=4.0):
     """One (mixture, reward, t_b, G) cell. n groups: a state x_{t_b} ~ p_{t_b} and G exact posterior samples of
     x0 | x_{t_b} (t_b = 1: G independent rollouts, a broad group; DiffusionNFT's prompt group). Rewards -> A with
-    rvge.advantages at the exact population std (r with recast.optimality). Queries: member 0 noised to each t in ts.
+    nft.advantages at the exact population std (r with nft.optimality). Queries: member 0 noised to each t in ts.
     Reference: the exact first-order tilted shift eta Cov(x0, A | x_q) (p* propto p exp(eta A), A = R / std R), in x0
     units (the velocity shift is -d / t: same cosine and relative error).
     Returns {variant: (len(ts), 4) array of
@@ -1027,8 +1028,8 @@ def diagnose(gm, reward, t_b, G, n, ts, rng, eta=0.2, b=1.0, cap=4.0):
     x0 = gm.sample_posterior(np.repeat(xs, G, 0), t_b, rng).reshape(n, G, gm.d)
     R = reward(x0)  # (n, G)
     groups = np.repeat(np.arange(n), G)
-    A = rvge.advantages(R.ravel(), groups, std=[std]).reshape(n, G)
-    r = recast.optimality(R.ravel(), groups, std=[std]).reshape(n, G)
+    A = nft.advantages(R.ravel(), groups, std=[std]).reshape(n, G)
+    r = nft.optimality(R.ravel(), groups, std=[std]).reshape(n, G)
     tied = float((np.ptp(R, 1) == 0).mean())
     direction = lambda x, a: np.stack([rvge.value_direction(x[k], a[k], eta=eta) for k in range(n)])  # noqa: E731
     d_clean = direction(x0, A)
@@ -1047,7 +1048,7 @@ def diagnose(gm, reward, t_b, G, n, ts, rng, eta=0.2, b=1.0, cap=4.0):
     if t_b < 1:  # the same leaf's broad group in an R x C tree: itself and G - 1 leaves of other (independent) roots
         xb = np.concatenate([x0[:, :1], gm.sample(n * (G - 1), rng).reshape(n, G - 1, gm.d)], 1)
         Rb = reward(xb)
-        d_broad = direction(xb, rvge.advantages(Rb.ravel(), groups, std=[std]).reshape(n, G))
+        d_broad = direction(xb, nft.advantages(Rb.ravel(), groups, std=[std]).reshape(n, G))
     res, nonlin = {}, np.zeros(len(ts))
     for i, t in enumerate(ts):
         xq = (1 - t) * x0[:, 0] + t * rng.standard_normal((n, gm.d))
@@ -1138,7 +1139,7 @@ def check_rvge_diagnosis(quick, out=None):
     direct | none, local (t_b = 0.3) | broad (t_b = 1), query weights (qw: the first gradient step's shift, weight x
     target); bias rows (the targets' conditional mean at x_q, G -> infinity) isolate the transfer error; two candidate
     fixes ("fix:" rows). DiffusionNFT (b = 1): the minimiser of its loss on the same G rollouts (`nft_empirical_shift`,
-    checked against recast.nft_loss), and the 1-sample target its loss regresses on. Tables printed; CSV in `out`."""
+    checked against nft.nft_loss), and the 1-sample target its loss regresses on. Tables printed; CSV in `out`."""
     rng = np.random.default_rng(8)
     ts = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
     Gs, n = ((2, 8, 24), 80) if quick else ((2, 4, 8, 24), 400)
@@ -1208,7 +1209,7 @@ def check_rvge_diagnosis(quick, out=None):
     steps = [Q[(*c, 1.0, 8, "bias (G=inf), direct", 0.9)]["gain"] for c in cases]
     f2 = lambda v: "/".join(f"{x:.2f}" for x in v)  # noqa: E731
     return [
-        ("6d NFT closed form = argmin recast.nft_loss", nft_err, "< 1e-6", nft_err < 1e-6),
+        ("6d NFT closed form = argmin nft.nft_loss", nft_err, "< 1e-6", nft_err < 1e-6),
         ("6d first order vs exp tilt at eta=0.2 (max rel)", max(nonlin), "< 0.2", max(nonlin) < 0.2),
         ("6d noise: local cos t<=t_b, d=16, G=2/G=max", f2(noise), "G=max > G=2 + 0.3", noise[1] > noise[0] + 0.3),
         ("6d subspace: local G=2 cos t<=t_b, d=2/d=16", f2(sub), "d=2 > d=16 + 0.25", sub[0] > sub[1] + 0.25),
@@ -1290,8 +1291,8 @@ def train_base(gm, steps, seed=0):
 
 
 def rollout(model, sig, n_groups, n_roots, n_branch, branch_steps, gen, a=0.7):
-    """NOTES.md §5 trees: n_roots noises per group, ODE (recast.ode_step) to the first branch step, then at
-    each branch step every state is copied n_branch times and continued with recast.sde_step. No branch
+    """NOTES.md §5 trees: n_roots noises per group, ODE (nft.ode_step) to the first branch step, then at
+    each branch step every state is copied n_branch times and continued with nft.sde_step. No branch
     steps: plain ODE samples. Returns x0 (N, 2) float32, groups (N,), ancestry (N, L+1)."""
     import torch
 
@@ -1304,9 +1305,9 @@ def rollout(model, sig, n_groups, n_roots, n_branch, branch_steps, gen, a=0.7):
                 x = x.repeat_interleave(n_branch, 0)
             v = model(x, torch.full((1,), s))
             x = (
-                recast.ode_step(x, v, s, sn)
+                nft.ode_step(x, v, s, sn)
                 if j < first
-                else recast.sde_step(x, v, s, sn, a, float(sig[1]), torch.randn(x.shape, generator=gen))
+                else nft.sde_step(x, v, s, sn, a, float(sig[1]), torch.randn(x.shape, generator=gen))
             )
     L = len(branch_steps)
     idx = np.indices((n_groups, n_roots) + (n_branch,) * L).reshape(L + 2, -1).T
@@ -1320,7 +1321,7 @@ def rewards7(x):
 def finetune(base, method, iters, n_groups=16, seed=0, beta=0.25, lr=1e-3, log_every=5):
     """DiffusionNFT recipe on the toy: old policy = EMA copy (eta_i = min(0.001 i, 0.5)), rollouts from old
     on shifted_sigmas(10, 3), training on the sampler's timesteps with fresh noise, + 1e-4 |v - v_ref|^2.
-    method: 'nft' | 'uniform' | 'recast' (recast.nft_loss with r from combine_raw / uniform_W / solve_W of
+    method: 'nft' | 'uniform' | 'recast' (nft.nft_loss with r from combine_raw / uniform_W / solve_W of
     the pairs-estimated gains, EMA-smoothed) or 'rvge' (targets rvge.target_velocity from broad-group
     rvge.value_direction under KL beta on R = sum_k lambda_k R_k / Lam, NFT-style adaptive weighting).
     Returns (model, curve [(iteration, mean rewards (K,))], last W or None)."""
@@ -1328,7 +1329,7 @@ def finetune(base, method, iters, n_groups=16, seed=0, beta=0.25, lr=1e-3, log_e
 
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    sig = recast.shifted_sigmas(10, 3.0)
+    sig = nft.shifted_sigmas(10, 3.0)
     T, branch = 10, [3, 6, 9]
     levels_t = np.array([1.0] + [sig[j] for j in branch] + [0.0])
     model, old, ref = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
@@ -1338,7 +1339,7 @@ def finetune(base, method, iters, n_groups=16, seed=0, beta=0.25, lr=1e-3, log_e
     for it in range(iters + 1):
         if it % log_every == 0 or it == iters:
             x_eval, _, _ = rollout(
-                model, recast.shifted_sigmas(20, 3.0), 2000, 1, 1, [], torch.Generator().manual_seed(eval_gen_seed)
+                model, nft.shifted_sigmas(20, 3.0), 2000, 1, 1, [], torch.Generator().manual_seed(eval_gen_seed)
             )
             curve.append((it, rewards7(x_eval).mean(0)))
         if it == iters:
@@ -1358,9 +1359,9 @@ def finetune(base, method, iters, n_groups=16, seed=0, beta=0.25, lr=1e-3, log_e
             x0, groups, anc = rollout(old, sig, n_groups, 3, 2, branch, gen)
             R = rewards7(x0)
             if method == "nft":
-                r = torch.as_tensor(recast.optimality(recast.combine_raw(R, LAM7), groups), dtype=torch.float32)
+                r = torch.as_tensor(nft.optimality(nft.combine_raw(R, LAM7), groups), dtype=torch.float32)
             else:
-                rk = recast.optimality(R, groups)
+                rk = nft.optimality(R, groups)
                 if method == "recast":
                     sums, counts = recast.pair_moments(rk, groups, anc)
                     ema = (sums, counts) if ema is None else (0.8 * ema[0] + 0.2 * sums, 0.8 * ema[1] + 0.2 * counts)
@@ -1390,7 +1391,7 @@ def finetune(base, method, iters, n_groups=16, seed=0, beta=0.25, lr=1e-3, log_e
                     if method == "nft"
                     else recast.mix_optimality(rk[i], torch.as_tensor(W, dtype=torch.float32), j)
                 )
-                loss = recast.nft_loss(v, v_old, xt, x0b, t, r_j, b=1.0)
+                loss = nft.nft_loss(v, v_old, xt, x0b, t, r_j, b=1.0)
             loss = loss.mean() + 1e-4 * ((v - v_ref) ** 2).mean()
             opt.zero_grad(), loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -1442,13 +1443,9 @@ def check_end_to_end(quick, out=None):
         base = train_base(MIX7, 200 if quick else 1500)
         iters, n_groups = (5, 6) if quick else (40, 16)
         runs = {m: finetune(base, m, iters, n_groups, log_every=5) for m in ("nft", "uniform", "recast", "rvge")}
-        x_base, _, _ = rollout(
-            base, recast.shifted_sigmas(20, 3.0), 2000, 1, 1, [], torch.Generator().manual_seed(1234)
-        )
+        x_base, _, _ = rollout(base, nft.shifted_sigmas(20, 3.0), 2000, 1, 1, [], torch.Generator().manual_seed(1234))
         finals = {
-            m: rollout(mod, recast.shifted_sigmas(20, 3.0), 2000, 1, 1, [], torch.Generator().manual_seed(1234))[
-                0
-            ].numpy()
+            m: rollout(mod, nft.shifted_sigmas(20, 3.0), 2000, 1, 1, [], torch.Generator().manual_seed(1234))[0].numpy()
             for m, (mod, _, _) in runs.items()
         }
     finally:
@@ -1619,19 +1616,19 @@ def seed_noise(seeds, it, purpose, shape):
 
 
 def tree_layout(P, R, C, T, it):
-    """Leaves of P groups x R roots x C children in C order; group p branches at recast.branch_layout's rotated step
+    """Leaves of P groups x R roots x C children in C order; group p branches at nft.branch_layout's rotated step
     (iteration offset it P); C = 1: independent samples (no branch). Returns groups (N,), ancestry (N, 2) (root id,
     child index; (N, 1) without branch), layouts, branch step per group (P,) (T: never)."""
     idx = np.indices((P, R, C)).reshape(3, -1).T
     if C == 1:
         return idx[:, 0], (idx[:, 0] * R + idx[:, 1])[:, None], [[] for _ in range(P)], np.full(P, T)
-    layouts = recast.branch_layout(P, T, "rotate", it * P)
+    layouts = nft.branch_layout(P, T, "rotate", it * P)
     return idx[:, 0], np.stack([idx[:, 0] * R + idx[:, 1], idx[:, 2]], 1), layouts, np.array([b[0] for b in layouts])
 
 
 def sample_chain(gm, corr, A, sigmas, a, x, noise, branch=None, kl=False):
-    """The toy's sampler, every run at once: recast.sde_step from s_0 = 1 on the model v = exact + corr(A), the last
-    step recast.ode_step (clean leaves, as recast.tree_rollout). x (S, P, R, C, d) start noise (children equal);
+    """The toy's sampler, every run at once: nft.sde_step from s_0 = 1 on the model v = exact + corr(A), the last
+    step nft.ode_step (clean leaves, as nft.tree_rollout). x (S, P, R, C, d) start noise (children equal);
     noise (T, S, P, R, C, d); branch (P,): a group's C children share their noise before its branch step.
     kl: also the exact path KL of the all-SDE chain (every step stochastic) between this model and the exact one,
     along these trajectories, KL = sum_j E |mu_theta - mu_exact|^2 / (2 c_j^2), mu = sde_step's mean,
@@ -1648,18 +1645,18 @@ def sample_chain(gm, corr, A, sigmas, a, x, noise, branch=None, kl=False):
             v_ex = exact_velocity(gm, flat, s)
             dv = corr(A, flat, s)
             if kl:
-                dmu = recast.sde_step(0.0, dv, s, sn, a, float(sigmas[1]), 0.0)
-                c = recast.sde_step(0.0, 0.0, s, sn, a, float(sigmas[1]), 1.0)
+                dmu = nft.sde_step(0.0, dv, s, sn, a, float(sigmas[1]), 0.0)
+                c = nft.sde_step(0.0, 0.0, s, sn, a, float(sigmas[1]), 1.0)
                 total += (dmu**2).sum(-1).mean(1) / (2 * c * c)
             v = (v_ex + dv).reshape(shape)
             if j == T - 1:
-                x = recast.ode_step(x, v, s, sn)
+                x = nft.ode_step(x, v, s, sn)
                 continue
             z = noise[j]
             if branch is not None:
                 before = torch.as_tensor(j < branch).reshape(1, -1, 1, 1, 1)
                 z = torch.where(before, z[:, :, :, :1].expand_as(z), z)
-            x = recast.sde_step(x, v, s, sn, a, float(sigmas[1]), z)
+            x = nft.sde_step(x, v, s, sn, a, float(sigmas[1]), z)
     return x.reshape(S, -1, d), (total if kl else None)
 
 
@@ -1739,18 +1736,18 @@ def rvge_plan(arms, seeds):
 def train_batch(plan: ArmPlan, cfg: TrainConfig, P, corr, log=print):
     """Fine-tune every run of the plan (arms x seeds, one parameter set each) for cfg.iterations iterations of P
     groups. Per iteration: rollouts of the old policy (recast family: 2 roots x 4 children, rotated branch step;
-    rvge family: 8 independent samples per group), rewards -> recast.optimality (ReCAST arms: per reward, mixed by
-    recast.mix_optimality; nft: recast.combine_raw first) or rvge.advantages -> rvge.group_directions (broad groups,
-    t_b = 1) -> rvge.target_velocity; every leaf at every grid step with fresh noise; recast.nft_loss or
+    rvge family: 8 independent samples per group), rewards -> nft.optimality (ReCAST arms: per reward, mixed by
+    recast.mix_optimality; nft: nft.combine_raw first) or nft.advantages -> rvge.group_directions (broad groups,
+    t_b = 1) -> rvge.target_velocity; every leaf at every grid step with fresh noise; nft.nft_loss or
     rvge.rvge_loss (+ base_reg |dv|^2); one AdamW step with per-run clipping; old <- decay old + (1 - decay) new
-    (recast.old_decay type 1). Online W: recast.level_observations accumulated at recast.Args' gain_ema ->
+    (nft.old_decay type 1). Online W: recast.level_observations accumulated at recast.Args' gain_ema ->
     level_curves -> credit_profiles -> solve_W, per run. Evaluations every cfg.eval_every iterations: rewards of
     n_eval samples and the path KL to the exact model (`sample_chain`). Returns (records, the online arm's final
     W, evidence weights and measured D_2 curves, summarised over seeds, or None)."""
     import torch
 
     gm, d, T = TRAIN_MIX, TRAIN_MIX.d, cfg.steps
-    sig = recast.shifted_sigmas(T, 3.0)
+    sig = nft.shifted_sigmas(T, 3.0)
     runs, seeds = plan.runs, list(plan.seeds)
     S, n_arms = len(runs), len(plan.arms)
     R_, C_ = (2, 4) if plan.family == "recast" else (8, 1)
@@ -1796,9 +1793,9 @@ def train_batch(plan: ArmPlan, cfg: TrainConfig, P, corr, log=print):
             for i in range(S):
                 R_i = R_all[i, :, :2]
                 if plan.nft_raw[i]:
-                    r[i] = recast.optimality(recast.combine_raw(R_i, TRAIN_LAM), groups)[:, None]
+                    r[i] = nft.optimality(nft.combine_raw(R_i, TRAIN_LAM), groups)[:, None]
                     continue
-                r[i] = recast.optimality(R_i, groups)
+                r[i] = nft.optimality(R_i, groups)
                 if plan.online[i]:
                     new = recast.level_observations(r[i], groups, anc, layouts, T)
                     stats[i] = accumulate(stats[i], new, defaults.gain_ema)
@@ -1815,8 +1812,8 @@ def train_batch(plan: ArmPlan, cfg: TrainConfig, P, corr, log=print):
             for i in np.flatnonzero(plan.permuted):
                 R[i] = permute_within_groups(R[i], groups, runs[i][1], it)
             is_rvge = np.array([m == "rvge" for m in plan.loss])
-            r = np.stack([recast.optimality(R[i], groups) for i in range(S)])  # (S, N)
-            A_adv = np.stack([rvge.advantages(R[i], groups) for i in range(S)])
+            r = np.stack([nft.optimality(R[i], groups) for i in range(S)])  # (S, N)
+            A_adv = np.stack([nft.advantages(R[i], groups) for i in range(S)])
             ids = (np.arange(S)[:, None] * P + groups[None]).ravel()
             d_B = rvge.group_directions(
                 x0.reshape(S * N, d), torch.as_tensor(A_adv.ravel(), dtype=torch.float32), ids, None, cfg.eta
@@ -1841,9 +1838,9 @@ def train_batch(plan: ArmPlan, cfg: TrainConfig, P, corr, log=print):
             t = torch.full((S * N,), s)
             if plan.family == "recast":
                 r_j = recast.mix_optimality(r_t, W_big, run_of * T + j)
-                loss = recast.nft_loss(v, v_old, xt_f, x0_f, t, r_j).reshape(S, N) * omega[:, j : j + 1]
+                loss = nft.nft_loss(v, v_old, xt_f, x0_f, t, r_j).reshape(S, N) * omega[:, j : j + 1]
             else:
-                loss_nft = recast.nft_loss(v, v_old, xt_f, x0_f, t, r_t)
+                loss_nft = nft.nft_loss(v, v_old, xt_f, x0_f, t, r_t)
                 v_tgt = rvge.target_velocity(v_old, d_B, t, 1.0, s2_t)
                 loss_rvge = rvge.rvge_loss(v, v_tgt, v_old, xt_f, x0_f, t, rvge.query_weight(t, 1.0, s2_t))
                 loss = torch.where(rv_t, loss_rvge, loss_nft).reshape(S, N)
@@ -1851,7 +1848,7 @@ def train_batch(plan: ArmPlan, cfg: TrainConfig, P, corr, log=print):
             (total.sum() / T).backward()
         per_run_clip(A.grad, cfg.grad_clip)
         opt.step()
-        decay = recast.old_decay(it + 1, 1)
+        decay = nft.old_decay(it + 1, 1)
         with torch.no_grad():
             A_old.mul_(decay).add_((1 - decay) * A.detach())
     online = None
@@ -2309,7 +2306,7 @@ def train_main(quick, out, cfg=None):
     start = time.time()
     cfg = cfg or (QUICK_TRAIN if quick else TrainConfig())
     os.makedirs(out, exist_ok=True)
-    sig = recast.shifted_sigmas(cfg.steps, 3.0)
+    sig = nft.shifted_sigmas(cfg.steps, 3.0)
     D, g, P = exact_profiles(TRAIN_MIX, TRAIN_REWARDS, sig, n_grid=81 if quick else 161)
     print("exact profiles (training-regime r) on shifted_sigmas(10, 3), step j starts at s_(j-1):")
     print("  s          " + " ".join(f"{s:5.3f}" for s in sig[:-1]))

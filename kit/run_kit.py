@@ -4,12 +4,12 @@ set up, kept and logged with (as diffusers' training examples import `diffusers.
 Flags (RunArgs: the evaluation, I/O and reward-model flags; NFTArgs: the rewards, rollout and optimisation flags both
 scripts share; each script's Args inherits them; Args -> argparse with --help sections and defaults; --config files;
 --resume's saved config), the input checks both scripts make, model loading, text encoding, the transformer's
-velocity, decoding and scoring, the update's frozen forwards and optimizer step, what a run holds (`Run`), the
-held-out evaluation (split over processes; evaluate.py runs it on any checkpoint), run folders, locks, resume,
-atomic checkpoints, trackers, figures, the end-of-run summary and --dry-run. The method and the DiffusionNFT training
-core it acts on (optimality, schedules, sampler steps, tree rollouts, the update loop and its loss) stay in each
-script, which passes in what is its own: its Args class and --help sections, its checks, its default run name, its
-held-out sampler (`ode_sample`).
+velocity, decoding and scoring, the adapter copy, what a run holds (`Run`), the held-out evaluation (split over
+processes; evaluate.py runs it on any checkpoint), run folders, locks, resume, atomic checkpoints, trackers, figures,
+the end-of-run summary and --dry-run. The algorithms are not here: DiffusionNFT (optimality and the global reward
+statistics, schedules, sampler steps, tree rollouts, the loss, the frozen forwards, the optimizer step, the update
+loop) is nft.py, each method its script, which passes in what is its own: its Args class and --help sections, its
+checks, its default run name; the held-out sampler is nft.ode_sample.
 diffusers, transformers, peft, accelerate and matplotlib are imported where first used, so that importing a script
 for its math (the toy, the notebook, the tests) does not load them.
 """
@@ -986,56 +986,6 @@ def dry_run(args):
 
 
 # =============================================================================
-# The update's plumbing: the frozen forwards (no grad) and the optimizer step
-# =============================================================================
-
-
-def frozen_velocities(transformer, x_t, s, cond, with_base):
-    """No-grad velocities of the "old" (sampling) adapter and of the frozen base (adapters off; v_old
-    again when the base term is off); leaves the "default" adapter active."""
-    with torch.no_grad():
-        transformer.set_adapter("old")
-        v_old = velocity(transformer, x_t, s, *cond)
-        transformer.disable_adapters()
-        v_base = velocity(transformer, x_t, s, *cond) if with_base else v_old
-        transformer.enable_adapters()
-    transformer.set_adapter("default")
-    return v_old, v_base
-
-
-def frozen_velocities_ahead(transformer, batches, size, with_base):
-    """--frozen-batch: the no-grad v_old / v_base of every micro-batch of an optimizer step, computed
-    ahead in chunks of `size` (larger than the gradient micro-batch: no activations are kept), then
-    split back per micro-batch. The same numbers as `frozen_velocities` per micro-batch."""
-    x_t, s = torch.cat([nb.x_t for nb in batches]), torch.cat([nb.s for nb in batches])
-    cond = (torch.cat([nb.cond[0] for nb in batches]), torch.cat([nb.cond[1] for nb in batches]))
-    v_old, v_base = zip(
-        *(
-            frozen_velocities(
-                transformer,
-                x_t[k : k + size],
-                s[k : k + size],
-                (cond[0][k : k + size], cond[1][k : k + size]),
-                with_base,
-            )
-            for k in range(0, len(x_t), size)
-        )
-    )
-    sizes = [len(nb.pairs) for nb in batches]
-    return list(zip(torch.cat(v_old).split(sizes), torch.cat(v_base).split(sizes)))
-
-
-def optimizer_step(opt, params, totals, grad_clip, all_reduce_grads):
-    """Average the gradients over processes, clip their norm, refuse a non-finite step, step AdamW."""
-    all_reduce_grads(params)
-    totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
-    check_finite(totals)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    totals["train/opt_steps"] += 1
-
-
-# =============================================================================
 # The run: what one training run holds, seeding, and each iteration's bookkeeping
 # =============================================================================
 
@@ -1193,15 +1143,6 @@ def reward_metrics(run: Run, it, b, n_valid, mean_R, losses):
     }
 
 
-def global_stats(R, reduce):
-    """Per-column (count, mean, std) of the finite rewards of all processes; R (N, K)."""
-    finite = np.isfinite(R)
-    Rz = np.where(finite, R, 0.0)
-    n = reduce(finite.sum(0))
-    mean = reduce(Rz.sum(0)) / np.maximum(n, 1)
-    return n, mean, np.sqrt(np.maximum(reduce((Rz**2).sum(0)) / np.maximum(n, 1) - mean**2, 0.0))
-
-
 def budget_mean(values, budgets):
     """The budget-weighted mean sum_k lambda_k v_k / Lam of per-reward values (K,): the metrics `reward/weighted`
     and `eval/weighted`."""
@@ -1209,9 +1150,10 @@ def budget_mean(values, budgets):
 
 
 def finish_iteration(run: Run, args, it, metrics, state, before, sample):
-    """Step 4: evaluate (`evaluate` with the script's held-out sampler, every eval_every iterations and at the end;
-    every process takes its share), append the metrics line, draw the figures and log them (at each evaluation),
-    checkpoint (every save_every iterations and at the end). `before` the first evaluation's metrics (or None)."""
+    """Step 4: evaluate (`evaluate` with the held-out sampler `sample`, nft.ode_sample, every eval_every iterations
+    and at the end; every process takes its share), append the metrics line, draw the figures and log them (at each
+    evaluation), checkpoint (every save_every iterations and at the end). `before` the first evaluation's metrics (or
+    None)."""
     last = it == args.iterations - 1
     evaluated = None
     if args.eval_every and run.eval_prompts and ((it + 1) % args.eval_every == 0 or last):
@@ -1237,11 +1179,12 @@ SHOWN = 16  # the held-out prompts whose samples an evaluation returns, draws (s
 
 def evaluate(run: Run, args, sample):
     """Held-out evaluation of the trained adapter (its EMA with --ema, as DiffusionNFT evaluates): the Euler ODE
-    (`sample`: the script's ode_sample) with --eval-steps from fixed noise (EVAL_SEED) on the held-out prompts,
-    training rewards and held-out judges. Every process samples, decodes and scores its consecutive share of the
-    prompts, from the noise that prompt has when one process samples them all; the shares are gathered, so every
-    process returns what one process would: (metrics, the images of the first SHOWN prompts, R (P, K) the rewards
-    per image). Only those images travel between processes, unless a set-level judge (frechet) needs them all."""
+    (`sample`: nft.ode_sample, passed in, as the kit imports no algorithm) with --eval-steps from fixed noise
+    (EVAL_SEED) on the held-out prompts, training rewards and held-out judges. Every process samples, decodes and
+    scores its consecutive share of the prompts, from the noise that prompt has when one process samples them all;
+    the shares are gathered, so every process returns what one process would: (metrics, the images of the first
+    SHOWN prompts, R (P, K) the rewards per image). Only those images travel between processes, unless a set-level
+    judge (frechet) needs them all."""
     from accelerate.utils import gather_object
 
     acc, prompts = run.acc, run.eval_prompts

@@ -23,6 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
+import nft
 import recast
 import rvge
 from conftest import (
@@ -904,8 +905,8 @@ def test_a_non_finite_loss_stops_before_the_step_and_keeps_the_last_good_checkpo
         script.parse_args(tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0")), extra_rewards=TINY_REWARDS
     )
     before = snapshot(out)
-    loss = "nft_loss" if module == "recast" else "rvge_loss"
-    monkeypatch.setattr(script, loss, lambda *a, **k: torch.full((len(a[0]),), float("nan")))
+    holder, loss = (nft, "nft_loss") if module == "recast" else (script, "rvge_loss")
+    monkeypatch.setattr(holder, loss, lambda *a, **k: torch.full((len(a[0]),), float("nan")))
     with pytest.raises(SystemExit, match="non-finite"):
         script.train(script.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
     after = snapshot(out)
@@ -1120,7 +1121,9 @@ def test_dry_run_attaches_lora_to_sd35_medium_on_the_meta_device(capsys, recwarn
 
 
 def test_the_scripts_define_nothing_of_the_kit_again():
-    """recast.py and rvge.py import the run machinery: no definition of run_kit.py is written again in either."""
+    """recast.py, rvge.py and nft.py import the run machinery: no definition of run_kit.py is written again in any of
+    them. The algorithm is not the kit's: DiffusionNFT's pieces (the global reward statistics, the frozen forwards, the
+    optimizer step) are nft.py's, and the kit imports none of the three (the held-out sampler is passed in)."""
     import ast
 
     def names(path):
@@ -1128,8 +1131,17 @@ def test_the_scripts_define_nothing_of_the_kit_again():
         return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
 
     kit = names(run_kit.__file__)
-    for script in (recast, rvge):
-        assert not names(script.__file__) & kit, script.__name__
+    for module in (recast, rvge, nft):
+        assert not names(module.__file__) & kit, module.__name__
+    assert {"global_stats", "frozen_velocities", "frozen_velocities_ahead", "optimizer_step"} <= names(nft.__file__)
+    assert {"velocity", "copy_adapter", "encode", "decode", "score"} <= kit  # the plumbing the algorithm calls
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(ast.parse(Path(run_kit.__file__).read_text()))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
+    }
+    assert not imported & {"nft", "recast", "rvge"}
 
 
 def test_the_shared_flags_are_written_once_and_a_script_redefines_one_only_to_change_it():

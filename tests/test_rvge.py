@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import nft
 import rvge
 
 # -----------------------------------------------------------------------------
@@ -126,7 +127,7 @@ def test_auto_bandwidth_picks_broad_for_tied_rewards_and_split_for_smooth_ones()
     x0 = torch.randn(len(groups), 3, 2, 2, generator=gen)
     smooth = x0.flatten(1) @ torch.randn(12, generator=gen)
     coarse = (ancestry[:, 0] % 2).astype(float)  # a 0/1 reward set by the root: siblings always tie
-    A = rvge.advantages(np.stack([smooth.numpy(), coarse], 1), groups)
+    A = nft.advantages(np.stack([smooth.numpy(), coarse], 1), groups)
     b = SimpleNamespace(leaves=x0, groups=groups, ancestry=ancestry)
     sigmas = torch.linspace(1, 0, 11)
     dirs, s2, m = rvge.value_directions(
@@ -164,7 +165,7 @@ def test_noisy_coordinates_come_from_each_leafs_own_trajectory():
     assert torch.equal(rvge.denoised_coordinates(probes, 8, len(groups)), leaves_states)
     x0 = torch.randn(len(groups), 2, generator=torch.Generator().manual_seed(1))
     b = SimpleNamespace(leaves=x0, groups=groups, ancestry=ancestry, probes=probes)
-    A = rvge.advantages(x0[:, :1].double().numpy(), groups)
+    A = nft.advantages(x0[:, :1].double().numpy(), groups)
     sig = torch.linspace(1, 0, 11)
     clean, _, _ = rvge.value_directions(b, A, sig, [7], ["split"], ["r"], rvge.Args(), np.asarray)
     noisy, _, _ = rvge.value_directions(b, A, sig, [7], ["split"], ["r"], rvge.Args(coords="noisy"), np.asarray)
