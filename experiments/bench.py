@@ -38,27 +38,27 @@ evaluation (`measure_eval_floor`, `non_inferiority`), with the untrained model a
 margin is too wide to read. This file holds the experiments and their runs; the statistics are `kit/stats.py`'s, the
 tables and figures `reports.py`'s (ReCAST's protocol, with its profiles and final evaluation: `protocol.py`).
 
-Runs and results. Each (cell, seed) is one run of `recast.py` or `rvge.py` (with --overwrite) in
-its run folder --out/<experiment>/work/<run>/ (checkpoints: large, git-ignored); once it finishes,
-its result is written to --out/<experiment>/runs/<run>.json.gz (the command, every metrics line,
-wall seconds, the git SHA and date; gzip-compressed). --out defaults to `results/`,
-where everything but work/ is small and committed: the results, the final evaluations
-(<run>.final.json), profiles.json, table.md and the figures. So `--tables-only` rebuilds every table
-on a fresh clone, with no run folder. A stopped experiment keeps every finished run (Ctrl-C or SIGTERM: nothing
-more starts, the runs in flight are ended with their process groups, exit 128 + the signal); running the
-command again skips runs whose result exists, and --tables-only rebuilds --out/<experiment>/table.md and the
-figures from whatever results exist (marked partial when runs are missing). Runs are ordered seed by seed, so a
-partial experiment holds complete pairs. Each report also goes into RESULTS.md (--results-md), between the markers
-`<!-- BEGIN <experiment> -->` and `<!-- END <experiment> -->` (replaced; appended when absent).
-The default `results/` writes RESULTS.md; another --out, or --quick (whose default is runs/bench-quick/), writes
-it only when --results-md names the file; markers that do not pair up are refused. Every result names the embedded
-world it was measured on (`shapes_world.world_id`). Results are data and never lost: a command is refused, before
-anything runs, where runs/ holds results made with other settings or on another world (each named with what
-differs; the earlier world's are kept under results/world-amp0.3/, their tables rebuilt with
-`--out results/world-amp0.3 --tables-only`), unless --replace-results, which moves them to set-aside/<time>/; a
-damaged result is named, moved to set-aside/ and its run redone (--tables-only leaves it out with a warning).
---jobs N runs N runs at once, each in its own process (`python recast.py ...`, one thread each:
-OMP/MKL threads = 1); --jobs 1 runs them one after the other in this process, also on one thread.
+Runs and results. Each (cell, seed) is one run of `recast.py` or `rvge.py` (with --overwrite) in its run folder
+--out/<experiment>/work/<run>/ (checkpoints: large, git-ignored); once it finishes, its result is written to
+--out/<experiment>/runs/<run>.json.gz (the command, every metrics line, wall seconds, the git SHA and date;
+gzip-compressed). --out defaults to `experiments/results/`, where everything but work/ is small and committed: the
+results, the final evaluations (<run>.final.json), profiles.json, table.md and the figures. So `--tables-only` rebuilds
+every table on a fresh clone, with no run folder. A stopped experiment keeps every finished run (Ctrl-C or SIGTERM:
+nothing more starts, the runs in flight are ended with their process groups, exit 128 + the signal); running the
+command again skips runs whose result exists, and --tables-only rebuilds --out/<experiment>/table.md and the figures
+from whatever results exist (marked partial when runs are missing). Runs are ordered seed by seed, so a partial
+experiment holds complete pairs. Each report also goes into its results folder's README.md (--results-md), between the
+markers `<!-- BEGIN <experiment> -->` and `<!-- END <experiment> -->` (replaced; appended when absent), next to the
+hand-written design and reading; RESULTS.md holds the claims and links them. The default `experiments/results/` writes
+<experiment>/README.md; another --out, or --quick (whose default is runs/bench-quick/), writes a section only when
+--results-md names the file; markers that do not pair up are refused. Every result names the embedded world it was
+measured on (`shapes_world.world_id`). Results are data and never lost: a command is refused, before anything runs,
+where runs/ holds results made with other settings or on another world (each named with what differs; the earlier
+world's are kept under experiments/results/world-amp0.3/, their tables rebuilt with `--out
+experiments/results/world-amp0.3 --tables-only`), unless --replace-results, which moves them to set-aside/<time>/; a
+damaged result is named, moved to set-aside/ and its run redone (--tables-only leaves it out with a warning). --jobs N
+runs N runs at once, each in its own process (`python recast.py ...`, one thread each: OMP/MKL threads = 1); --jobs 1
+runs them one after the other in this process, also on one thread.
 
 Sizing (each full experiment <= ~60 min on 2 cores with --jobs 2). Measured on the embedded
 model, one thread per process (`recast.py --iterations 3 --prompts-per-iter 4 --eval-every 0`, tree
@@ -1078,7 +1078,8 @@ def check_one_world(planned: list[Run], exp_dir: Path):
             f"{exp_dir / 'runs'} holds results of {len(worlds)} embedded worlds ("
             + "; ".join(f"{w}: {len(f)} result(s), e.g. {f[0]}" for w, f in worlds.items())
             + "); one table never mixes worlds. Move one world's results (with their .final.json) to their own folder, "
-            "e.g. results/world-<name>/<experiment>/runs/, and rebuild each with --tables-only --out; nothing was "
+            "e.g. experiments/results/world-<name>/<experiment>/runs/, and rebuild each with --tables-only --out; "
+            "nothing was "
             "changed"
         )
 
@@ -1120,14 +1121,15 @@ def main(argv=None):
     parser.add_argument(
         "--tables-only",
         action="store_true",
-        help="rebuild table.md, the figures and the RESULTS.md section from the results that exist; run nothing",
+        help="rebuild table.md, the figures and the README.md section from the results that exist; run nothing",
     )
     parser.add_argument(
         "--results-md",
         default=None,
-        help="the file whose <!-- BEGIN/END <experiment> --> section the report replaces (the marker: OUT/<experiment> "
-        "under results/, e.g. world-amp0.3/recast-protocol) (default: RESULTS.md when OUT is results/ or a folder in "
-        "it, e.g. results/world-amp0.3; else none)",
+        help="the Markdown file whose <!-- BEGIN/END <experiment> --> section the report replaces (the marker: "
+        "OUT/<experiment> under experiments/results/, e.g. world-amp0.3/recast-protocol) (default: "
+        "OUT/<experiment>/README.md when OUT is experiments/results/ or a folder in it, e.g. "
+        "experiments/results/world-amp0.3; else none)",
     )
     parser.add_argument(
         "--replace-results",
@@ -1139,10 +1141,12 @@ def main(argv=None):
     # every path absolute, once: the runs' processes start in the project folder, wherever bench.py was started
     args.out = Path(args.out).resolve() if args.out else (ROOT / "runs/bench-quick") if args.quick else HERE / "results"
     root = HERE / "results"
-    # the committed results (results/, or an earlier world's under it): their report goes into RESULTS.md
+    # the committed results (results/, or an earlier world's under it): their report goes into the folder's README.md
     committed = not args.quick and (args.out == root or root in args.out.parents)
     args.results_md = (
-        Path(args.results_md).resolve() if args.results_md else (HERE / "RESULTS.md" if committed else None)
+        Path(args.results_md).resolve()
+        if args.results_md
+        else (args.out / args.experiment / "README.md" if committed else None)
     )
     for flag in ("jobs", "seeds", "iterations", "prompts_per_iter"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
@@ -1161,7 +1165,7 @@ def main(argv=None):
     if root in args.out.parents:  # e.g. results/world-amp0.3: an earlier world's results
         sizes.append(f"--out {Path(os.path.relpath(args.out, ROOT)).as_posix()}")
         marker = Path(os.path.relpath(exp_dir, root)).as_posix()  # world-amp0.3/<experiment>
-    if args.results_md is not None:
+    if args.results_md is not None and (args.results_md.parent != exp_dir or exp_dir.is_dir()):  # else made below
         check_results_md(args.results_md, marker)
     check_writable(exp_dir)
     if args.tables_only:

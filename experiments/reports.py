@@ -1,10 +1,11 @@
 """Reports: table.md and figures of each experiment, regenerated from its results alone.
 
-`bench.py` runs an experiment and calls its report (`Experiment.report` names the function: here, or ReCAST's
-protocol in `protocol.py`) with a `Results`: the metrics rows of every finished run, grouped by cell and seed, and
-the files beside them. A report returns the lines of table.md and draws its figures next to it; `results_block` and
+`bench.py` runs an experiment and calls its report (`Experiment.report` names the function: here, or ReCAST's protocol
+in `protocol.py`) with a `Results`: the metrics rows of every finished run, grouped by cell and seed, and the files
+beside them. A report returns the lines of table.md and draws its figures next to it; `results_block` and
 `write_results_md` put table.md, with the command and commits that made it, between the markers of the experiment's
-section in its Markdown file. The statistics are `kit/stats.py`'s.
+section in its Markdown file (the results folder's README.md, beside the hand-written design and reading). The
+statistics are `kit/stats.py`'s.
 
 Reads nothing of `bench.py` (which imports this module): what a report needs of the experiment comes in `Results`.
 """
@@ -1031,14 +1032,15 @@ def report_nft_steps(res: Results, out: Path):
 
 
 # =============================================================================
-# A report's section in Markdown (RESULTS.md, or its results folder's README.md)
+# A report's section in Markdown (its results folder's README.md)
 # =============================================================================
 
 
 def results_block(text: str, records: list[dict], exp_dir: Path, md: Path, command: str) -> str:
-    """table.md as a section of RESULTS.md: its `# <experiment>` title dropped (RESULTS.md has its own), headings
-    two levels down, figure links made relative to RESULTS.md; opened by the command and the runs' commits and
-    dates (from the results themselves, so the block is the same bytes whenever it is rebuilt)."""
+    """table.md as a section of a Markdown file `md` (the results folder's README.md): its `# <experiment>` title
+    dropped (md has its own), headings two levels down, figure links made relative to md; opened by the command and
+    the runs' commits and dates (from the results themselves, so the block is the same bytes whenever it is
+    rebuilt)."""
     shas = sorted({(r.get("git_sha") or "")[:7] for r in records} - {""})
     days = sorted({r["finished"] for r in records if r.get("finished")})
     when = f"{days[0]}{f' to {days[-1]}' if len(days) > 1 else ''}" if days else "date not recorded"
@@ -1047,16 +1049,17 @@ def results_block(text: str, records: list[dict], exp_dir: Path, md: Path, comma
     made += f", embedded world {', '.join(worlds)}"
     lines = [f"`{command}` ({len(records)} runs made at {made}, {when}):", ""]
     rel = Path(os.path.relpath(exp_dir, md.parent)).as_posix()
+    rel = "" if rel == "." else rel + "/"  # md in the experiment's folder: the figures' own names
     body = text.splitlines()
     body = body[1:] if body and body[0].startswith("# ") else body
     for line in body[next((i for i, x in enumerate(body) if x.strip()), len(body)) :]:
         line = "##" + line if line.startswith("#") else line
-        lines.append(re.sub(r"!\[([^\]]*)\]\(([^/():]+\.png)\)", lambda m: f"![{m[1] or m[2]}]({rel}/{m[2]})", line))
+        lines.append(re.sub(r"!\[([^\]]*)\]\(([^/():]+\.png)\)", lambda m: f"![{m[1] or m[2]}]({rel}{m[2]})", line))
     return "\n".join(lines).strip("\n")
 
 
 def section_world(text: str):
-    """The embedded world(s) a generated RESULTS.md section names in its first line (`results_block`), or None."""
+    """The embedded world(s) a generated section names in its first line (`results_block`), or None."""
     found = re.search(r"embedded world ([^,]+), ", text.split("\n", 1)[0])
     return found[1] if found else None
 
@@ -1090,8 +1093,8 @@ def check_results_md(md: Path, name: str):
 
 
 def write_results_md(md: Path, name: str, block: str):
-    """Replace what lies between RESULTS.md's markers of `name` with block (append the markers when absent); markers
-    that do not pair up are refused (`check_results_md`)."""
+    """Replace what lies between md's markers of `name` with block (append the markers when absent); markers that do
+    not pair up are refused (`check_results_md`)."""
     check_results_md(md, name)
     begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
     old = md.read_text() if md.is_file() else ""
@@ -1103,7 +1106,7 @@ def write_results_md(md: Path, name: str, block: str):
             f"{md}: its section {name} holds tables of embedded world {was}; these results are of world "
             f"{section_world(block)}, and one world's tables never replace another's. Keep the old section as a dated "
             f"record (rename its markers, e.g. <!-- BEGIN world-<name>/{name} -->, with its results moved to "
-            f"results/world-<name>/{name}/) or delete it, then rerun; nothing was changed"
+            f"experiments/results/world-<name>/{name}/) or delete it, then rerun; nothing was changed"
         )
     if i >= 0:
         text = old[:i] + new + old[old.index(end, i) + len(end) :]

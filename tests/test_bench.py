@@ -805,38 +805,59 @@ def test_one_worlds_section_of_results_md_is_never_replaced_by_anothers(tmp_path
     assert "\n\nnew\n<!-- END x -->" in md.read_text() and "old" not in md.read_text()
 
 
-def test_every_generated_section_of_results_md_regenerates_unchanged(tmp_path, monkeypatch):
-    """Each <!-- BEGIN ... --> section of RESULTS.md, rebuilt by its --tables-only command from the committed results
-    alone (a copy of them: the tables, figures and RESULTS.md here are not touched), is the same text, and so is each
-    table.md: no generated number is stale, and an earlier world's sections (world-amp0.3/...) regenerate without
-    --results-md. ~40 s on one core."""
-    here = Path(bench.__file__).resolve().parent
-    text = (here / "RESULTS.md").read_text()
-    markers = re.findall(r"^<!-- BEGIN (\S+) -->$", text, flags=re.M)
-    assert markers and len(markers) == len(set(markers))
-    roots = {m.rpartition("/")[0] for m in markers}
-    for root in roots:  # each experiment folder of a marker, and each root's profiles (read by recast-protocol)
-        for name in {m.rpartition("/")[2] for m in markers if m.rpartition("/")[0] == root} | {bench.PROFILES_DIR}:
-            if (here / "results" / root / name).is_dir():
-                shutil.copytree(here / "results" / root / name, tmp_path / "results" / root / name)
-    shutil.copyfile(here / "RESULTS.md", tmp_path / "RESULTS.md")
-    monkeypatch.setattr(bench, "HERE", tmp_path)
-    for marker in sorted(markers, key=lambda m: "-B" not in m):  # setting B's summary first: A's report reads it
+def generated_sections(here: Path) -> dict:
+    """{Markdown file: its generated sections' markers} for every Markdown file under `here` (experiments/) that has
+    any: the results folders' README.md."""
+    found = {}
+    for md in sorted(here.rglob("*.md")):
+        if not {"work", "set-aside"} & set(md.relative_to(here).parts):
+            if markers := re.findall(r"^<!-- BEGIN (\S+) -->$", md.read_text(), flags=re.M):
+                found[md] = markers
+    return found
+
+
+def test_every_generated_file_regenerates_unchanged(tmp_path, monkeypatch):
+    """Each generated section (<!-- BEGIN ... --> in any Markdown file under experiments/: each results folder's
+    README.md), rebuilt by the --tables-only command it names from a copy of the committed results alone (the files
+    here are not touched), is the same text, and so is each table.md: no generated number is stale. Every committed
+    experiment (a results folder of an experiment with result files) has a section, so none goes unchecked, and an
+    earlier world's sections (world-amp0.3/...) regenerate too. ~80 s on one core."""
+    here = Path(bench.__file__).resolve().parent  # experiments/
+    files = generated_sections(here)
+    markers = [(md, m) for md, found in files.items() for m in found]
+    assert markers and len({m for _, m in markers}) == len(markers), "no generated section, or one named twice"
+    committed = {
+        p.parent.parent.relative_to(here / "results").as_posix()
+        for p in (here / "results").rglob("runs/*.json.gz")
+        if p.parent.parent.name in bench.EXPERIMENTS and "set-aside" not in p.parts
+    }
+    assert committed and committed <= {m for _, m in markers}, f"committed results without a section: {committed}"
+    copy = tmp_path / "experiments"  # the project's layout: commands name --out relative to the project folder
+    for _, marker in markers:  # each experiment folder of a marker, and its root's profiles (read by recast-protocol)
+        root = marker.rpartition("/")[0]
+        for name in (marker.rpartition("/")[2], bench.PROFILES_DIR):
+            source = here / "results" / root / name
+            if source.is_dir() and not (copy / "results" / root / name).exists():
+                shutil.copytree(source, copy / "results" / root / name, ignore=shutil.ignore_patterns("work"))
+    for md in files:
+        shutil.copyfile(md, copy / md.relative_to(here))
+    monkeypatch.setattr(bench, "HERE", copy)
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    for md, marker in sorted(markers, key=lambda x: "-B" not in x[1]):  # setting B's summary first: A's report reads it
         root, _, name = marker.rpartition("/")
-        command = re.search(
-            r"`python experiments/bench\.py (.+?) --tables-only`", section(text, marker)
-        )  # the one it names
+        command = re.search(r"`python experiments/bench\.py (.+?) --tables-only`", section(md.read_text(), marker))
         assert command and command[1].split()[0] == name, f"section {marker} names no --tables-only command"
         argv = command[1].split() + ["--tables-only"]
         if "--out" in argv:
             argv[argv.index("--out") + 1] = str(tmp_path / argv[argv.index("--out") + 1])
         bench.main(argv)
         table = Path("results", root, name, "table.md")
-        assert (tmp_path / table).read_text() == (here / table).read_text(), f"{table} is stale: rebuild it"
-    new = (tmp_path / "RESULTS.md").read_text()
-    stale = [m for m in markers if section(new, m) != section(text, m)]
-    assert not stale, f"RESULTS.md sections not what their commands make: {stale}; rerun them with --tables-only"
-    assert new == text
+        assert (copy / table).read_text() == (here / table).read_text(), f"{table} is stale: rebuild it"
+    for md, found in files.items():
+        old, new = md.read_text(), (copy / md.relative_to(here)).read_text()
+        stale = [m for m in found if section(new, m) != section(old, m)]
+        assert not stale, f"{md}: sections not what their commands make: {stale}; rerun them with --tables-only"
+        assert new == old, f"{md}: the text around its sections changed in a rebuild"
 
 
 def section(text, marker):
