@@ -1027,6 +1027,9 @@ def build_report(exp: Experiment, exp_dir: Path, planned: list[Run]) -> tuple[st
             for path in lacking.values():
                 print(f"warning: {path}: its rows lack {key!r} (an older format?); left out of the tables")
             pairs = [(run, rec) for run, rec in pairs if run.run_id not in lacking]
+    where = {run.run_id: run.result for run in planned}
+    for run_id, why in res.incomplete.items():
+        print(f"warning: {where.get(run_id, run_id)}: {why}; missing from the tables and figures (marked PARTIAL)")
     text += "\n".join(power_lines(exp, text))
     (exp_dir / "table.md").write_text(text)
     return text, res

@@ -392,8 +392,14 @@ def report_protocol(res: Results, out: Path):
     training reward and judge of the large final evaluation, raw and scale-free, plus the preference
     judge's share (mean sigmoid of the score difference); Holm per metric over cells x comparisons; the noise floor
     of one evaluation; then how often ReCAST improves each judge."""
-    lines = res.banner()
     finals = final_evals(res.finished, res.exp_dir, res.exp.final_noises)
+    read = {r["run_id"] for r in res.records}
+    for run in res.finished:  # a result whose final evaluation is gone (and its checkpoint too): named, not dropped
+        if run.run_id in read and run.run_id not in finals:
+            res.incomplete[run.run_id] = (
+                f"no final evaluation ({run.run_id}.final.json missing, no checkpoint to redo it)"
+            )
+    lines = res.banner()
     seed_a, seed_b = (str(s) for s in EVAL_SEEDS)
     base = finals.get("pretrained", {})
     n_img = len(next(iter(base.values()))["judge/cnn"]) if base else 0

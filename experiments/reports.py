@@ -119,6 +119,46 @@ def final(rows, metric):
     return next((m[metric] for m in reversed(rows) if metric in m), np.nan)
 
 
+READ = (  # the metrics the reports read from a run's rows (prefixes): what a result must not lack
+    "eval/",
+    "eval_before/",
+    "reward/",
+    "loss/base_reg",
+    "recast/W",
+    "recast/evidence",
+    "rvge/direction_rms/",
+    "rvge/bandwidth/",
+)
+
+
+def incomplete_results(records: list[dict]) -> dict[str, str]:
+    """{run_id: what it lacks} of the results that hold fewer rows than the other seeds of their cell, or lack at some
+    row a metric the reports read (`READ`) that those seeds have there: a key removed, an evaluation cut. Tables and
+    figures skip what is missing (a mean over fewer seeds, a shorter curve), so each is named instead (issue 47.3).
+    A cell with one seed has nothing to compare with."""
+    cells, out = {}, {}
+    for r in records:
+        cells.setdefault((r["group"], r["label"]), []).append(r)
+    for recs in cells.values():
+        if len(recs) < 2:
+            continue
+        n = max(len(r["rows"]) for r in recs)
+        for r in recs:
+            lacking = {}
+            for i, row in enumerate(r["rows"]):
+                want = {
+                    k for o in recs if o is not r and i < len(o["rows"]) for k in o["rows"][i] if k.startswith(READ)
+                }
+                for k in want - set(row):
+                    lacking[k] = lacking.get(k, 0) + 1
+            what = [f"{k} at {c} of its {len(r['rows'])} rows" for k, c in sorted(lacking.items())[:3]]
+            what += [f"{len(lacking) - 3} more metrics"] if len(lacking) > 3 else []
+            what += [f"{len(r['rows'])} of {n} rows"] if len(r["rows"]) < n else []
+            if what:
+                out[r.get("run_id")] = "lacks " + ", ".join(what)
+    return out
+
+
 class Results:
     """What a report reads: the finished runs of one experiment, runs[group][label] = {seed: metrics rows} (ids: their
     run ids), and what bench.build_report passes besides. `exp` is the bench.Experiment, `records` the results read
@@ -149,6 +189,7 @@ class Results:
             self.runs[r["group"]][r["label"]][r["seed"]] = r["rows"]
             self.ids.setdefault(r["group"], {}).setdefault(r["label"], {})[r["seed"]] = r.get("run_id")
         self.missing = [run.run_id for run in planned if not any(r["run_id"] == run.run_id for r in records)]
+        self.incomplete = incomplete_results(records)  # run_id -> what it lacks; protocol.py adds final evaluations
         self.cells = {(c.group, c.label): c for c in exp.cells}
 
     def values(self, group, label, fn):
@@ -170,6 +211,14 @@ class Results:
             head += [
                 f"**PARTIAL: {len(self.missing)} run(s) missing** ({', '.join(self.missing[:8])}"
                 f"{', ...' if len(self.missing) > 8 else ''}); rerun the command to complete them.",
+                "",
+            ]
+        if self.incomplete:
+            named = [f"{k}: {v}" for k, v in list(self.incomplete.items())[:8]]
+            head += [
+                f"**PARTIAL: {len(self.incomplete)} result(s) incomplete** ({'; '.join(named)}"
+                f"{'; ...' if len(self.incomplete) > 8 else ''}): what they lack is missing from the tables and "
+                "figures (fewer seeds there); restore those files or rerun their runs.",
                 "",
             ]
         return head

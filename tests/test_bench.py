@@ -1030,3 +1030,52 @@ def test_killing_bench_outright_leaves_no_run_behind(tmp_path):
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
     assert not runs_alive, "a run outlived bench.py"
+
+
+# -----------------------------------------------------------------------------
+# Rebuilds never lose results (issue 47: each fault injected, the files compared before and after)
+# -----------------------------------------------------------------------------
+
+
+def test_an_incomplete_result_is_named_and_marked_partial(tmp_path, capsys):
+    """47.3: a result with a metric removed (from every row, or from its last evaluation only) dropped out of that
+    metric's cells and curves, and a run whose final evaluation was deleted (no checkpoint to redo it) out of every
+    final table, with no warning and no partial mark. Now each is named with what it lacks, on the console and in
+    the table (PARTIAL); the result files are not touched."""
+    exp_dir = tmp_path / "rvge-single"
+    shutil.copytree(bench.HERE / "results" / "rvge-single" / "runs", exp_dir / "runs")
+
+    def drop(name, key, last_only=False):
+        path = exp_dir / "runs" / name
+        record = json.loads(gzip.decompress(path.read_bytes()))
+        rows = record["rows"]
+        record["rows"] = [
+            {k: v for k, v in m.items() if k != key} if not last_only or i == len(rows) - 1 else m
+            for i, m in enumerate(rows)
+        ]
+        path.write_bytes(gzip.compress(json.dumps(record).encode()))
+        return sum(key in m for m in (rows[-1:] if last_only else rows)), len(rows)
+
+    lost, n = drop("grain_rvge-seed2.json.gz", "eval/judge/frechet")
+    drop("texture_nft-seed1.json.gz", "eval/weighted", last_only=True)
+    before = snapshot(exp_dir / "runs")
+    res = bench.main(["rvge-single", "--tables-only", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    first = f"grain_rvge-seed2: lacks eval/judge/frechet at {lost} of its {n} rows"
+    second = f"texture_nft-seed1: lacks eval/weighted at 1 of its {n} rows"
+    assert f"warning: {exp_dir / 'runs' / 'grain_rvge-seed2.json.gz'}: {first.split(': ')[1]}" in out
+    assert f"warning: {exp_dir / 'runs' / 'texture_nft-seed1.json.gz'}: {second.split(': ')[1]}" in out
+    table = (exp_dir / "table.md").read_text()
+    assert f"**PARTIAL: 2 result(s) incomplete** ({first}; {second})" in table
+    assert len(res.records) == 20 and snapshot(exp_dir / "runs") == before
+
+    exp_dir = tmp_path / "recast-reversed"  # the final evaluation of one run deleted, and no run folder to redo it
+    shutil.copytree(bench.HERE / "results" / "recast-reversed" / "runs", exp_dir / "runs")
+    (exp_dir / "runs" / "A_uniform_reversed-seed3.final.json").unlink()
+    before = snapshot(exp_dir / "runs")
+    bench.main(["recast-reversed", "--tables-only", "--out", str(tmp_path)])
+    gone = "no final evaluation (A_uniform_reversed-seed3.final.json missing, no checkpoint to redo it)"
+    assert f"warning: {exp_dir / 'runs' / 'A_uniform_reversed-seed3.json.gz'}: {gone}" in capsys.readouterr().out
+    table = (exp_dir / "table.md").read_text()
+    assert f"**PARTIAL: 1 result(s) incomplete** (A_uniform_reversed-seed3: {gone})" in table
+    assert "| reversed | 7 |" in table and snapshot(exp_dir / "runs") == before
