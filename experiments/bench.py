@@ -633,6 +633,38 @@ def check_writable(folder: Path):
             )
 
 
+def seeds_committed(exp: Experiment, exp_dir: Path) -> tuple[int, int]:
+    """(N, k): exp_dir/runs holds results of this command's settings up to seed N - 1, k of them at seeds this command
+    does not read (seed >= exp.seeds); (exp.seeds, 0) when there are none beyond. A table rebuilt from fewer seeds
+    than are committed would leave those k out without a word (issue 47.1)."""
+    folder = exp_dir / "runs"
+    found = [re.search(r"-seed(\d+)\.json\.gz$", p.name) for p in (folder.glob("*.json.gz") if folder.is_dir() else [])]
+    top = min(max([int(m[1]) + 1 for m in found if m], default=0), exp.seeds + 10_000)
+    if top <= exp.seeds:
+        return exp.seeds, 0
+    beyond = [r for r in plan_runs(replace(exp, seeds=top), exp_dir) if r.seed >= exp.seeds and load_result(r)]
+    return max([r.seed + 1 for r in beyond], default=exp.seeds), len(beyond)
+
+
+def check_seeds(exp: Experiment, exp_dir: Path, seeds_given: bool, tables_only: bool) -> int:
+    """The seeds this command reads: every committed one. Results at seeds beyond the command's (e.g. rvge-drift's 8
+    where it plans 5) are read by --tables-only without --seeds (said); a run, or --seeds N below them, is refused
+    before anything runs or changes, naming the seeds committed and the flag that reads them."""
+    committed, beyond = seeds_committed(exp, exp_dir)
+    if not beyond:
+        return exp.seeds
+    if tables_only and not seeds_given:
+        print(f"{exp.name}: reading every committed seed, 0-{committed - 1} (--seeds {committed})", flush=True)
+        return committed
+    raise SystemExit(
+        f"{exp.name}: {exp_dir / 'runs'} holds results of these settings at seeds 0-{committed - 1}; this command "
+        f"reads seeds 0-{exp.seeds - 1} and would rebuild table.md, the figures and the section from them, leaving "
+        f"{beyond} result(s) out. Pass --seeds {committed} to read every one"
+        + ("" if tables_only else " (a run then makes only what those seeds lack)")
+        + ", or --out DIR for a new folder; nothing was run or changed"
+    )
+
+
 def check_flags(runs):
     """Parse every cell's flags with its script's own parser before anything runs."""
     import importlib
@@ -1171,6 +1203,11 @@ def main(argv=None):
     if args.results_md is not None and (args.results_md.parent != exp_dir or exp_dir.is_dir()):  # else made below
         check_results_md(args.results_md, marker)
     check_writable(exp_dir)
+    seeds = check_seeds(exp, exp_dir, args.seeds is not None, args.tables_only)  # every committed seed, or none
+    if seeds != exp.seeds:
+        exp = replace(exp, seeds=seeds)
+        planned = plan_runs(exp, exp_dir)
+        sizes.insert(0, f"--seeds {seeds}")
     if args.tables_only:
         for path, why in survey_results(planned, exp, exp_dir)[0].items():
             print(f"warning: {path}: {why}; left where it is and not in the tables", flush=True)
@@ -1185,8 +1222,8 @@ def main(argv=None):
     if args.tables_only:
         if not any(load_result(run) for run in planned):
             parser.error(
-                f"--tables-only: no results of these settings under {exp_dir / 'runs'} yet; run the experiment first "
-                f"(without --tables-only{', with --quick' if args.quick else ''})"
+                f"--tables-only: no results of these settings under {exp_dir / 'runs'} yet; run the experiment "
+                f"first (without --tables-only{', with --quick' if args.quick else ''})"
             )
         check_one_world(planned, exp_dir)
     else:

@@ -1037,6 +1037,34 @@ def test_killing_bench_outright_leaves_no_run_behind(tmp_path):
 # -----------------------------------------------------------------------------
 
 
+def must_not_run(run):
+    raise AssertionError(f"{run.run_id}: nothing may run here")
+
+
+def test_a_rebuild_reads_every_committed_seed_or_refuses(tmp_path, monkeypatch, capsys):
+    """47.1: rvge-drift holds 8 seeds where the experiment plans 5. `--tables-only` read 5 and rewrote table.md, the
+    figure and the section from 30 of its 48 results without a word, and so did the full command, which had nothing
+    to run. Now --tables-only reads every committed seed (the committed files, byte for byte), and a run, or --seeds
+    below the committed seeds, is refused before anything runs or changes, naming the seeds and the flag."""
+    copy = tmp_path / "experiments"  # a copy of the committed folder, where the default --out writes its section
+    shutil.copytree(bench.HERE / "results" / "rvge-drift", copy / "results" / "rvge-drift")
+    monkeypatch.setattr(bench, "HERE", copy)
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    monkeypatch.setattr(bench, "worker_command", must_not_run)
+    monkeypatch.setattr(bench, "run_in_process", must_not_run)
+    exp_dir = copy / "results" / "rvge-drift"
+    before = snapshot(exp_dir)
+    for argv in (["rvge-drift"], ["rvge-drift", "--jobs", "2"], ["rvge-drift", "--tables-only", "--seeds", "2"]):
+        with pytest.raises(SystemExit, match="holds results of these settings at seeds 0-7; .*Pass --seeds 8 to read"):
+            bench.main(argv)
+        assert snapshot(exp_dir) == before
+    res = bench.main(["rvge-drift", "--tables-only"])
+    assert "rvge-drift: reading every committed seed, 0-7 (--seeds 8)" in capsys.readouterr().out
+    assert len(res.records) == 48 and not res.missing and snapshot(exp_dir) == before
+    res = bench.main(["rvge-drift", "--seeds", "8", "--jobs", "2"])  # every run there: nothing runs, nothing changes
+    assert len(res.records) == 48 and snapshot(exp_dir) == before
+
+
 def test_an_incomplete_result_is_named_and_marked_partial(tmp_path, capsys):
     """47.3: a result with a metric removed (from every row, or from its last evaluation only) dropped out of that
     metric's cells and curves, and a run whose final evaluation was deleted (no checkpoint to redo it) out of every
