@@ -109,6 +109,7 @@ import shutil
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -665,6 +666,47 @@ def check_seeds(exp: Experiment, exp_dir: Path, seeds_given: bool, tables_only: 
     )
 
 
+LOCK = ".bench.lock"  # in the experiment's folder while a bench.py works on it
+
+
+@contextmanager
+def experiment_lock(exp_dir: Path):
+    """An exclusive lock on exp_dir/.bench.lock while this command works on the experiment (runs, tables, sections):
+    a second bench.py on the same experiment is refused before it reads or writes anything, naming the process that
+    holds the lock. The kernel drops the lock when its holder dies, even by SIGKILL; the file names the holder (pid,
+    start, command) and is removed on release (one left by a killed holder is taken over)."""
+    import fcntl
+
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    path = exp_dir / LOCK
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 4096).decode(errors="replace").strip() or "a process that has not written its name yet"
+            os.close(fd)
+            raise SystemExit(
+                f"{exp_dir} is in use by another bench.py ({holder}; it holds {path}): wait for it to finish, or stop "
+                "it (Ctrl-C, or kill the pid named); nothing was run or changed"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino  # not a file its last holder removed meanwhile
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        os.write(fd, f"pid {os.getpid()}, since {started}: {' '.join(sys.argv)}\n".encode())
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
 def check_flags(runs):
     """Parse every cell's flags with its script's own parser before anything runs."""
     import importlib
@@ -1203,66 +1245,69 @@ def main(argv=None):
     if args.results_md is not None and (args.results_md.parent != exp_dir or exp_dir.is_dir()):  # else made below
         check_results_md(args.results_md, marker)
     check_writable(exp_dir)
-    seeds = check_seeds(exp, exp_dir, args.seeds is not None, args.tables_only)  # every committed seed, or none
-    if seeds != exp.seeds:
-        exp = replace(exp, seeds=seeds)
-        planned = plan_runs(exp, exp_dir)
-        sizes.insert(0, f"--seeds {seeds}")
-    if args.tables_only:
-        for path, why in survey_results(planned, exp, exp_dir)[0].items():
-            print(f"warning: {path}: {why}; left where it is and not in the tables", flush=True)
-    else:
-        check_results(planned, exp, exp_dir, args.replace_results)
-    failed, reused = (
-        {},
-        (0 if args.tables_only else reuse_results(planned, exp, exp_dir)),
-    )  # tables-only writes no result
-    if reused:
-        print(f"{exp.name}: {reused} identical run(s) taken from {exp_dir.parent / exp.reuse / 'runs'}", flush=True)
-    if args.tables_only:
-        if not any(load_result(run) for run in planned):
-            parser.error(
-                f"--tables-only: no results of these settings under {exp_dir / 'runs'} yet; run the experiment "
-                f"first (without --tables-only{', with --quick' if args.quick else ''})"
+    with experiment_lock(exp_dir):  # one bench.py per experiment at a time
+        seeds = check_seeds(exp, exp_dir, args.seeds is not None, args.tables_only)  # every committed seed, or none
+        if seeds != exp.seeds:
+            exp = replace(exp, seeds=seeds)
+            planned = plan_runs(exp, exp_dir)
+            sizes.insert(0, f"--seeds {seeds}")
+        if args.tables_only:
+            for path, why in survey_results(planned, exp, exp_dir)[0].items():
+                print(f"warning: {path}: {why}; left where it is and not in the tables", flush=True)
+        else:
+            check_results(planned, exp, exp_dir, args.replace_results)
+        failed, reused = (
+            {},
+            (0 if args.tables_only else reuse_results(planned, exp, exp_dir)),
+        )  # tables-only writes no result
+        if reused:
+            print(f"{exp.name}: {reused} identical run(s) taken from {exp_dir.parent / exp.reuse / 'runs'}", flush=True)
+        if args.tables_only:
+            if not any(load_result(run) for run in planned):
+                parser.error(
+                    f"--tables-only: no results of these settings under {exp_dir / 'runs'} yet; run the experiment "
+                    f"first (without --tables-only{', with --quick' if args.quick else ''})"
+                )
+            check_one_world(planned, exp_dir)
+        else:
+            check_flags(planned)
+            print(
+                f"{exp.name}: {len(planned)} runs ({len(exp.cells)} cells x {exp.seeds} seeds), "
+                f"~{estimate_minutes(exp, args.jobs):.0f} min "
+                f"with --jobs {args.jobs} at 2-core CPU speed; results in {exp_dir / 'runs'}",
+                flush=True,
             )
-        check_one_world(planned, exp_dir)
-    else:
-        check_flags(planned)
-        print(
-            f"{exp.name}: {len(planned)} runs ({len(exp.cells)} cells x {exp.seeds} seeds), "
-            f"~{estimate_minutes(exp, args.jobs):.0f} min "
-            f"with --jobs {args.jobs} at 2-core CPU speed; results in {exp_dir / 'runs'}",
-            flush=True,
-        )
-        exp_dir.mkdir(parents=True, exist_ok=True)
-        if exp.report == "report_rvge_joint":  # the margin of "matches": two noise floors of one evaluation
-            reports.measure_eval_floor(exp, exp_dir, noises=2 if args.quick else reports.EVAL_FLOOR_NOISES)
-        if exp.report == "report_protocol":  # the gains ReCAST starts from (--gain-init), measured before any run
-            profile_sizes = (
-                dict(iterations=2, prompts=1) if args.quick else dict(iterations=PROFILE_ITERATIONS, prompts=8)
+            exp_dir.mkdir(parents=True, exist_ok=True)
+            if exp.report == "report_rvge_joint":  # the margin of "matches": two noise floors of one evaluation
+                reports.measure_eval_floor(exp, exp_dir, noises=2 if args.quick else reports.EVAL_FLOOR_NOISES)
+            if exp.report == "report_protocol":  # the gains ReCAST starts from (--gain-init), measured before any run
+                profile_sizes = (
+                    dict(iterations=2, prompts=1) if args.quick else dict(iterations=PROFILE_ITERATIONS, prompts=8)
+                )
+                protocol.measure_profiles(
+                    exp_dir.parent / PROFILES_DIR, replace_results=args.replace_results, **profile_sizes
+                )
+            failed = execute(planned, args.jobs)
+        try:
+            text, res = build_report(exp, exp_dir, planned)
+            if args.results_md is not None:
+                command = " ".join(
+                    ["python experiments/bench.py", exp.name, *(["--quick"] if args.quick else []), *sizes]
+                )
+                block = results_block(text, res.records, exp_dir, args.results_md, command + " --tables-only")
+                write_results_md(args.results_md, marker, block)
+        except OSError as err:  # a full disk, a folder made read-only meanwhile: the results themselves are kept
+            raise SystemExit(
+                f"could not write {err.filename or 'the tables'}: {err.strerror or err}; every result is kept in "
+                f"{exp_dir / 'runs'}: fix that, then `--tables-only` rebuilds the tables"
+            ) from None
+        print(text)
+        if failed:
+            raise SystemExit(
+                f"{len(failed)} run(s) failed (the tables hold the others; rerun to retry):\n"
+                + "\n".join(f"  {k}: {v}" for k, v in failed.items())
             )
-            protocol.measure_profiles(
-                exp_dir.parent / PROFILES_DIR, replace_results=args.replace_results, **profile_sizes
-            )
-        failed = execute(planned, args.jobs)
-    try:
-        text, res = build_report(exp, exp_dir, planned)
-        if args.results_md is not None:
-            command = " ".join(["python experiments/bench.py", exp.name, *(["--quick"] if args.quick else []), *sizes])
-            block = results_block(text, res.records, exp_dir, args.results_md, command + " --tables-only")
-            write_results_md(args.results_md, marker, block)
-    except OSError as err:  # a full disk, a folder made read-only meanwhile: the results themselves are kept
-        raise SystemExit(
-            f"could not write {err.filename or 'the tables'}: {err.strerror or err}; every result is kept in "
-            f"{exp_dir / 'runs'}: fix that, then `--tables-only` rebuilds the tables"
-        ) from None
-    print(text)
-    if failed:
-        raise SystemExit(
-            f"{len(failed)} run(s) failed (the tables hold the others; rerun to retry):\n"
-            + "\n".join(f"  {k}: {v}" for k, v in failed.items())
-        )
-    return res
+        return res
 
 
 if __name__ == "__main__":

@@ -1065,6 +1065,38 @@ def test_a_rebuild_reads_every_committed_seed_or_refuses(tmp_path, monkeypatch, 
     assert len(res.records) == 48 and snapshot(exp_dir) == before
 
 
+def test_a_second_bench_on_the_same_experiment_is_refused_naming_the_first(tmp_path, monkeypatch):
+    """47.2: two bench.py on one experiment both ran its runs and both exited 1, reporting failed runs that existed.
+    Now the second is refused before it reads or writes anything, naming the process that holds the experiment (runs
+    and --tables-only alike); a holder killed outright (SIGKILL) leaves its file but no lock."""
+    exp_dir = tmp_path / "nft-steps"
+    holder_code = (
+        "import sys, time\nfrom pathlib import Path\nfrom experiments import bench\n"
+        "with bench.experiment_lock(Path(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(120)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(bench.ROOT)}
+    command = [sys.executable, "-c", holder_code, str(exp_dir)]
+    holder = subprocess.Popen(command, cwd=bench.ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    monkeypatch.setattr(bench, "worker_command", fake_worker())
+    monkeypatch.setattr(reports, "report_nft_steps", lambda res, out: res.banner())
+    argv = ["nft-steps", "--quick", "--jobs", "2", "--out", str(tmp_path)]
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = snapshot(tmp_path)
+        for extra in ([], ["--tables-only"]):
+            with pytest.raises(
+                SystemExit, match=f"nft-steps is in use by another bench.py \\(pid {holder.pid}, since "
+            ):
+                bench.main(argv + extra)
+            assert snapshot(tmp_path) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (exp_dir / bench.LOCK).exists()  # the killed holder's file stays; its lock went with it
+    res = bench.main(argv)
+    assert len(res.records) == 2 and not res.missing and not (exp_dir / bench.LOCK).exists()
+
+
 def test_an_incomplete_result_is_named_and_marked_partial(tmp_path, capsys):
     """47.3: a result with a metric removed (from every row, or from its last evaluation only) dropped out of that
     metric's cells and curves, and a run whose final evaluation was deleted (no checkpoint to redo it) out of every
