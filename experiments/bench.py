@@ -122,6 +122,7 @@ from experiments.reports import (  # noqa: E402
     cell_iterations,
     check_results_md,
     portable,
+    power_lines,
     record_settings,
     results_block,
     set_aside,
@@ -518,18 +519,11 @@ def plan_runs(exp: Experiment, exp_dir: Path) -> list[Run]:
         for cell in exp.cells:
             its = cell_iterations(exp, cell)
             run_id = slug(f"{cell.group}-{cell.label}") + f"-seed{seed}"
+            sizes = {"--seed": seed, "--iterations": its, "--prompts-per-iter": exp.prompts_per_iter}
+            sizes.update({"--eval-every": exp.eval_every, "--save-every": exp.save_every or its})
             settings = (
                 *exp.common,
-                "--seed",
-                str(seed),
-                "--iterations",
-                str(its),
-                "--prompts-per-iter",
-                str(exp.prompts_per_iter),
-                "--eval-every",
-                str(exp.eval_every),
-                "--save-every",
-                str(exp.save_every or its),
+                *(x for flag, value in sizes.items() for x in (flag, str(value))),
                 *(f.replace("{exp_dir}", str(exp_dir)) for f in cell.flags),
             )
             runs.append(
@@ -856,13 +850,8 @@ def start_worker(run: Run):
     """Start the run's process with one thread (set before torch is imported), in its own process group (so that a
     stop ends it and whatever it started), told to end if bench.py dies; log in work/<run>.log. Returns (process,
     log, start time)."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "OPENBLAS_NUM_THREADS": "1",
-        "TQDM_DISABLE": "1",
-    }
+    one = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TQDM_DISABLE")
+    env = {**os.environ, **dict.fromkeys(one, "1")}
     run.work.mkdir(parents=True, exist_ok=True)
     log = run.work.with_name(run.run_id + ".log")
     with open(log, "w") as f:
@@ -1104,43 +1093,9 @@ def build_report(exp: Experiment, exp_dir: Path, planned: list[Run]) -> tuple[st
     where = {run.run_id: run.result for run in planned}
     for run_id, why in res.incomplete.items():
         print(f"warning: {where.get(run_id, run_id)}: {why}; missing from the tables and figures (marked PARTIAL)")
-    text += "\n".join(power_lines(exp, text))
+    text += "\n".join(power_lines(text, lambda seeds: estimate_minutes(replace(exp, seeds=seeds), 2)))
     (exp_dir / "table.md").write_text(text)
     return text, res
-
-
-def power_lines(exp: Experiment, text: str) -> list[str]:
-    """Markdown: how large a run would resolve the table's unresolved paired differences. Reads the `N80 N` that
-    fmt_ci printed beside each unresolved difference (80% power, alpha 0.05, at the effect its table states); sizes
-    this experiment at the smallest, median and largest N (estimate_minutes on 2 cores with --jobs 2). No GPU rate is
-    given: none has been measured here."""
-    needs = [int(n) for n in re.findall(r"N80 (\d+)", text)]
-    over = len(re.findall(r"N80 > ", text))
-    if not needs and not over:
-        return []
-    lines = [
-        "",
-        "## Power",
-        "",
-        f"{len(needs) + over} paired difference(s) above are unresolved (`sd` is the sd of the paired differences, "
-        "`N80` the seeds a paired t test needs for 80% power at the effect and level each table names"
-        + (f"; {over} would need more than 10,000" if over else "")
-        + "). This experiment at those sizes (all cells; `--seeds N`):",
-        "",
-        "| seeds | which | 2 cores, --jobs 2 |",
-        "|---|---|---|",
-    ]
-    sizes = {}  # seeds -> which (the smallest, median and largest N80; one row when they coincide)
-    for which, n in (
-        ("largest", max(needs, default=0)),
-        ("median", int(np.median(needs or [0]))),
-        ("smallest", min(needs, default=0)),
-    ):
-        sizes[n] = which
-    for n, which in sorted(sizes.items()):
-        if n:
-            lines.append(f"| {n} | {which} | ~{estimate_minutes(replace(exp, seeds=n), 2) / 60:.1f} h |")
-    return lines + [""]
 
 
 def check_one_world(planned: list[Run], exp_dir: Path):
@@ -1256,10 +1211,7 @@ def main(argv=None):
                 print(f"warning: {path}: {why}; left where it is and not in the tables", flush=True)
         else:
             check_results(planned, exp, exp_dir, args.replace_results)
-        failed, reused = (
-            {},
-            (0 if args.tables_only else reuse_results(planned, exp, exp_dir)),
-        )  # tables-only writes no result
+        failed, reused = {}, (0 if args.tables_only else reuse_results(planned, exp, exp_dir))  # tables-only: none
         if reused:
             print(f"{exp.name}: {reused} identical run(s) taken from {exp_dir.parent / exp.reuse / 'runs'}", flush=True)
         if args.tables_only:

@@ -1080,6 +1080,40 @@ def report_nft_steps(res: Results, out: Path):
     return lines + ["![](eval_vs_iteration.png) ![](eval_vs_time.png)", ""]
 
 
+def power_lines(text: str, minutes) -> list[str]:
+    """Markdown: how large a run would resolve the table's unresolved paired differences. Reads the `N80 N` that
+    fmt_ci printed beside each unresolved difference (80% power, alpha 0.05, at the effect its table states); sizes
+    this experiment at the smallest, median and largest N: `minutes(seeds)`, its wall-clock at that many seeds on 2
+    cores with --jobs 2 (bench.estimate_minutes). No GPU rate is given: none has been measured here."""
+    needs = [int(n) for n in re.findall(r"N80 (\d+)", text)]
+    over = len(re.findall(r"N80 > ", text))
+    if not needs and not over:
+        return []
+    lines = [
+        "",
+        "## Power",
+        "",
+        f"{len(needs) + over} paired difference(s) above are unresolved (`sd` is the sd of the paired differences, "
+        "`N80` the seeds a paired t test needs for 80% power at the effect and level each table names"
+        + (f"; {over} would need more than 10,000" if over else "")
+        + "). This experiment at those sizes (all cells; `--seeds N`):",
+        "",
+        "| seeds | which | 2 cores, --jobs 2 |",
+        "|---|---|---|",
+    ]
+    sizes = {}  # seeds -> which (the smallest, median and largest N80; one row when they coincide)
+    for which, n in (
+        ("largest", max(needs, default=0)),
+        ("median", int(np.median(needs or [0]))),
+        ("smallest", min(needs, default=0)),
+    ):
+        sizes[n] = which
+    for n, which in sorted(sizes.items()):
+        if n:
+            lines.append(f"| {n} | {which} | ~{minutes(n) / 60:.1f} h |")
+    return lines + [""]
+
+
 # =============================================================================
 # A report's section in Markdown (its results folder's README.md)
 # =============================================================================

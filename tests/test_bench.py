@@ -117,11 +117,12 @@ def test_the_power_section_sizes_the_experiment_at_the_N80_values():
     """The Power section reads the N80 values fmt_ci printed and sizes the experiment at them, on 2 cores only (no
     GPU rate is measured)."""
     exp = bench.EXPERIMENTS["rvge-single"]
-    power = "\n".join(bench.power_lines(exp, "| a | +0.1 [-1, +1] sd 1 N80 7 | b N80 3 | c N80 > 10000 |"))
+    minutes = lambda seeds: bench.estimate_minutes(bench.replace(exp, seeds=seeds), 2)  # noqa: E731
+    power = "\n".join(reports.power_lines("| a | +0.1 [-1, +1] sd 1 N80 7 | b N80 3 | c N80 > 10000 |", minutes))
     assert "3 paired difference(s) above are unresolved" in power and "1 would need more than 10,000" in power
     hours = bench.estimate_minutes(bench.replace(exp, seeds=7), 2) / 60
     assert f"| 7 | largest | ~{hours:.1f} h |" in power and "| 3 | smallest |" in power and "GPU" not in power
-    assert bench.power_lines(exp, "all resolved") == []
+    assert reports.power_lines("all resolved", minutes) == []
 
 
 def test_frechet_is_compared_only_at_equal_n(tmp_path):
