@@ -56,8 +56,11 @@ measured on (`shapes_world.world_id`). Results are data and never lost: a comman
 where runs/ holds results made with other settings or on another world (each named with what differs; the earlier
 world's are kept under experiments/results/world-amp0.3/, their tables rebuilt with `--out
 experiments/results/world-amp0.3 --tables-only`), unless --replace-results, which moves them to set-aside/<time>/; a
-damaged result is named, moved to set-aside/ and its run redone (--tables-only leaves it out with a warning). --jobs N
-runs N runs at once, each in its own process (`python recast.py ...`, one thread each: OMP/MKL threads = 1); --jobs 1
+damaged result is named, moved to set-aside/ and its run redone (--tables-only leaves it out with a warning). A rebuild
+uses every committed result: --tables-only reads every seed the folder holds, and a run or --seeds below them is
+refused; a result lacking a metric its cell's other seeds have, or its final evaluation, is named and marked PARTIAL;
+one bench.py works on an experiment at a time (<experiment>/.bench.lock; a second is refused, naming the first). --jobs
+N runs N runs at once, each in its own process (`python recast.py ...`, one thread each: OMP/MKL threads = 1); --jobs 1
 runs them one after the other in this process, also on one thread.
 
 Sizing (each full experiment <= ~60 min on 2 cores with --jobs 2). Measured on the embedded
