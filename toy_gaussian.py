@@ -40,7 +40,8 @@ from scipy.stats import kstest, norm
 import nft
 import recast
 import rvge
-from experiments.bench import (  # the experiments' statistics: the same tests for the toy and the embedded model
+from kit import run_kit
+from kit.stats import (  # the experiments' statistics: the same tests for the toy and the embedded model
     holm,
     interval_sd,
     mean_ci,
@@ -48,7 +49,6 @@ from experiments.bench import (  # the experiments' statistics: the same tests f
     seeds_for_power,
     time_to_reach,
 )
-from kit import run_kit
 
 # E[f(y)], y ~ N(0, 1)  ~=  sum_i Q_W_i f(Q_Y_i): trapezoid rule on [-8.5, 8.5], step 1/8. For f analytic
 # in a strip |Im y| < a it converges like exp(-2 pi a / step) and, unlike Gauss-Hermite, it integrates

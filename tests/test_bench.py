@@ -1,6 +1,7 @@
-"""bench.py: the experiment specs, the statistics, and each experiment's --quick on the embedded model.
+"""experiments/bench.py, reports.py and protocol.py: the experiment specs, the reports, the result files, and each
+experiment's --quick on the embedded model (the statistics: test_stats.py).
 
-pytest -q test_bench.py
+OMP_NUM_THREADS=1 python -m pytest -q tests/test_bench.py
 """
 
 import gzip
@@ -20,7 +21,8 @@ import pytest
 
 import recast
 import rvge
-from experiments import bench
+from experiments import bench, protocol, reports
+from kit import stats
 from world import shapes_world
 
 
@@ -70,9 +72,9 @@ def test_experiment_contents():
     assert {c.group for c in single.cells} == {bench.SMOOTH_REWARD, bench.DISCRETE_REWARD} and single.seeds >= 5
     assert {bench.SMOOTH_REWARD, bench.DISCRETE_REWARD} <= set(shapes_world.REWARDS)
     joint = bench.EXPERIMENTS["rvge-joint"]
-    assert all(bench.flag_value(c.flags, "--rewards").split(",") == list(bench.SETTINGS["A"]) for c in joint.cells)
-    assert all(bench.flag_value(c.flags, "--budgets") == "0.25,0.25,0.25,0.25" for c in joint.cells)
-    its = {c.label: bench.cell_iterations(joint, c) for c in joint.cells}
+    assert all(reports.flag_value(c.flags, "--rewards").split(",") == list(bench.SETTINGS["A"]) for c in joint.cells)
+    assert all(reports.flag_value(c.flags, "--budgets") == "0.25,0.25,0.25,0.25" for c in joint.cells)
+    its = {c.label: reports.cell_iterations(joint, c) for c in joint.cells}
     assert its["rvge_fifth"] * 5 == its["nft"] == its["rvge"] == its["rvge_one_direction"] == its["rvge_recast"]
     flags = {c.label: (c.script, c.flags[4:]) for c in joint.cells}
     assert flags["rvge_one_direction"] == ("rvge", ("--combine", "reward"))
@@ -83,150 +85,44 @@ def test_experiment_contents():
     why = bench.EXPERIMENTS["rvge-joint-why"]
     assert why.reuse == "rvge-joint" and {c.label for c in why.cells} == {"nft", "rvge", "rvge_broad", "rvge_half_lr"}
     assert why.iterations == joint.iterations  # so its nft and rvge runs are rvge-joint's
-    assert bench.flag_value(next(c for c in why.cells if c.label == "rvge_half_lr").flags, "--lr") == str(
+    assert reports.flag_value(next(c for c in why.cells if c.label == "rvge_half_lr").flags, "--lr") == str(
         rvge.Args().lr / 2
     )
     eta = bench.EXPERIMENTS["rvge-joint-eta"]
-    etas = [float(bench.flag_value(c.flags, "--eta")) for c in eta.cells if bench.flag_value(c.flags, "--eta")]
+    etas = [float(reports.flag_value(c.flags, "--eta")) for c in eta.cells if reports.flag_value(c.flags, "--eta")]
     assert eta.reuse == why.name and sorted(etas) == [rvge.Args().eta / 4, rvge.Args().eta / 2]
     assert set(bench.SETTINGS["A"]) != set(bench.SETTINGS["B"]) and all(
-        set(v) <= set(bench.PROFILE_CANDIDATES) for v in bench.SETTINGS.values()
+        set(v) <= set(protocol.PROFILE_CANDIDATES) for v in bench.SETTINGS.values()
     )
     for name, setting in (("recast-protocol", "A"), ("recast-protocol-B", "B")):
-        protocol = bench.EXPERIMENTS[name]
-        assert {c.group for c in protocol.cells} == {f"{setting}-{b}" for b in bench.budget_vectors()}
-        assert {c.label for c in protocol.cells} == {"nft", "uniform", "recast", "recast_prior"}
+        spec = bench.EXPERIMENTS[name]
+        assert {c.group for c in spec.cells} == {f"{setting}-{b}" for b in bench.budget_vectors()}
+        assert {c.label for c in spec.cells} == {"nft", "uniform", "recast", "recast_prior"}
         assert all(  # only recast_prior starts from the measured profiles; recast learns W from its own rollouts
-            (bench.flag_value(c.flags, "--gain-init") is not None) == (c.label == "recast_prior")
-            for c in protocol.cells
+            (reports.flag_value(c.flags, "--gain-init") is not None) == (c.label == "recast_prior") for c in spec.cells
         )
-        for c in protocol.cells:
-            assert bench.flag_value(c.flags, "--rewards").split(",") == list(bench.SETTINGS[setting])
-            budgets = [float(b) for b in bench.flag_value(c.flags, "--budgets").split(",")]
+        for c in spec.cells:
+            assert reports.flag_value(c.flags, "--rewards").split(",") == list(bench.SETTINGS[setting])
+            budgets = [float(b) for b in reports.flag_value(c.flags, "--budgets").split(",")]
             assert len(budgets) == 4 and abs(sum(budgets) - 1) < 1e-9
     steps = bench.EXPERIMENTS["nft-steps"]
-    assert [bench.flag_value(c.flags, "--updates-per-iter") for c in steps.cells] == [
+    assert [reports.flag_value(c.flags, "--updates-per-iter") for c in steps.cells] == [
         "1",
         "8",
     ] and steps.eval_every == 10
     assert {c.label for c in bench.EXPERIMENTS["multi"].cells} == set(bench.MULTI_METHODS)
 
 
-# -----------------------------------------------------------------------------
-# Statistics (hand-computed values)
-# -----------------------------------------------------------------------------
-
-
-def test_statistics_by_hand():
-    x, y = np.array([0.0, 10.0, 20.0]), np.array([0.1, 0.3, 0.5])
-    assert bench.first_crossing(x, y, 0.4) == pytest.approx(15.0)
-    assert bench.first_crossing(x, y, 0.05) == 0.0 and np.isnan(bench.first_crossing(x, y, 0.6))
-    m, lo, hi, n = bench.mean_ci([1.0, 2.0, 3.0])  # sd 1, t(0.975, 2) = 4.3027
-    assert (
-        (m, n) == (2.0, 3)
-        and hi - m == pytest.approx(4.302653 / np.sqrt(3), rel=1e-5)
-        and lo == pytest.approx(2 * m - hi)
-    )
-    assert np.isnan(bench.mean_ci([1.0])[1])
-
-
-def test_seeds_for_power_matches_the_textbook_paired_t():
-    """Two-sided paired (one-sample) t at alpha 0.05, power 0.8: Cohen's d = 0.5 needs 34, d = 0.8 needs 15 (G*Power's
-    and Cohen's tables); the N found has power >= 0.8 and N - 1 has less; a stricter level (Holm's first step over 4
-    tests) needs more."""
-    from scipy import stats
-
-    assert bench.seeds_for_power(0.5, 1.0) == 34 and bench.seeds_for_power(0.8, 1.0) == 15
-    assert bench.seeds_for_power(1.6, 2.0) == 15  # only the ratio effect / sd matters
-
-    def power(n, d=0.5, alpha=0.05):
-        crit = stats.t.ppf(1 - alpha / 2, n - 1)
-        return stats.nct.sf(crit, n - 1, d * np.sqrt(n)) + stats.nct.cdf(-crit, n - 1, d * np.sqrt(n))
-
-    assert power(34) >= 0.8 > power(33)
-    assert bench.seeds_for_power(0.5, 1.0, alpha=0.05 / 4) > 34 and bench.seeds_for_power(0.0, 1.0) is None
-    assert bench.effect_of_interest(-0.1, floor=0.2) == 0.4 and bench.effect_of_interest(-0.1) == 0.1
-
-
-def test_seeds_for_power_at_a_large_effect_is_not_moved_by_a_nan_far_tail():
-    """A large effect over a small sd (d ~ 13, level 0.05 / 20: recast-protocol's uniform-budget cell): 3 seeds have
-    power ~0.74 (upper tail alone), 4 have ~1. scipy's nct.cdf of the far tail returns NaN there on some CPUs; read
-    as NaN the power test failed at N = 4 and N80 became 7 on one machine and 4 on another."""
-    from scipy import stats
-
-    effect, sd, alpha = 0.0143729, 0.0010772, 0.05 / 20
-    crit = stats.t.ppf(1 - alpha / 2, 3)
-    assert stats.nct.sf(crit, 3, effect * np.sqrt(4) / sd) > 0.99
-    assert bench.seeds_for_power(effect, sd, alpha=alpha) == 4
-    assert bench.seeds_for_power(-effect, sd, alpha=alpha) == 4
-
-
-def test_p_values_and_holm_by_hand():
-    """p from the interval equals scipy's paired t test; Holm's adjusted p-values by hand: sorted 0.005, 0.01, 0.03,
-    0.04 -> 4 x 0.005, 3 x 0.01, 2 x 0.03, max(0.06, 1 x 0.04); NaN stays out of the family."""
-    from scipy import stats
-
-    v = [0.3, 1.1, 0.8, 1.9]
-    assert bench.p_value(*bench.mean_ci(v)) == pytest.approx(stats.ttest_1samp(v, 0.0).pvalue, rel=1e-9)
-    adjusted = bench.holm([0.01, 0.04, np.nan, 0.03, 0.005])
-    assert np.allclose(adjusted[[0, 1, 3, 4]], [0.03, 0.06, 0.06, 0.02]) and np.isnan(adjusted[2])
-    assert bench.holm([0.5, 0.9]).tolist() == [1.0, 1.0]
-
-
-def test_fmt_ci_prints_p_holm_and_N80_only_for_unresolved_differences():
-    """mean 1, sd 1 over 3 seeds (unresolved): N80 at the observed difference is seeds_for_power(1, 1) = 10; with a
-    noise floor of 1 the effect is 2 (N80 5); a resolved difference prints none, one resolved only before Holm does;
-    the Power section sizes the experiment at the N80 values, on 2 cores only (no GPU rate is measured)."""
-    m, lo, hi, n = bench.mean_ci([0.0, 1.0, 2.0])
-    assert bench.fmt_ci(m, lo, hi, n).endswith(" sd 1.0000 p 0.23 N80 10")
-    assert bench.fmt_ci(m, lo, hi, n, floor=1.0).endswith(" N80 5")
-    assert bench.fmt_ci(m, lo, hi, n, family=5).endswith(f" N80 {bench.seeds_for_power(1.0, 1.0, alpha=0.01)}")
-    clear = bench.mean_ci([1.0, 1.1, 0.9])
-    assert "N80" not in bench.fmt_ci(*clear) and " Holm 0.06 N80 " in bench.fmt_ci(*clear, p_holm=0.06)
+def test_the_power_section_sizes_the_experiment_at_the_N80_values():
+    """The Power section reads the N80 values fmt_ci printed and sizes the experiment at them, on 2 cores only (no
+    GPU rate is measured)."""
     exp = bench.EXPERIMENTS["rvge-single"]
-    power = "\n".join(bench.power_lines(exp, "| a | +0.1 [-1, +1] sd 1 N80 7 | b N80 3 | c N80 > 10000 |"))
+    minutes = lambda seeds: bench.estimate_minutes(bench.replace(exp, seeds=seeds), 2)  # noqa: E731
+    power = "\n".join(reports.power_lines("| a | +0.1 [-1, +1] sd 1 N80 7 | b N80 3 | c N80 > 10000 |", minutes))
     assert "3 paired difference(s) above are unresolved" in power and "1 would need more than 10,000" in power
     hours = bench.estimate_minutes(bench.replace(exp, seeds=7), 2) / 60
     assert f"| 7 | largest | ~{hours:.1f} h |" in power and "| 3 | smallest |" in power and "GPU" not in power
-    assert bench.power_lines(exp, "all resolved") == []
-
-
-def test_the_preference_share_is_a_mean_sigmoid_and_its_interval_stays_inside_0_1():
-    """Per seed: mean over images of sigmoid(s_a - s_b) (0.5 and sigmoid(-log 3) = 0.25 -> 0.375); across seeds a t
-    interval on the logits, mapped back: inside (0, 1) where the plain interval of the shares leaves [0, 1]."""
-    from scipy.special import expit
-
-    assert bench.pref_share([0.0, 0.0], [0.0, np.log(3)]) == pytest.approx(0.375)
-    shares = [0.05, 0.95, 0.5]
-    assert bench.mean_ci(shares)[1] < 0 and bench.mean_ci(shares)[2] > 1
-    m, lo, hi, n = bench.share_logits(shares)
-    assert 0 < expit(lo) < expit(m) < expit(hi) < 1 and n == 3
-    text = bench.fmt_share(m, lo, hi, n)
-    low, high = (float(x) for x in text.split("[")[1].split("]")[0].split(", "))
-    assert 0 < low < 0.5 < high < 1 and "N80" in text
-    assert (
-        bench.fmt_share(*bench.share_logits([0.30, 0.32, 0.31])).split(" p ")[0] == "0.310 [0.286, 0.335]"
-    )  # logits -0.847, -0.754, -0.800
-
-
-def test_times_to_a_level_count_runs_that_never_reach_it_as_censored():
-    """Kaplan-Meier: times 1, 2 (censored), 2.5 (censored), 10: survival 0.75 after 1, 0 at 10, so the median is 10,
-    where dropping the censored runs would give a median of 1-5.5. A method that reaches the level in 1 of 4 seeds
-    (at 5) while the baseline reaches it in all (at 10) has no median: speed-up 0, not the 2x of its one run."""
-    assert bench.km_median([1, 2, 2.5, 10], [True, False, False, True]) == 10
-    assert bench.km_median([1, 2, 3], [True, True, True]) == 2 and bench.km_median([4, 5], [False, False]) == np.inf
-    x, y = np.array([0.0, 10.0, 20.0]), np.array([0.1, 0.3, 0.5])
-    assert bench.time_to_reach(x, y, 0.4) == (15.0, True) and bench.time_to_reach(x, y, 0.9) == (20.0, False)
-    base = {s: (10.0, True) for s in range(4)}
-    other = {0: (5.0, True), 1: (20.0, False), 2: (20.0, False), 3: (20.0, False)}
-    r, lo, hi, n, p = bench.censored_speedup(base, other)
-    assert r == 0 and n == 4 and 0 <= lo <= hi and np.isfinite(p)
-    assert bench.fmt_speedup(r, lo, hi, n, p).startswith("0.00x [")
-    faster = {s: (5.0, True) for s in range(4)}
-    r, lo, hi, n, p = bench.censored_speedup(base, faster)
-    assert r == 2.0 and lo == hi == 2.0 and p < 0.01
-    assert bench.censored_speedup(faster, other)[0] == 0 and bench.censored_speedup(other, base)[0] == np.inf
-    assert bench.censored_speedup(base, faster) == bench.censored_speedup(base, faster)  # a fixed generator
+    assert reports.power_lines("all resolved", minutes) == []
 
 
 def test_frechet_is_compared_only_at_equal_n(tmp_path):
@@ -242,9 +138,9 @@ def test_frechet_is_compared_only_at_equal_n(tmp_path):
             {"group": "g", "label": "c", "settings": other},
         ]
     )
-    assert bench.equal_n(res, "g", ("a", "b")) and not bench.equal_n(res, "g", ("a", "c"))
-    assert bench.is_frechet("eval/judge/frechet") and bench.is_frechet("judge/frechet")
-    assert not bench.is_frechet("eval/weighted")
+    assert reports.equal_n(res, "g", ("a", "b")) and not reports.equal_n(res, "g", ("a", "c"))
+    assert reports.is_frechet("eval/judge/frechet") and reports.is_frechet("judge/frechet")
+    assert not reports.is_frechet("eval/weighted")
     exp = bench.EXPERIMENTS["rvge-joint"]  # the report marks the Fréchet cell and compares the rest
     records = [
         {
@@ -266,31 +162,30 @@ def test_frechet_is_compared_only_at_equal_n(tmp_path):
         for label in ("nft", "rvge")
         for seed in range(3)
     ]
-    report = bench.Results(exp, records, [])
-    report.exp_dir = tmp_path
-    row = next(x for x in bench.report_rvge_joint(report, tmp_path) if x.startswith("| rvge | ") and " [" in x)
-    assert row.split(" | ")[1] == bench.UNEQUAL_N and row.split(" | ")[2].startswith("+0.0200 [")
+    report = reports.Results(exp, records, [], tmp_path)
+    row = next(x for x in reports.report_rvge_joint(report, tmp_path) if x.startswith("| rvge | ") and " [" in x)
+    assert row.split(" | ")[1] == reports.UNEQUAL_N and row.split(" | ")[2].startswith("+0.0200 [")
 
 
 def test_statistics_helpers():
     """verdict's sign per metric, paired seeds, the held-out curve, the final evaluation's summaries."""
-    assert bench.verdict("eval/judge/frechet", -5.0, -1.0) == 1 and bench.verdict("eval/weighted", -5.0, -1.0) == -1
-    assert bench.verdict("judge/frechet", -5.0, -1.0) == 1 and bench.verdict("judge/frechet", 1.0, 5.0) == -1
-    assert bench.verdict("eval/weighted", -1.0, 1.0) == 0 and bench.verdict("eval/weighted", np.nan, np.nan) == 0
-    assert bench.paired({0: 1.0, 1: 5.0, 2: 2.0}, {0: 0.5, 2: 1.0}) == [0.5, 1.0]
+    assert reports.verdict("eval/judge/frechet", -5.0, -1.0) == 1 and reports.verdict("eval/weighted", -5.0, -1.0) == -1
+    assert reports.verdict("judge/frechet", -5.0, -1.0) == 1 and reports.verdict("judge/frechet", 1.0, 5.0) == -1
+    assert reports.verdict("eval/weighted", -1.0, 1.0) == 0 and reports.verdict("eval/weighted", np.nan, np.nan) == 0
+    assert stats.paired({0: 1.0, 1: 5.0, 2: 2.0}, {0: 0.5, 2: 1.0}) == [0.5, 1.0]
     rows = [
         {"iteration": 0, "eval_before/weighted": 0.4, "time/rollout": 1.0, "time/update": 1.0},
         {"iteration": 1, "time/rollout": 1.0, "time/update": 2.0, "eval/weighted": 0.6},
     ]
-    its, secs, vals = bench.eval_curve(rows)
+    its, secs, vals = reports.eval_curve(rows)
     assert its.tolist() == [0, 2] and secs.tolist() == [0.0, 5.0] and vals.tolist() == [0.4, 0.6]
     base = {"a": [0.0, 2.0, 0.0, 2.0], "b": [0.0, 0.5, 0.0, 0.5]}  # means 1, 0.25; sd 1, 0.25
     scores = {"a": [3.0, 3.0], "b": [0.5, 0.5], "judge/frechet": 7.0, "judge/pref": [1.0, 0.0, 2.0, 5.0]}
-    assert bench.final_value(scores, "scale_free", ["a", "b"], [3.0, 1.0], base) == pytest.approx(
+    assert protocol.final_value(scores, "scale_free", ["a", "b"], [3.0, 1.0], base) == pytest.approx(
         (3 * 2.0 + 1 * 1.0) / 4
     )
-    assert bench.final_value(scores, "weighted", ["a", "b"], [3.0, 1.0]) == pytest.approx((3 * 3.0 + 0.5) / 4)
-    assert bench.final_value(scores, "judge/frechet") == 7.0 and bench.final_value(scores, "a") == 3.0
+    assert protocol.final_value(scores, "weighted", ["a", "b"], [3.0, 1.0]) == pytest.approx((3 * 3.0 + 0.5) / 4)
+    assert protocol.final_value(scores, "judge/frechet") == 7.0 and protocol.final_value(scores, "a") == 3.0
 
 
 def test_a_result_from_other_settings_is_not_the_runs(tmp_path):
@@ -375,13 +270,13 @@ def test_results_are_committable_and_final_evaluations_need_no_run_folder(tmp_pa
         run.result.with_name(f"{name}.final.json").write_text(
             json.dumps({"checkpoint": "pretrained", "n": n, "scores": scores})
         )
-    got = bench.final_evals([run], tmp_path, exp.final_noises)  # would load the model and fail if it evaluated
+    got = protocol.final_evals([run], tmp_path, exp.final_noises)  # would load the model and fail if it evaluated
     assert got == {"pretrained": {"1": {"name": "pretrained"}}, run.run_id: {"1": {"name": run.run_id}}}
     records = [
         {"git_sha": "0123456789abcdef", "finished": "2026-12-01", "world": "abcdef012345"},
         {"git_sha": None, "finished": "2026-12-03"},
     ]
-    block = bench.results_block(
+    block = reports.results_block(
         "# x\n\n## a\n![](f.png) ![g](g.png)", records, tmp_path / "r" / "x", tmp_path / "R.md", "cmd"
     )
     assert (
@@ -468,16 +363,16 @@ def test_rvge_drift_quick_reports_distance_ratios_and_matched_distance(tmp_path)
     assert set(runs) == set(bench.EXPERIMENTS["rvge-drift"].quick_keep)  # quick keeps four of the six arms
     assert all(set(by_seed) == {0, 1} for by_seed in runs.values())
     table = (tmp_path / "rvge-drift" / "table.md").read_text()
-    dist = {label: [bench.distance_to_base(runs[label][s]) for s in (0, 1)] for label in runs}
-    contrasts = [(a, b) for a, b in bench.DRIFT_CONTRASTS if a in runs and b in runs]
+    dist = {label: [reports.distance_to_base(runs[label][s]) for s in (0, 1)] for label in runs}
+    contrasts = [(a, b) for a, b in reports.DRIFT_CONTRASTS if a in runs and b in runs]
     assert len(contrasts) == 2
     for a, b in contrasts:
         ratio = np.exp(np.mean(np.log(dist[a]) - np.log(dist[b])))
         assert f"| {a} / {b} | 2 | {ratio:.3g} [" in table
     assert "Holm over these 2 comparisons" in table
     assert "speed-up in iterations" in table or "did not improve on the pretrained model" in table
-    curve = bench.distance_curve(runs["rvge"][0])
-    assert curve[0] == 0 and (np.diff(curve) >= 0).all() and len(curve) == len(bench.eval_curve(runs["rvge"][0])[0])
+    curve = reports.distance_curve(runs["rvge"][0])
+    assert curve[0] == 0 and (np.diff(curve) >= 0).all() and len(curve) == len(reports.eval_curve(runs["rvge"][0])[0])
 
 
 def check_recast_reversed_quick(tmp_path):
@@ -539,7 +434,7 @@ def test_rvge_joint_quick_in_parallel_processes_resumes_and_marks_partial(tmp_pa
     for a, b in bench.EXPERIMENTS["rvge-joint"].pairs:  # the variants against their parents, paired
         assert f"| {a} − {b} | " in table and f"- {a} vs {b}: " in table
     assert "Along the run" in table and "rvge: weighted" in table and "rvge_fifth: weighted" not in table
-    assert "distance to base" in table and np.isfinite(bench.distance_to_base(by_label["rvge"][0]))
+    assert "distance to base" in table and np.isfinite(reports.distance_to_base(by_label["rvge"][0]))
     assert "- rvge: direction rms per reward" in table and "- nft: direction rms" not in table
     # "matches" as a test: the margin is two noise floors of the pretrained model's in-run evaluation, whose first
     # noise set is the runs' own (so it reproduces their eval_before/*)
@@ -574,7 +469,7 @@ def test_recast_protocol_quick_reports_paired_differences_and_judge_counts(tmp_p
     exp_dir = tmp_path / "recast-protocol"
     assert set(res.runs) == {"A-uniform"} and set(res.runs["A-uniform"]) == {"nft", "uniform", "recast", "recast_prior"}
     prof = json.loads((exp_dir / "profiles.json").read_text())
-    assert prof["names"] == list(bench.PROFILE_CANDIDATES) and np.asarray(prof["s1"]).shape == (
+    assert prof["names"] == list(protocol.PROFILE_CANDIDATES) and np.asarray(prof["s1"]).shape == (
         len(prof["names"]),
         prof["steps"] + 1,
     )
@@ -653,7 +548,7 @@ def test_matched_budgets_are_the_effective_budgets_of_recast_reversed_runs():
                 bench.effective_budgets(row["recast/W"], row["recast/sigmas"])
                 for seed in range(exp.seeds)
                 for row in json.loads(
-                    gzip.open(runs / f"{bench.slug(group + '-' + source)}-seed{seed}.json.gz").read()
+                    gzip.open(runs / f"{reports.slug(group + '-' + source)}-seed{seed}.json.gz").read()
                 )["rows"]
             ]
             typed = np.array([float(b) for b in arms[label].split(",")])
@@ -760,7 +655,7 @@ def test_a_rerun_with_other_settings_or_of_another_world_is_refused_and_replace_
     write_record(committed[5], world="0123456789ab")  # seed 1 of one cell: made on another embedded world
     before = snapshot(tmp_path)
     monkeypatch.setattr(bench, "worker_command", fake_worker())
-    monkeypatch.setattr(bench, "report_rvge_single", lambda res, out: res.banner())
+    monkeypatch.setattr(reports, "report_rvge_single", lambda res, out: res.banner())
     argv = ["rvge-single", "--out", str(tmp_path / "results"), "--seeds", "1", "--iterations", "1", "--jobs", "2"]
     with pytest.raises(SystemExit) as err:
         bench.main(argv)
@@ -780,7 +675,7 @@ def test_a_rerun_with_other_settings_or_of_another_world_is_refused_and_replace_
     moved = {f"results/{exp.name}/set-aside/{aside.name}/{k.rsplit('/', 1)[1]}": v for k, v in before.items()}
     assert {k: v for k, v in snapshot(tmp_path).items() if k in moved} == moved  # every old result kept, unchanged
     now = bench.plan_runs(bench.replace(exp, seeds=1, iterations=1), exp_dir)
-    assert all(bench.flag_value(bench.load_result(r)["settings"], "--iterations") == "1" for r in now)
+    assert all(reports.flag_value(bench.load_result(r)["settings"], "--iterations") == "1" for r in now)
     assert "moved 5 result(s) made differently" in capsys.readouterr().out
 
 
@@ -799,7 +694,7 @@ def test_jobs_from_another_folder_keeps_every_result(tmp_path, monkeypatch):
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     monkeypatch.setattr(bench, "worker_command", fake_worker())
-    monkeypatch.setattr(bench, "report_rvge_joint", lambda res, out: res.banner())
+    monkeypatch.setattr(reports, "report_rvge_joint", lambda res, out: res.banner())
     res = bench.main(["rvge-joint", "--quick", "--jobs", "2", "--out", "res"])
     exp_dir = elsewhere / "res" / "rvge-joint"
     assert not res.missing and len(res.records) == 6 and len(list((exp_dir / "runs").glob("*.json.gz"))) == 6
@@ -905,44 +800,65 @@ def test_one_worlds_section_of_results_md_is_never_replaced_by_anothers(tmp_path
     text += "<!-- END x -->\n"
     md.write_text(text)
     with pytest.raises(SystemExit, match="holds tables of embedded world aaa; these results are of world bbb"):
-        bench.write_results_md(md, "x", "`c` (3 runs made at commit abd, embedded world bbb, 2026-12-02):\n\nnew")
+        reports.write_results_md(md, "x", "`c` (3 runs made at commit abd, embedded world bbb, 2026-12-02):\n\nnew")
     assert md.read_text() == text
-    bench.write_results_md(md, "x", "`c` (4 runs made at commit abd, embedded world aaa, 2026-12-02):\n\nnew")
+    reports.write_results_md(md, "x", "`c` (4 runs made at commit abd, embedded world aaa, 2026-12-02):\n\nnew")
     assert "\n\nnew\n<!-- END x -->" in md.read_text() and "old" not in md.read_text()
 
 
-def test_every_generated_section_of_results_md_regenerates_unchanged(tmp_path, monkeypatch):
-    """Each <!-- BEGIN ... --> section of RESULTS.md, rebuilt by its --tables-only command from the committed results
-    alone (a copy of them: the tables, figures and RESULTS.md here are not touched), is the same text, and so is each
-    table.md: no generated number is stale, and an earlier world's sections (world-amp0.3/...) regenerate without
-    --results-md. ~40 s on one core."""
-    here = Path(bench.__file__).resolve().parent
-    text = (here / "RESULTS.md").read_text()
-    markers = re.findall(r"^<!-- BEGIN (\S+) -->$", text, flags=re.M)
-    assert markers and len(markers) == len(set(markers))
-    roots = {m.rpartition("/")[0] for m in markers}
-    for root in roots:  # each experiment folder of a marker, and each root's profiles (read by recast-protocol)
-        for name in {m.rpartition("/")[2] for m in markers if m.rpartition("/")[0] == root} | {bench.PROFILES_DIR}:
-            if (here / "results" / root / name).is_dir():
-                shutil.copytree(here / "results" / root / name, tmp_path / "results" / root / name)
-    shutil.copyfile(here / "RESULTS.md", tmp_path / "RESULTS.md")
-    monkeypatch.setattr(bench, "HERE", tmp_path)
-    for marker in sorted(markers, key=lambda m: "-B" not in m):  # setting B's summary first: A's report reads it
+def generated_sections(here: Path) -> dict:
+    """{Markdown file: its generated sections' markers} for every Markdown file under `here` (experiments/) that has
+    any: the results folders' README.md."""
+    found = {}
+    for md in sorted(here.rglob("*.md")):
+        if not {"work", "set-aside"} & set(md.relative_to(here).parts):
+            if markers := re.findall(r"^<!-- BEGIN (\S+) -->$", md.read_text(), flags=re.M):
+                found[md] = markers
+    return found
+
+
+def test_every_generated_file_regenerates_unchanged(tmp_path, monkeypatch):
+    """Each generated section (<!-- BEGIN ... --> in any Markdown file under experiments/: each results folder's
+    README.md), rebuilt by the --tables-only command it names from a copy of the committed results alone (the files
+    here are not touched), is the same text, and so is each table.md: no generated number is stale. Every committed
+    experiment (a results folder of an experiment with result files) has a section, so none goes unchecked, and an
+    earlier world's sections (world-amp0.3/...) regenerate too. ~80 s on one core."""
+    here = Path(bench.__file__).resolve().parent  # experiments/
+    files = generated_sections(here)
+    markers = [(md, m) for md, found in files.items() for m in found]
+    assert markers and len({m for _, m in markers}) == len(markers), "no generated section, or one named twice"
+    committed = {
+        p.parent.parent.relative_to(here / "results").as_posix()
+        for p in (here / "results").rglob("runs/*.json.gz")
+        if p.parent.parent.name in bench.EXPERIMENTS and "set-aside" not in p.parts
+    }
+    assert committed and committed <= {m for _, m in markers}, f"committed results without a section: {committed}"
+    copy = tmp_path / "experiments"  # the project's layout: commands name --out relative to the project folder
+    for _, marker in markers:  # each experiment folder of a marker, and its root's profiles (read by recast-protocol)
+        root = marker.rpartition("/")[0]
+        for name in (marker.rpartition("/")[2], bench.PROFILES_DIR):
+            source = here / "results" / root / name
+            if source.is_dir() and not (copy / "results" / root / name).exists():
+                shutil.copytree(source, copy / "results" / root / name, ignore=shutil.ignore_patterns("work"))
+    for md in files:
+        shutil.copyfile(md, copy / md.relative_to(here))
+    monkeypatch.setattr(bench, "HERE", copy)
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    for md, marker in sorted(markers, key=lambda x: "-B" not in x[1]):  # setting B's summary first: A's report reads it
         root, _, name = marker.rpartition("/")
-        command = re.search(
-            r"`python experiments/bench\.py (.+?) --tables-only`", section(text, marker)
-        )  # the one it names
+        command = re.search(r"`python experiments/bench\.py (.+?) --tables-only`", section(md.read_text(), marker))
         assert command and command[1].split()[0] == name, f"section {marker} names no --tables-only command"
         argv = command[1].split() + ["--tables-only"]
         if "--out" in argv:
             argv[argv.index("--out") + 1] = str(tmp_path / argv[argv.index("--out") + 1])
         bench.main(argv)
         table = Path("results", root, name, "table.md")
-        assert (tmp_path / table).read_text() == (here / table).read_text(), f"{table} is stale: rebuild it"
-    new = (tmp_path / "RESULTS.md").read_text()
-    stale = [m for m in markers if section(new, m) != section(text, m)]
-    assert not stale, f"RESULTS.md sections not what their commands make: {stale}; rerun them with --tables-only"
-    assert new == text
+        assert (copy / table).read_text() == (here / table).read_text(), f"{table} is stale: rebuild it"
+    for md, found in files.items():
+        old, new = md.read_text(), (copy / md.relative_to(here)).read_text()
+        stale = [m for m in found if section(new, m) != section(old, m)]
+        assert not stale, f"{md}: sections not what their commands make: {stale}; rerun them with --tables-only"
+        assert new == old, f"{md}: the text around its sections changed in a rebuild"
 
 
 def section(text, marker):
@@ -964,7 +880,7 @@ def test_results_md_markers_that_do_not_pair_up_are_refused(text, tmp_path):
     md.write_text(text)
     for _ in range(2):
         with pytest.raises(SystemExit, match=f"{md}: the section's markers do not pair up \\(<!-- BEGIN nft-steps -->"):
-            bench.write_results_md(md, "nft-steps", "new table")
+            reports.write_results_md(md, "nft-steps", "new table")
         assert md.read_text() == text
     with pytest.raises(SystemExit, match="do not pair up"):  # and before any run
         bench.main(["nft-steps", "--tables-only", "--out", str(tmp_path / "res"), "--results-md", str(md)])
@@ -1030,7 +946,7 @@ def test_a_damaged_or_older_result_is_named_and_the_rest_carry_on(tmp_path, monk
     def report_needing_eval(res, out):
         return res.banner() + [str(sum(rows[-1]["eval/weighted"] for rows in res.runs["grain"]["nft"].values()))]
 
-    monkeypatch.setattr(bench, "report_rvge_single", report_needing_eval)
+    monkeypatch.setattr(reports, "report_rvge_single", report_needing_eval)
     path = folder / "grain_nft-seed1.json.gz"
     record = json.loads(gzip.decompress(path.read_bytes()))
     record["rows"] = [{k: v for k, v in m.items() if k != "eval/weighted"} for m in record["rows"]]
@@ -1041,7 +957,7 @@ def test_a_damaged_or_older_result_is_named_and_the_rest_carry_on(tmp_path, monk
     # the experiment itself: the four damaged results set aside unchanged, only their runs redone
     before = snapshot(tmp_path)
     monkeypatch.setattr(bench, "worker_command", fake_worker())
-    monkeypatch.setattr(bench, "report_rvge_single", lambda res, out: res.banner())
+    monkeypatch.setattr(reports, "report_rvge_single", lambda res, out: res.banner())
     res = bench.main(["rvge-single", "--out", str(tmp_path), "--jobs", "2"])
     out = capsys.readouterr().out
     aside = next((exp_dir / "set-aside").iterdir())
@@ -1063,13 +979,13 @@ def test_profiles_and_final_evaluations_are_never_replaced_silently(tmp_path, ca
     one, it is moved to set-aside/ and evaluated anew)."""
     path = tmp_path / "profiles.json"
     path.write_text(
-        json.dumps({"names": list(bench.PROFILE_CANDIDATES), "iterations": 192, "prompts": 8, "world": "x"})
+        json.dumps({"names": list(protocol.PROFILE_CANDIDATES), "iterations": 192, "prompts": 8, "world": "x"})
     )
     before = snapshot(tmp_path)
     with pytest.raises(
         SystemExit, match="profiles.json holds profiles measured differently \\(iterations 192 there, 2"
     ):
-        bench.measure_profiles(tmp_path, iterations=2, prompts=1)
+        protocol.measure_profiles(tmp_path, iterations=2, prompts=1)
     assert snapshot(tmp_path) == before
     exp = bench.quick_version(bench.EXPERIMENTS["recast-protocol"])
     run = bench.plan_runs(exp, tmp_path)[0]
@@ -1080,7 +996,7 @@ def test_profiles_and_final_evaluations_are_never_replaced_silently(tmp_path, ca
     pretrained = {"checkpoint": "pretrained", "n": n, "scores": {"1": {}}}
     (tmp_path / "runs" / "pretrained.final.json").write_text(json.dumps(pretrained))
     before = snapshot(tmp_path)
-    assert bench.final_evals([run], tmp_path, exp.final_noises) == {"pretrained": {"1": {}}}
+    assert protocol.final_evals([run], tmp_path, exp.final_noises) == {"pretrained": {"1": {}}}
     assert f"warning: {final_eval}: not JSON" in capsys.readouterr().out
     assert snapshot(tmp_path) == before
 
@@ -1115,3 +1031,112 @@ def test_killing_bench_outright_leaves_no_run_behind(tmp_path):
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
     assert not runs_alive, "a run outlived bench.py"
+
+
+# -----------------------------------------------------------------------------
+# Rebuilds never lose results (issue 47: each fault injected, the files compared before and after)
+# -----------------------------------------------------------------------------
+
+
+def must_not_run(run):
+    raise AssertionError(f"{run.run_id}: nothing may run here")
+
+
+def test_a_rebuild_reads_every_committed_seed_or_refuses(tmp_path, monkeypatch, capsys):
+    """47.1: rvge-drift holds 8 seeds where the experiment plans 5. `--tables-only` read 5 and rewrote table.md, the
+    figure and the section from 30 of its 48 results without a word, and so did the full command, which had nothing
+    to run. Now --tables-only reads every committed seed (the committed files, byte for byte), and a run, or --seeds
+    below the committed seeds, is refused before anything runs or changes, naming the seeds and the flag."""
+    copy = tmp_path / "experiments"  # a copy of the committed folder, where the default --out writes its section
+    shutil.copytree(bench.HERE / "results" / "rvge-drift", copy / "results" / "rvge-drift")
+    monkeypatch.setattr(bench, "HERE", copy)
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    monkeypatch.setattr(bench, "worker_command", must_not_run)
+    monkeypatch.setattr(bench, "run_in_process", must_not_run)
+    exp_dir = copy / "results" / "rvge-drift"
+    before = snapshot(exp_dir)
+    for argv in (["rvge-drift"], ["rvge-drift", "--jobs", "2"], ["rvge-drift", "--tables-only", "--seeds", "2"]):
+        with pytest.raises(SystemExit, match="holds results of these settings at seeds 0-7; .*Pass --seeds 8 to read"):
+            bench.main(argv)
+        assert snapshot(exp_dir) == before
+    res = bench.main(["rvge-drift", "--tables-only"])
+    assert "rvge-drift: reading every committed seed, 0-7 (--seeds 8)" in capsys.readouterr().out
+    assert len(res.records) == 48 and not res.missing and snapshot(exp_dir) == before
+    res = bench.main(["rvge-drift", "--seeds", "8", "--jobs", "2"])  # every run there: nothing runs, nothing changes
+    assert len(res.records) == 48 and snapshot(exp_dir) == before
+
+
+def test_a_second_bench_on_the_same_experiment_is_refused_naming_the_first(tmp_path, monkeypatch):
+    """47.2: two bench.py on one experiment both ran its runs and both exited 1, reporting failed runs that existed.
+    Now the second is refused before it reads or writes anything, naming the process that holds the experiment (runs
+    and --tables-only alike); a holder killed outright (SIGKILL) leaves its file but no lock."""
+    exp_dir = tmp_path / "nft-steps"
+    holder_code = (
+        "import sys, time\nfrom pathlib import Path\nfrom experiments import bench\n"
+        "with bench.experiment_lock(Path(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(120)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(bench.ROOT)}
+    command = [sys.executable, "-c", holder_code, str(exp_dir)]
+    holder = subprocess.Popen(command, cwd=bench.ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    monkeypatch.setattr(bench, "worker_command", fake_worker())
+    monkeypatch.setattr(reports, "report_nft_steps", lambda res, out: res.banner())
+    argv = ["nft-steps", "--quick", "--jobs", "2", "--out", str(tmp_path)]
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = snapshot(tmp_path)
+        for extra in ([], ["--tables-only"]):
+            with pytest.raises(
+                SystemExit, match=f"nft-steps is in use by another bench.py \\(pid {holder.pid}, since "
+            ):
+                bench.main(argv + extra)
+            assert snapshot(tmp_path) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (exp_dir / bench.LOCK).exists()  # the killed holder's file stays; its lock went with it
+    res = bench.main(argv)
+    assert len(res.records) == 2 and not res.missing and not (exp_dir / bench.LOCK).exists()
+
+
+def test_an_incomplete_result_is_named_and_marked_partial(tmp_path, capsys):
+    """47.3: a result with a metric removed (from every row, or from its last evaluation only) dropped out of that
+    metric's cells and curves, and a run whose final evaluation was deleted (no checkpoint to redo it) out of every
+    final table, with no warning and no partial mark. Now each is named with what it lacks, on the console and in
+    the table (PARTIAL); the result files are not touched."""
+    exp_dir = tmp_path / "rvge-single"
+    shutil.copytree(bench.HERE / "results" / "rvge-single" / "runs", exp_dir / "runs")
+
+    def drop(name, key, last_only=False):
+        path = exp_dir / "runs" / name
+        record = json.loads(gzip.decompress(path.read_bytes()))
+        rows = record["rows"]
+        record["rows"] = [
+            {k: v for k, v in m.items() if k != key} if not last_only or i == len(rows) - 1 else m
+            for i, m in enumerate(rows)
+        ]
+        path.write_bytes(gzip.compress(json.dumps(record).encode()))
+        return sum(key in m for m in (rows[-1:] if last_only else rows)), len(rows)
+
+    lost, n = drop("grain_rvge-seed2.json.gz", "eval/judge/frechet")
+    drop("texture_nft-seed1.json.gz", "eval/weighted", last_only=True)
+    before = snapshot(exp_dir / "runs")
+    res = bench.main(["rvge-single", "--tables-only", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    first = f"grain_rvge-seed2: lacks eval/judge/frechet at {lost} of its {n} rows"
+    second = f"texture_nft-seed1: lacks eval/weighted at 1 of its {n} rows"
+    assert f"warning: {exp_dir / 'runs' / 'grain_rvge-seed2.json.gz'}: {first.split(': ')[1]}" in out
+    assert f"warning: {exp_dir / 'runs' / 'texture_nft-seed1.json.gz'}: {second.split(': ')[1]}" in out
+    table = (exp_dir / "table.md").read_text()
+    assert f"**PARTIAL: 2 result(s) incomplete** ({first}; {second})" in table
+    assert len(res.records) == 20 and snapshot(exp_dir / "runs") == before
+
+    exp_dir = tmp_path / "recast-reversed"  # the final evaluation of one run deleted, and no run folder to redo it
+    shutil.copytree(bench.HERE / "results" / "recast-reversed" / "runs", exp_dir / "runs")
+    (exp_dir / "runs" / "A_uniform_reversed-seed3.final.json").unlink()
+    before = snapshot(exp_dir / "runs")
+    bench.main(["recast-reversed", "--tables-only", "--out", str(tmp_path)])
+    gone = "no final evaluation (A_uniform_reversed-seed3.final.json missing, no checkpoint to redo it)"
+    assert f"warning: {exp_dir / 'runs' / 'A_uniform_reversed-seed3.json.gz'}: {gone}" in capsys.readouterr().out
+    table = (exp_dir / "table.md").read_text()
+    assert f"**PARTIAL: 1 result(s) incomplete** (A_uniform_reversed-seed3: {gone})" in table
+    assert "| reversed | 7 |" in table and snapshot(exp_dir / "runs") == before

@@ -1,13 +1,13 @@
 """The full held-out evaluation of single-reward DiffusionNFT runs against the pretrained model (the gate's third
-part): every held-out caption x --noises noises, at each of bench.EVAL_SEEDS (the same images for every model),
-with bench.py's own `final_eval_images` (Euler ODE, 10 steps, the LoRA "default" of the run's last checkpoint).
+part): every held-out caption x --noises noises, at each of protocol.EVAL_SEEDS (the same images for every model),
+with protocol.py's own `final_eval_images` (Euler ODE, 10 steps, the LoRA "default" of the run's last checkpoint).
 
     OMP_NUM_THREADS=1 python experiments/results/late-reward/final_eval.py --reward texture_soft \
         --runs experiments/results/late-reward/work/runs/texture_soft-nft-{0,1,2} [--noises 8] [--out FILE.json]
 
 Per model and evaluation seed: the mean of every reward in --scores and of the CNN judge (shapes_world.judge_cnn)
 over the images. Per run (training seed): its mean minus the pretrained model's on the same images (paired), then
-bench.mean_ci over the training seeds (a 95% t interval). The evaluation's noise floor: each model's mean on the
+stats.mean_ci over the training seeds (a 95% t interval). The evaluation's noise floor: each model's mean on the
 first evaluation seed minus its mean on the second (same weights, other noise), the largest |difference| over the
 models. Images are cached per model in --cache (keyed by the checkpoint) so that a second reward reuses them.
 """
@@ -21,7 +21,8 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
-from experiments import bench  # noqa: E402
+from experiments import protocol  # noqa: E402
+from kit import stats  # noqa: E402
 from world import shapes_world  # noqa: E402
 
 SCORES = ("texture", "grain", "texture_soft", "texture_along", "texture_lines", "lines_along", "saturation", "geneval")
@@ -46,7 +47,7 @@ def scores_of(images, prompts, names):
 
 def gate_table(out: dict) -> str:
     """The gate's table from a result of `main` (its means, paired differences and noise floors): each metric, the
-    pretrained model, each run, run − pretrained over seeds (bench.fmt_ci: t interval, p; N80 when unresolved, no
+    pretrained model, each run, run − pretrained over seeds (stats.fmt_ci: t interval, p; N80 when unresolved, no
     correction: each metric is read on its own) and the largest same-weights difference between the two noise sets."""
     s1, s2 = (str(s) for s in out["eval_seeds"])
     mean = out["means"]
@@ -62,7 +63,7 @@ def gate_table(out: dict) -> str:
     for m, p in out["paired"].items():
         per = ", ".join(f"{mean[lbl][s1][m]:.4f}" for lbl in runs)
         lines.append(
-            f"| {m} | {mean['pretrained'][s1][m]:.4f} | {per} | {bench.fmt_ci(p['mean'], p['lo'], p['hi'], p['n'])} | "
+            f"| {m} | {mean['pretrained'][s1][m]:.4f} | {per} | {stats.fmt_ci(p['mean'], p['lo'], p['hi'], p['n'])} | "
             f"{out['noise_floor'][m]:.4f} |"
         )
     return "\n".join(lines)
@@ -95,17 +96,17 @@ def main(argv=None):
         key = "pretrained" if ckpt is None else f"{Path(ckpt).parents[1].name}-{ckpt.name}"
         path = cache / f"{key}-n{a.noises}.json"
         cached = json.loads(path.read_text()) if path.is_file() else {}
-        if all(k in cached.get(str(s), {}) for s in bench.EVAL_SEEDS for k in names + ["judge/cnn"]):
+        if all(k in cached.get(str(s), {}) for s in protocol.EVAL_SEEDS for k in names + ["judge/cnn"]):
             results[label] = cached
             continue
         state = None if ckpt is None else torch.load(ckpt / "state.pt", weights_only=False)["lora"]["default"]
-        for seed in bench.EVAL_SEEDS:
-            images = bench.final_eval_images(pipe, state, prompts, seed)
+        for seed in protocol.EVAL_SEEDS:
+            images = protocol.final_eval_images(pipe, state, prompts, seed)
             cached[str(seed)] = scores_of(images, prompts, names)
         path.write_text(json.dumps(cached))
         results[label] = cached
         print(f"evaluated {label}", flush=True)
-    s1, s2 = (str(s) for s in bench.EVAL_SEEDS)
+    s1, s2 = (str(s) for s in protocol.EVAL_SEEDS)
     metrics = names + ["judge/cnn"]
     mean = {lbl: {s: {m: float(np.nanmean(r[s][m])) for m in metrics} for s in (s1, s2)} for lbl, r in results.items()}
     runs = [lbl for lbl in results if lbl != "pretrained"]
@@ -116,7 +117,7 @@ def main(argv=None):
         "checkpoints": {lbl: str(c) for lbl, c in models.items() if c is not None},
         "images_per_seed": len(prompts),
         "noises": a.noises,
-        "eval_seeds": list(bench.EVAL_SEEDS),
+        "eval_seeds": list(protocol.EVAL_SEEDS),
         "means": mean,
         "paired": {},
         "noise_floor": {},
@@ -124,7 +125,7 @@ def main(argv=None):
     for m in metrics:
         d = [mean[lbl][s1][m] - mean["pretrained"][s1][m] for lbl in runs]
         d2 = [mean[lbl][s2][m] - mean["pretrained"][s2][m] for lbl in runs]
-        mm, lo, hi, n = bench.mean_ci(d)
+        mm, lo, hi, n = stats.mean_ci(d)
         out["paired"][m] = {"per_seed": d, "per_seed_eval2": d2, "mean": mm, "lo": lo, "hi": hi, "n": n}
         out["noise_floor"][m] = max(abs(mean[lbl][s1][m] - mean[lbl][s2][m]) for lbl in results)
     out["table"] = gate_table(out)

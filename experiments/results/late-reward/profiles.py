@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python experiments/results/late-reward/profiles.py REWARDS [ITERATIONS [SUBFOLDER]]
 
-bench.measure_profiles (recast.py's own rotated-tree rollouts, no update; the code path of
+protocol.measure_profiles (recast.py's own rotated-tree rollouts, no update; the code path of
 results/world-design/profiles192) with ITERATIONS (default 192) x 8 prompt groups, i.e. ITERATIONS groups per inner
 level, for the comma-separated REWARDS; writes SUBFOLDER/profiles.json (the statistics; also a --gain-init file) and
 SUBFOLDER/profiles.md: per reward the share of D(0) decided at each level with its standard error (both / D(0)), and
@@ -17,13 +17,13 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
-from experiments import bench  # noqa: E402
+from experiments import protocol  # noqa: E402
 
 names = tuple(sys.argv[1].split(","))
 iterations = int(sys.argv[2]) if len(sys.argv) > 2 else 192
 out = HERE / (sys.argv[3] if len(sys.argv) > 3 else "profiles")
 t0 = time.time()
-prof = bench.measure_profiles(out, names=names, iterations=iterations)
+prof = protocol.measure_profiles(out, names=names, iterations=iterations)
 sig, D, se, n = (np.asarray(prof[k]) for k in ("sigmas", "D", "se", "n"))
 levels = [j for j in range(1, len(sig)) if n[j] >= 2]
 gate = min(levels, key=lambda j: abs(sig[j] - 0.46))

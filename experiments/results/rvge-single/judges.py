@@ -3,7 +3,7 @@
     python experiments/results/rvge-single/judges.py > experiments/results/rvge-single/judges.txt
 
 Per reward and method: each seed's last held-out evaluation of the reward, the CNN judge and the Fréchet distance
-(lower is better), and the paired RVGE − NFT differences with bench.py's t interval over seeds.
+(lower is better), and the paired RVGE − NFT differences with kit/stats.py's t interval over seeds.
 """
 
 import gzip
@@ -13,14 +13,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
-from experiments import bench  # noqa: E402
+from experiments import bench, reports  # noqa: E402
+from kit import stats  # noqa: E402
 
 METRICS = ("eval/weighted", "eval/judge/cnn", "eval/judge/frechet")
 
 
 def last_eval(path):
     rows = json.loads(gzip.open(path).read())["rows"]
-    return {m: bench.final(rows, m) for m in METRICS}
+    return {m: reports.final(rows, m) for m in METRICS}
 
 
 for reward in (bench.SMOOTH_REWARD, bench.DISCRETE_REWARD):
@@ -39,9 +40,9 @@ for reward in (bench.SMOOTH_REWARD, bench.DISCRETE_REWARD):
     print("\n| rvge − nft | " + " | ".join(METRICS) + " |")
     print("|---|" + "---|" * len(METRICS))
     diffs = [
-        bench.fmt_ci(
-            *bench.mean_ci(
-                bench.paired({s: v[m] for s, v in finals["rvge"].items()}, {s: v[m] for s, v in finals["nft"].items()})
+        stats.fmt_ci(
+            *stats.mean_ci(
+                stats.paired({s: v[m] for s, v in finals["rvge"].items()}, {s: v[m] for s, v in finals["nft"].items()})
             )
         )
         for m in METRICS

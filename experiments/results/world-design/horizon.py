@@ -2,7 +2,7 @@
 
     python experiments/results/world-design/horizon.py PROFILES.json REWARDS BUDGETS [--late NAME] [--out FILE.json]
 
-The measured level statistics (n, s1, s2 of bench.measure_profiles, n groups per level) are rescaled to n'
+The measured level statistics (n, s1, s2 of protocol.measure_profiles, n groups per level) are rescaled to n'
 observations per level (same means and per-group variances, standard errors sqrt(n / n') larger), then W is built
 as recast.py builds it (level_curves -> credit_profiles (evidence c = 2) -> solve_W at the default tau, eps). For
 each n' it reports the evidence rho of every reward, max |K T W / Lam - 1| and the late reward's W over the last

@@ -2,9 +2,9 @@
 
     OMP_NUM_THREADS=1 python experiments/results/world-design/profiles_pretrained.py [ITERATIONS [SUBFOLDER]]
 
-bench.measure_profiles (recast.py's own rotated-tree rollouts, no update) with ITERATIONS (default 96) x 8 prompt
+protocol.measure_profiles (recast.py's own rotated-tree rollouts, no update) with ITERATIONS (default 96) x 8 prompt
 groups, i.e. ITERATIONS groups per inner level; writes experiments/results/world-design/profiles.json (the statistics; also a
---gain-init file) and profiles.md: bench.profile_table and, per reward, the share of D(0) decided at each level
+--gain-init file) and profiles.md: protocol.profile_table and, per reward, the share of D(0) decided at each level
 with its standard error (both / D(0)).
 """
 
@@ -16,16 +16,16 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
-from experiments import bench  # noqa: E402
+from experiments import bench, protocol  # noqa: E402
 from world import shapes_world  # noqa: E402
 
 iterations = int(sys.argv[1]) if len(sys.argv) > 1 else 96
 out = HERE / sys.argv[2] if len(sys.argv) > 2 else HERE  # a sub-folder for a second measurement
 t0 = time.time()
-prof = bench.measure_profiles(out, iterations=iterations)
+prof = protocol.measure_profiles(out, iterations=iterations)
 sig, D, se, n = (np.asarray(prof[k]) for k in ("sigmas", "D", "se", "n"))
 levels = [j for j in range(1, len(sig)) if n[j] >= 2]
-lines = bench.profile_table(prof)
+lines = protocol.profile_table(prof, bench.SETTINGS)
 lines += [
     f"## Share of D(0) decided at each level, the default rewards first ({int(n[1])} groups per inner level; "
     f"measured in {(time.time() - t0) / 60:.1f} min)",

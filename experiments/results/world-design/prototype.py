@@ -5,7 +5,7 @@
 
 Builds a reduced world (shapes_world.build into /tmp/proto_<KIND><AMP>, its evaluation cut to 64
 held-out prompts), copies its pipeline into assets/shapes-sd3 (restore with `git checkout assets/`),
-measures bench.measure_profiles on it (I iterations x 8 prompt groups) and writes
+measures protocol.measure_profiles on it (I iterations x 8 prompt groups) and writes
 results/world-design/proto_<KIND><AMP>.json: the build metrics, the VAE's texture round trip and the
 profiles' share of D(0) decided at each level.
 """
@@ -69,10 +69,10 @@ for what, ims in (("gt", gt), ("vae", recs), ("gen", gen)):
     rt[f"{what}_strict"] = float(sw.REWARDS["geneval_strict"](ims, pp).mean())
 shutil.rmtree(sw.PIPELINE_DIR)
 shutil.copytree(out / "shapes-sd3", sw.PIPELINE_DIR)
-from experiments import bench  # noqa: E402
+from experiments import protocol  # noqa: E402
 
 exp = out / "profiles"
-prof = bench.measure_profiles(exp, names=NAMES, iterations=a.iterations)
+prof = protocol.measure_profiles(exp, names=NAMES, iterations=a.iterations)
 sig, D, se, n = (np.asarray(prof[k]) for k in ("sigmas", "D", "se", "n"))
 levels = [j for j in range(1, len(sig)) if n[j] >= 2]
 share = {
