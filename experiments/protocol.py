@@ -103,7 +103,9 @@ def measure_profiles(exp_dir: Path, names=PROFILE_CANDIDATES, iterations=48, pro
             print(f"--replace-results: moved {path} ({differ}) to {where}", flush=True)
     import torch
 
+    import nft
     import recast
+    from kit import run_kit
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -128,8 +130,8 @@ def measure_profiles(exp_dir: Path, names=PROFILE_CANDIDATES, iterations=48, pro
         run = recast.setup_run(args)
         sigmas, stats = run.sigmas.double().numpy(), None
         for it in range(iterations):
-            b = recast.rollout_and_score(run, args, it, recast.iteration_generator(seed, it))
-            r = recast.optimality(b.R, b.groups, std=recast.global_stats(b.R, run.reduce)[2])
+            b = nft.rollout_and_score(run, args, it, run_kit.iteration_generator(seed, it))
+            r = nft.optimality(b.R, b.groups, std=nft.global_stats(b.R, run.reduce)[2])
             new = recast.level_observations(r, b.groups, b.ancestry, b.layouts, args.steps)
             stats = list(new) if stats is None else [a + c for a, c in zip(stats, new)]
     finally:
@@ -275,7 +277,7 @@ def final_eval_images(pipe, transformer_state, prompts, seed, steps=10):
     import torch
     from peft.utils import set_peft_model_state_dict
 
-    import recast
+    import nft
     from kit import run_kit
 
     tr = pipe.transformer
@@ -285,16 +287,16 @@ def final_eval_images(pipe, transformer_state, prompts, seed, steps=10):
         tr.enable_adapters()
         set_peft_model_state_dict(tr, transformer_state, adapter_name="default")
         tr.set_adapter("default")
-    emb, pooled = recast.encode(pipe, prompts, shapes_world.GEN_KWARGS["max_sequence_length"], "cpu")
+    emb, pooled = run_kit.encode(pipe, prompts, shapes_world.GEN_KWARGS["max_sequence_length"], "cpu")
     shape = (
         tr.config.in_channels,
         shapes_world.RES // pipe.vae_scale_factor,
         shapes_world.RES // pipe.vae_scale_factor,
     )
     with torch.no_grad():
-        latents = recast.ode_sample(tr, emb, pooled, run_kit.scheduler_sigmas(pipe, steps), shape, seed)
+        latents = nft.ode_sample(tr, emb, pooled, run_kit.scheduler_sigmas(pipe, steps), shape, seed)
     tr.enable_adapters()
-    return recast.decode(pipe, latents)
+    return run_kit.decode(pipe, latents)
 
 
 def final_scores(images, prompts):

@@ -633,6 +633,7 @@ def measure_eval_floor(exp, exp_dir: Path, noises=EVAL_FLOOR_NOISES) -> dict:
     import importlib
     import tempfile
 
+    import nft
     from kit import run_kit
 
     script = importlib.import_module(cell.script)
@@ -645,7 +646,7 @@ def measure_eval_floor(exp, exp_dir: Path, noises=EVAL_FLOOR_NOISES) -> dict:
         try:
             for seed in seeds:
                 run_kit.EVAL_SEED = seed
-                for m, v in run_kit.evaluate(run, args, script.ode_sample)[0].items():
+                for m, v in run_kit.evaluate(run, args, nft.ode_sample)[0].items():
                     values.setdefault(m, []).append(float(v))
         finally:
             run_kit.EVAL_SEED = default
