@@ -1,6 +1,6 @@
 """Experiments on the embedded model, one command each: DiffusionNFT vs ReCAST vs DiffusionRVGE.
 
-    python experiments/bench.py multi            # today's side-by-side benchmark: 6 methods x 2 budget vectors
+    python experiments/bench.py multi            # side by side: 6 methods x 2 budget vectors (not run on this world)
     # single reward (one smooth, one discrete): RVGE vs DiffusionNFT, speed-up
     python experiments/bench.py rvge-single
     python experiments/bench.py rvge-joint       # all five world rewards: RVGE vs NFT at equal compute and at 1/5 of it
@@ -25,18 +25,22 @@
 An experiment is data (`EXPERIMENTS`): a list of cells, each (script, extra flags, label, group),
 plus iterations, prompt groups per iteration, held-out evaluation cadence and seeds. Every cell
 runs once per seed; the seed alone fixes the prompts and the noise, so runs with the same seed
-are paired across cells, and every interval below is over seeds of paired differences (t, 95%) with its paired-t p.
-Each table says its multiple-comparison correction: Holm's (`holm`) over the comparisons read together (e.g. every
-cell x comparison of one metric), or none where a table is read as a curve. An unresolved difference also prints
-`N80 N`: the seeds a paired t test at alpha 0.05 needs for 80% power (`seeds_for_power`, noncentral t) at the larger
-of the observed difference and two noise floors of one evaluation where that floor is measured (`effect_of_interest`),
-at the measured sd. The preference judge is summarised per seed as the mean of sigmoid(score difference), with an
-interval on the logit scale (inside (0, 1)); times to reach a level count the runs that never reach it as censored
-(Kaplan-Meier medians, log-rank p); a Fréchet distance is compared only between evaluations of the same N images.
-"Matches" is a test, never an unresolved difference: non-inferiority at a margin of two noise floors of one in-run
-evaluation (`measure_eval_floor`, `non_inferiority`), with the untrained model as the control that shows where the
-margin is too wide to read. This file holds the experiments and their runs; the statistics are `kit/stats.py`'s, the
-tables and figures `reports.py`'s (ReCAST's protocol, with its profiles and final evaluation: `protocol.py`).
+are paired across cells, and every interval below is over seeds of paired differences (t, 95%) with its paired-t p,
+and beside it the exact sign-flip test's p (`sign_flip_p`: no normal model; at 3 / 5 / 8 seeds it cannot go below
+0.25 / 0.0625 / 0.0078, so it tells where a decision rests on the normal model). Each table says its
+multiple-comparison correction: Holm's (`holm`) over the comparisons read together (e.g. every cell x comparison of
+one metric), or none where a table is read as a curve. An unresolved difference also prints `N80 N [low, high]`: the
+seeds a paired t test at alpha 0.05 needs for 80% power (`seeds_for_power`, noncentral t) at the larger of the
+observed difference and two noise floors of one evaluation where that floor is measured (`effect_of_interest`), at
+the measured sd, and over the sd's 95% interval (`seeds_for_power_range`). The preference judge is summarised per
+seed as the mean of sigmoid(score difference), with an interval on the logit scale (inside (0, 1)); times to reach a
+level count the runs that never reach it as censored (Kaplan-Meier medians with a paired bootstrap; the test is the
+paired one of `paired_speedup`, per-seed log ratios); a Fréchet distance is compared only between evaluations of the
+same N images. "Matches" is a test, never an unresolved difference: non-inferiority at a margin of half the lower 95%
+bound of the baseline's own gain over the pretrained model (`gain_margin`, `non_inferiority`; no margin where that
+gain is not resolved), with the untrained model as the control. This file holds the experiments and their runs; the
+statistics are `kit/stats.py`'s, the tables and figures `reports.py`'s (ReCAST's protocol, with its profiles and final
+evaluation: `protocol.py`).
 
 Runs and results. Each (cell, seed) is one run of `recast.py` or `rvge.py` (with --overwrite) in its run folder
 --out/<experiment>/work/<run>/ (checkpoints: large, git-ignored); once it finishes, its result is written to

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +27,9 @@ from experiments.reports import (
     Results,
     better_sign,
     curve_figure,
+    distance_curve,
+    distance_to_base,
+    eval_curve,
     flag_value,
     read_json,
     set_aside,
@@ -34,7 +39,9 @@ from experiments.reports import (
 )
 from kit.stats import (
     ALPHA,
+    adjusted_difference,
     fmt_ci,
+    fmt_exact,
     fmt_share,
     holm,
     mean_ci,
@@ -44,6 +51,7 @@ from kit.stats import (
     pref_share,
     share_logit,
     share_logits,
+    sign_flip_p,
 )
 from world import shapes_world
 
@@ -389,6 +397,23 @@ def final_value(scores: dict, metric: str, names=(), budgets=(), base: dict | No
 # =============================================================================
 
 
+@dataclass
+class CellTables:
+    """What `report_protocol` reads of one group (setting x budgets) of an experiment: its rewards and budgets, the
+    metrics tabled, run ids per label and seed, the final evaluation's `value(label, metric)` and
+    `pref(mine, other)` ({seed: number}), and per comparison (mine, other) the paired differences: `diffs` (mean_ci's
+    tuple per metric, "pref" on the logit scale) and `raw` (the per-seed differences behind them)."""
+
+    names: list
+    budgets: list
+    metrics: list
+    ids: dict
+    value: Callable
+    pref: Callable
+    diffs: dict
+    raw: dict
+
+
 def report_protocol(res: Results, out: Path):
     """Issue 11: per (setting, budget) cell, recast minus each other method, paired by seed, on every
     training reward and judge of the large final evaluation, raw and scale-free, plus the preference
@@ -440,21 +465,25 @@ def report_protocol(res: Results, out: Path):
             if res.exp.pairs
             else [(r, o) for r in ids if r.startswith("recast") for o in ids if not o.startswith("recast")]
         )
-        diffs = {}
+        diffs, raw = {}, {}
         for mine, other in comparisons:
-            diffs[(mine, other)] = {m: mean_ci(paired(value(mine, m), value(other, m))) for m in metrics}
+            raw[(mine, other)] = {m: paired(value(mine, m), value(other, m)) for m in metrics}
+            diffs[(mine, other)] = {m: mean_ci(v) for m, v in raw[(mine, other)].items()}
             shares = (pref(mine, other), pref(mine, other, seed_b))
+            raw[(mine, other)]["pref"] = [share_logit(x) for x in shares[0].values() if np.isfinite(x)]
             diffs[(mine, other)]["pref"] = share_logits(shares[0].values())
             floors.setdefault("pref", []).extend(  # on the logit scale, where the share is tested
                 share_logit(shares[0][s]) - share_logit(shares[1][s]) for s in shares[0] if s in shares[1]
             )
-        cells[group] = (names, budgets, metrics, ids, value, diffs)
+        cells[group] = CellTables(names, budgets, metrics, ids, value, pref, diffs, raw)
     floor_sd = {m: np.std(v, ddof=1) / np.sqrt(2) for m, v in floors.items() if len(v) > 1}
-    family = [(g, c, m) for g, (*_, diffs) in cells.items() for c in diffs for m in diffs[c]]
-    adjusted = {}
+    family = [(g, c, m) for g, t in cells.items() for c in t.diffs for m in t.diffs[c]]
+    adjusted, exact, exact_holm = {}, {}, {}
     for m in dict.fromkeys(k[2] for k in family):  # Holm per metric over every cell x comparison of the experiment
         keys = [k for k in family if k[2] == m]
-        adjusted.update(zip(keys, holm([p_value(*cells[g][5][c][m]) for g, c, _ in keys])))
+        adjusted.update(zip(keys, holm([p_value(*cells[g].diffs[c][m]) for g, c, _ in keys])))
+        exact.update({(g, c, m): sign_flip_p(cells[g].raw[c][m]) for g, c, _ in keys})
+        exact_holm.update(zip(keys, holm([exact[k] for k in keys])))
     n_tests = max((sum(k[2] == m for k in family) for m in {k[2] for k in family}), default=0)
     lines += [
         f"Final evaluation: every held-out caption x {res.exp.final_noises} noises ({n_img} images, Euler ODE, 10 "
@@ -468,12 +497,17 @@ def report_protocol(res: Results, out: Path):
         "spread, budget-weighted; `weighted`: the budget-weighted raw mean.",
         "",
         f"Correction: Holm per metric over every cell x comparison of this experiment ({n_tests} tests per metric); "
-        f"`Holm` is the adjusted p. N80: seeds for 80% power (paired t) at level 0.05 / {n_tests} (Holm's first step) "
-        "and the larger of the observed difference and two noise floors of one evaluation (the table at the end).",
+        "`Holm` is the adjusted p. `exact`: the sign-flip test of the same paired differences (no normal model) and "
+        f"its Holm p over the same family; its smallest p at n seeds is 2 / 2^n ({exact_floor(cells)}), so where the "
+        "t test resolves a difference and the exact test cannot, the decision rests on the normal model. N80: seeds "
+        f"for 80% power (paired t) at level 0.05 / {n_tests} (Holm's first step) and the larger of the observed "
+        "difference and two noise floors of one evaluation (the table at the end), with its range over the sd's 95% "
+        "interval.",
         "",
     ]
     counts = {}
-    for group, (names, budgets, metrics, ids, value, diffs) in cells.items():
+    for group, t in cells.items():
+        names, budgets, metrics, ids, value, diffs = t.names, t.budgets, t.metrics, t.ids, t.value, t.diffs
         lines += [
             f"## setting {group.split('-')[0]} ({', '.join(names)}), budgets {','.join(f'{b:g}' for b in budgets)}",
             "",
@@ -498,20 +532,33 @@ def report_protocol(res: Results, out: Path):
             "|---" * (3 + len(metrics)) + "|",
         ]
         for (mine, other), d in diffs.items():
-            adj = {m: adjusted[(group, (mine, other), m)] for m in d}
+            key = {m: (group, (mine, other), m) for m in d}
+            kw = {
+                m: dict(
+                    floor=floor_sd.get(m),
+                    p_holm=adjusted[key[m]],
+                    family=n_tests,
+                    exact=exact[key[m]],
+                    exact_holm=exact_holm[key[m]],
+                )
+                for m in d
+            }
             lines.append(
                 f"| {mine} − {other} | {max(v[3] for v in d.values())} | "
-                + " | ".join(fmt_ci(*d[m], floor=floor_sd.get(m), p_holm=adj[m], family=n_tests) for m in metrics)
-                + f" | {fmt_share(*d['pref'], floor=floor_sd.get('pref'), p_holm=adj['pref'], family=n_tests)} |"
+                + " | ".join(fmt_ci(*d[m], **kw[m]) for m in metrics)
+                + f" | {fmt_share(*d['pref'], **kw['pref'])} |"
             )
             for m, (mean, lo, hi, n) in d.items():
                 if n == 0:
                     continue
-                c = counts.setdefault((mine, other, m), [0, 0, 0])
+                c = counts.setdefault((mine, other, m), [0, 0, 0, 0, 0])
                 c[2] += 1
                 c[0] += better_sign(m) * mean > 0
-                c[1] += verdict(m, lo, hi) == 1 and adj[m] < ALPHA
+                c[1] += verdict(m, lo, hi) == 1 and adjusted[key[m]] < ALPHA
+                c[3] += verdict(m, lo, hi) == 1 and exact_holm[key[m]] < ALPHA
+                c[4] += verdict(m, lo, hi) == -1 and adjusted[key[m]] < ALPHA
         lines.append("")
+    lines += distance_lines(res, cells)
     lines += [
         "## How far ReCAST's W moved",
         "",
@@ -554,9 +601,17 @@ def report_protocol(res: Results, out: Path):
         "|---|---|---|",
     ]
     lines += [f"| {m} | {sd:.4f} | {len(floors[m])} |" for m, sd in floor_sd.items()]
-    tally = {  # (mine, other, metric) -> [improves, significant after Holm, cells with results, cells planned]
-        key: [int(n), int(sig), int(done), sum(key[0] in by and key[1] in by for by in res.runs.values())]
-        for key, (n, sig, done) in counts.items()
+    tally = {  # (mine, other, metric) -> [improves, significant after Holm, cells with results, cells planned,
+        # significant after Holm of the exact test, significantly worse after Holm]
+        key: [
+            int(n),
+            int(sig),
+            int(done),
+            sum(key[0] in by and key[1] in by for by in res.runs.values()),
+            int(ex),
+            int(w),
+        ]
+        for key, (n, sig, done, ex, w) in counts.items()
     }
     (res.exp_dir / "summary.json").write_text(json.dumps({" | ".join(k): v for k, v in sorted(tally.items())}) + "\n")
     lines += ["", "## Summary", ""] + summary_lines(tally)
@@ -573,7 +628,7 @@ def report_protocol(res: Results, out: Path):
         for tally_of_setting, _ in tallies:
             for text, v in tally_of_setting.items():
                 key = tuple(text.split(" | "))
-                both[key] = [a + b for a, b in zip(both.get(key, [0] * 4), v)]
+                both[key] = [a + b for a, b in zip(both.get(key, [0] * 6), v + [0] * (6 - len(v)))]
         lines += ["", f"## Summary over both settings ({', '.join(res.together)}; Holm within each)", ""]
         lines += summary_lines(both)
     prof_path = res.profiles
@@ -596,12 +651,200 @@ def report_protocol(res: Results, out: Path):
     ]
 
 
+def at_distance(rows, metric, d):
+    """A run's in-run held-out `metric` at distance d from the base model: its evaluations placed on
+    `reports.distance_curve` (the running maximum of `loss/base_reg`, 0 at the pretrained model) and interpolated
+    linearly; NaN past the farthest the run went."""
+    x, y = distance_curve(rows), eval_curve(rows, metric)[2]
+    n = min(len(x), len(y))
+    if n == 0 or not d <= x[n - 1] + 1e-15:
+        return np.nan
+    xu, first = np.unique(x[:n], return_index=True)  # a plateau of the running maximum: its first evaluation
+    return float(np.interp(d, xu, y[:n][first]))
+
+
+def distance_lines(res: Results, cells: dict) -> list[str]:
+    """Markdown: how far each arm moved from the base model, and every comparison read at matched distance (issue 45:
+    the drift confound rvge-drift controls for RVGE). (1) `reports.distance_to_base` per arm; (2) per comparison the
+    distance ratio mine / other (paired log ratio, Holm over the comparisons, t and exact), and the in-run held-out
+    metrics of both runs at the distance both reached (the smaller of their final `distance_curve`s, `at_distance`:
+    the farther run interpolated between its evaluations), `weighted` at the cell's budgets, Holm per metric; (3) the
+    final evaluation's differences with the log distance ratio as a covariate (`adjusted_difference`: an intercept
+    per cell, one slope per comparison), Holm per metric."""
+    dist = {(g, lbl): res.values(g, lbl, distance_to_base) for g, t in cells.items() for lbl in t.ids}
+    comps = [(g, c) for g, t in cells.items() for c in t.diffs]
+    if not comps or not all(np.isfinite(v).all() for d in dist.values() for v in [list(d.values())] if v):
+        return []
+    labels = list(dict.fromkeys(lbl for _, lbl in dist))
+    lines = [
+        "## Distance to the base model, and the comparisons at matched distance",
+        "",
+        "Distance to base: `loss/base_reg` (mean |v_theta - v_base|^2 on the training queries) over each run's last 10 "
+        "iterations, mean ± sd over seeds. A method that moves farther can raise a reward further at the same "
+        "iterations; these tables read each comparison where the two runs have moved equally far.",
+        "",
+        "| cell | " + " | ".join(labels) + " |",
+        "|---" * (1 + len(labels)) + "|",
+    ]
+    for g in cells:
+        lines.append(
+            f"| {g} | "
+            + " | ".join(mean_std(list(dist[(g, lbl)].values()), 5) if (g, lbl) in dist else "" for lbl in labels)
+            + " |"
+        )
+    # (2) distance ratios and in-run metrics at matched distance
+    inrun = {g: [*t.names, "weighted", "judge/cnn", "judge/frechet"] for g, t in cells.items()}
+
+    def matched(g, mine, other, m):
+        t, runs = cells[g], res.runs[g]
+        out = {}
+        for s in sorted(set(runs.get(mine, {})) & set(runs.get(other, {}))):
+            a, b = runs[mine][s], runs[other][s]
+            d = min(distance_curve(a)[-1], distance_curve(b)[-1])
+            if m == "weighted":
+                lam = np.asarray(t.budgets)
+                va = lam @ [at_distance(a, f"eval/{k}", d) for k in t.names] / lam.sum()
+                vb = lam @ [at_distance(b, f"eval/{k}", d) for k in t.names] / lam.sum()
+            else:
+                va, vb = at_distance(a, f"eval/{m}", d), at_distance(b, f"eval/{m}", d)
+            out[s] = va - vb
+        return [v for v in out.values() if np.isfinite(v)]
+
+    ratio = {(g, c): paired(*({s: np.log(v) for s, v in dist[(g, x)].items()} for x in c)) for g, c in comps}
+    r_ci = {k: mean_ci(v) for k, v in ratio.items()}
+    r_holm = dict(zip(comps, holm([p_value(*r_ci[k]) for k in comps])))
+    r_exact = {k: sign_flip_p(v) for k, v in ratio.items()}
+    r_exact_holm = dict(zip(comps, holm([r_exact[k] for k in comps])))
+    cols = list(dict.fromkeys(m for g in cells for m in inrun[g]))
+    at = {(g, c, m): matched(g, *c, m) for g, c in comps for m in inrun[g]}
+    holms = {}
+    for m in cols:
+        keys = [(g, c, m) for g, c in comps if (g, c, m) in at]
+        cis = {k: mean_ci(at[k]) for k in keys}
+        holms.update(
+            {
+                k: (cis[k], h, sign_flip_p(at[k]), e)
+                for k, h, e in zip(
+                    keys, holm([p_value(*cis[k]) for k in keys]), holm([sign_flip_p(at[k]) for k in keys])
+                )
+            }
+        )
+    n_tests = len(comps)
+    lines += [
+        "",
+        f"Distance ratio mine / other: exp of the mean paired log ratio [95% t], Holm over these {n_tests} comparisons "
+        "(t, and the exact sign-flip test). At matched distance: per seed, both runs' in-run held-out evaluation (16 "
+        "prompts, the runs' own) at the distance both reached, the smaller of their final running-maximum distances "
+        "(the farther run interpolated linearly between its evaluations, the nearer one at its end); `weighted` at the "
+        f"cell's budgets; paired over seeds, Holm per metric over these {n_tests} comparisons (t and exact); "
+        "frechet over the in-run set's images (lower is better). Compare with the same in-run metrics at the final "
+        "iteration (the figure's curves), not with the final evaluation's larger tables above.",
+        "",
+        "| difference | distance ratio [95%] | " + " | ".join(f"{m} at matched distance" for m in cols) + " |",
+        "|---" * (2 + len(cols)) + "|",
+    ]
+    for g, c in comps:
+        m, lo, hi, n = r_ci[(g, c)]
+        cells_ = [
+            f"{np.exp(m):.3g} [{np.exp(lo):.3g}, {np.exp(hi):.3g}] (n={n}) Holm {r_holm[(g, c)]:.2g}"
+            f"{fmt_exact(r_exact[(g, c)], r_exact_holm[(g, c)])}"
+        ]
+        for col in cols:
+            if (g, c, col) not in holms:
+                cells_.append("")
+                continue
+            ci, h, e, eh = holms[(g, c, col)]
+            digits = 1 if col == "judge/frechet" else 4
+            cells_.append(fmt_ci(*ci, digits=digits, p_holm=h, family=n_tests, exact=e, exact_holm=eh))
+        lines.append(f"| {g}: {c[0]} − {c[1]} | " + " | ".join(cells_) + " |")
+    # (3) the final evaluation with the log distance ratio as a covariate
+    final_metrics = list(dict.fromkeys(m for t in cells.values() for m in [*t.metrics, "pref"]))
+    fits = {}
+    for c in dict.fromkeys(c for _, c in comps):
+        groups = [g for g, cc in comps if cc == c]
+        for m in final_metrics:
+            y, x, cell = [], [], []
+            for g in groups:
+                t = cells[g]
+                if m != "pref" and m not in t.metrics:
+                    continue
+                ys = (
+                    t.pref(*c)
+                    if m == "pref"
+                    else {s: v - w for s, v in t.value(c[0], m).items() if (w := t.value(c[1], m).get(s)) is not None}
+                )
+                for s, v in ys.items():
+                    if s in dist[(g, c[0])] and s in dist[(g, c[1])]:
+                        y.append(share_logit(v) if m == "pref" else v)
+                        x.append(np.log(dist[(g, c[0])][s] / dist[(g, c[1])][s]))
+                        cell.append(g)
+            if len(set(cell)) and len(y) > len(set(cell)) + 1:
+                fits[(c, m)] = adjusted_difference(y, x, cell)
+    adj_holm = {}
+    for m in final_metrics:
+        keys = [(g, c, m) for g, c in comps if (c, m) in fits and g in fits[(c, m)][0]]
+        adj_holm.update(zip(keys, holm([fits[(c, m)][0][g][3] for g, c, _ in keys])))
+
+    from scipy.special import expit
+
+    def fmt_a(a, m):
+        v, lo, hi, p = a[:4]
+        if not np.isfinite(v):
+            return "n/a"
+        if m == "pref":
+            return f"{expit(v):.3f} [{expit(lo):.3f}, {expit(hi):.3f}] p {p:.2g}"
+        digits = 1 if m == "judge/frechet" else 4
+        return f"{v:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}] p {p:.2g}"
+
+    lines += [
+        "",
+        "The final evaluation with distance as a covariate: per comparison, the per-seed differences of the tables "
+        "above regressed on the per-seed log distance ratio log(mine / other), an intercept per cell and one slope "
+        "(`adjusted_difference`); the intercept is the difference at equal distance [95% t] (pref: the share at "
+        "equal distance, from its logit), Holm per metric over the cells x comparisons. x: the range of the log "
+        "ratios (an intercept outside it is an extrapolation along the slope); slope rows: the change per unit log "
+        "ratio. Normal-model estimates: no exact test is given for a regression here.",
+        "",
+        "| difference at equal distance | x | " + " | ".join(final_metrics) + " |",
+        "|---" * (2 + len(final_metrics)) + "|",
+    ]
+    for c in dict.fromkeys(c for _, c in comps):
+        for g in [g for g, cc in comps if cc == c]:
+            first = next((fits[(c, m)][0][g] for m in final_metrics if (c, m) in fits and g in fits[(c, m)][0]), None)
+            xr = f"[{first[4]:+.2f}, {first[5]:+.2f}]" if first else ""
+            row = [
+                fmt_a(fits[(c, m)][0][g], m) + f" Holm {adj_holm[(g, c, m)]:.2g}"
+                if (c, m) in fits and g in fits[(c, m)][0]
+                else ""
+                for m in final_metrics
+            ]
+            lines.append(f"| {g}: {c[0]} − {c[1]} | {xr} | " + " | ".join(row) + " |")
+        slopes = [fits[(c, m)][1] if (c, m) in fits else None for m in final_metrics]
+        lines.append(
+            f"| slope, {c[0]} − {c[1]} | | "
+            + " | ".join(
+                f"{b[0]:+.4g} [{b[1]:+.4g}, {b[2]:+.4g}] p {b[3]:.2g}" if b and np.isfinite(b[0]) else ""
+                for b in slopes
+            )
+            + " |"
+        )
+    return lines + [""]
+
+
+def exact_floor(cells) -> str:
+    """ "3 seeds: 0.25" / "8 seeds: 0.0078": the smallest two-sided p the sign-flip test can give at each seed count
+    of the experiment's comparisons."""
+    ns = sorted({v[3] for t in cells.values() for d in t.diffs.values() for v in d.values() if v[3] > 1})
+    return "; ".join(f"{n} seeds: {2 / 2**n:.2g}" for n in ns) or "no comparison"
+
+
 def summary_lines(tally: dict) -> list[str]:
     """Markdown bullets: per (method, other, judge or summary metric) "improves ... in n of N cells (significant
-    after Holm in m)", from tally[(mine, other, metric)] = [improves, significant, cells with results, cells
-    planned]."""
+    after Holm in m; by the exact test in e; significantly worse in w)", from tally[(mine, other, metric)] =
+    [improves, significant, cells with results, cells planned, significant by the exact test, significantly worse]
+    (a tally written before 2026-12-04 has neither of the last two)."""
     lines = []
-    for (mine, other, m), (n, sig, cells, planned) in sorted(tally.items()):
+    for (mine, other, m), (n, sig, cells, planned, *ex) in sorted(tally.items()):  # ex: [exact, worse] or []
         if m.startswith("judge/") or m in ("scale_free", "weighted", "pref"):
             what = (
                 f"judge {m[len('judge/') :]}"
@@ -610,7 +853,8 @@ def summary_lines(tally: dict) -> list[str]:
             )
             lines.append(
                 f"- {'ReCAST' if mine == 'recast' else mine} improves {what} over {other} in {n} of {planned} cells "
-                f"(significant after Holm in {sig})"
+                f"(significant after Holm in {sig}"
+                + (f"; by the exact test in {ex[0]}; significantly worse in {ex[1]})" if len(ex) > 1 else ")")
                 + (f"; {planned - cells} cell(s) without results" if cells < planned else "")
             )
     return lines

@@ -66,14 +66,88 @@ def test_p_values_and_holm_by_hand():
 
 
 def test_fmt_ci_prints_p_holm_and_N80_only_for_unresolved_differences():
-    """mean 1, sd 1 over 3 seeds (unresolved): N80 at the observed difference is seeds_for_power(1, 1) = 10; with a
-    noise floor of 1 the effect is 2 (N80 5); a resolved difference prints none, one resolved only before Holm does."""
+    """mean 1, sd 1 over 3 seeds (unresolved): N80 at the observed difference is seeds_for_power(1, 1) = 10, and
+    [5, 312] over the sd's 95% interval; with a noise floor of 1 the effect is 2 (N80 5); a resolved difference prints
+    none, one resolved only before Holm does; the exact sign-flip p and its Holm follow the t test's."""
     m, lo, hi, n = stats.mean_ci([0.0, 1.0, 2.0])
-    assert stats.fmt_ci(m, lo, hi, n).endswith(" sd 1.0000 p 0.23 N80 10")
-    assert stats.fmt_ci(m, lo, hi, n, floor=1.0).endswith(" N80 5")
-    assert stats.fmt_ci(m, lo, hi, n, family=5).endswith(f" N80 {stats.seeds_for_power(1.0, 1.0, alpha=0.01)}")
+    assert stats.fmt_ci(m, lo, hi, n).endswith(" sd 1.0000 p 0.23 N80 10 [5, 312]")
+    assert " N80 5 [" in stats.fmt_ci(m, lo, hi, n, floor=1.0)
+    assert f" N80 {stats.seeds_for_power(1.0, 1.0, alpha=0.01)} [" in stats.fmt_ci(m, lo, hi, n, family=5)
     clear = stats.mean_ci([1.0, 1.1, 0.9])
-    assert "N80" not in stats.fmt_ci(*clear) and " Holm 0.06 N80 " in stats.fmt_ci(*clear, p_holm=0.06)
+    assert "N80" not in stats.fmt_ci(*clear) and " Holm 0.06, exact p 0.25 Holm 1 N80 " in stats.fmt_ci(
+        *clear, p_holm=0.06, exact=0.25, exact_holm=1.0
+    )
+
+
+def test_the_sign_flip_test_by_hand_against_scipy_and_at_zero_variance():
+    """Exact sign-flip p: [1, 2, -0.5, 3] has sum 5.5; of the 16 sign patterns of (1, 2, 0.5, 3), |sum| >= 5.5 for
+    +all (6.5), the observed one (5.5) and their negatives: 4 / 16 = 0.25, scipy's permutation_test's answer. The
+    audit's counter-example: n equal differences (zero variance), where the t test's p is 0, get 2 / 2^n (8 seeds:
+    0.0078; 3 seeds: 0.25, so no family of tests can be resolved at 3 seeds without the normal model); all zero: 1."""
+    from scipy import stats as scipy_stats
+
+    x = [1.0, 2.0, -0.5, 3.0]
+    assert stats.sign_flip_p(x) == 0.25
+    exact = scipy_stats.permutation_test(
+        (np.array(x),), np.mean, permutation_type="samples", alternative="two-sided", n_resamples=np.inf
+    )
+    assert stats.sign_flip_p(x) == pytest.approx(exact.pvalue)
+    assert stats.sign_flip_p([1.0, 2.0, 3.0], alternative="greater") == 1 / 8
+    assert stats.sign_flip_p([1.0, 2.0, 3.0], alternative="less") == 1.0
+    for n in (3, 5, 8):
+        same = [0.0078] * n
+        assert stats.p_value(*stats.mean_ci(same)) < 1e-20 and stats.sign_flip_p(same) == 2 / 2**n  # t: 0 or 1e-33
+    assert stats.sign_flip_p([0.0, 0.0, 0.0]) == 1.0 and np.isnan(stats.sign_flip_p([]))
+    many = np.random.default_rng(1).normal(0.4, 1.0, 30)  # past EXACT_UP_TO: fixed Monte Carlo draws, near the t's p
+    assert stats.sign_flip_p(many) == stats.sign_flip_p(many)
+    assert stats.sign_flip_p(many) == pytest.approx(stats.p_value(*stats.mean_ci(many)), abs=0.02)
+
+
+def test_N80_comes_with_the_range_its_estimated_sd_allows():
+    """From n = 3 seeds the sd has 2 dof, whose chi-square quantiles are closed-form: chi2(0.025; 2) = -2 ln 0.975,
+    chi2(0.975; 2) = -2 ln 0.025, so the sd's 95% interval is sd x [sqrt(2 / 7.378), sqrt(2 / 0.0506)] = [0.52, 6.28]
+    sd and N80's range is seeds_for_power at those two sds: ~0.5x to ~30x the point value here."""
+    lo_sd, hi_sd = np.sqrt(2 / (-2 * np.log(0.025))), np.sqrt(2 / (-2 * np.log(0.975)))
+    assert (lo_sd, hi_sd) == pytest.approx((0.5207, 6.2847), abs=1e-4)
+    rng = stats.seeds_for_power_range(1.0, 1.0, 3)
+    assert rng == (stats.seeds_for_power(1.0, lo_sd), stats.seeds_for_power(1.0, hi_sd)) == (5, 312)
+    assert stats.seeds_for_power_range(1.0, 1.0, 1) == (None, None)
+    narrow = stats.seeds_for_power_range(1.0, 1.0, 64)  # many seeds: the range closes in on the point value
+    assert narrow[0] <= stats.seeds_for_power(1.0, 1.0) <= narrow[1] and narrow[1] - narrow[0] < 10
+
+
+def test_the_non_inferiority_margin_is_a_fraction_of_the_baselines_resolved_gain():
+    """NFT's gain over the pretrained model 0.10 [0.06, 0.14]: margin 0.5 x 0.06 = 0.03; a gain whose interval holds
+    0 gives no margin (NaN): "matches" cannot be tested where the baseline did not surely gain. A method 0.01 below
+    the baseline with sd 0.01 over 8 seeds is non-inferior at that margin (one-sided t), one 0.05 below is not."""
+    assert stats.gain_margin((0.10, 0.06, 0.14, 4)) == pytest.approx(0.03)
+    assert np.isnan(stats.gain_margin((0.10, -0.01, 0.21, 4))) and np.isnan(stats.gain_margin((0.1, np.nan, np.nan, 1)))
+    near = stats.mean_ci(-0.01 + 0.01 * np.array([-1, 1, -1, 1, -1, 1, -1, 1.0]))
+    far = stats.mean_ci(-0.05 + 0.01 * np.array([-1, 1, -1, 1, -1, 1, -1, 1.0]))
+    assert stats.non_inferiority(near, 0.03) < 0.001 and stats.non_inferiority(far, 0.03) > 0.99
+
+
+def test_the_difference_at_equal_distance_is_a_regression_intercept_per_cell():
+    """One cell: the intercept, its standard error and the slope are scipy's linregress's (a known answer). Two
+    cells share the slope: adding 1 to one cell's differences moves its intercept by exactly 1 and nothing else.
+    Points on a line: intercept and slope exact, p 0."""
+    from scipy import stats as scipy_stats
+
+    x = np.array([0.1, 0.5, 0.9, 1.3, 0.4, 0.8])
+    y = np.array([0.012, 0.018, 0.015, 0.027, 0.011, 0.022])
+    (a,), b = stats.adjusted_difference(y, x, ["A"] * 6)[0].values(), stats.adjusted_difference(y, x, ["A"] * 6)[1]
+    fit = scipy_stats.linregress(x, y)
+    half = scipy_stats.t.ppf(0.975, 4) * fit.intercept_stderr
+    assert a[:3] == pytest.approx((fit.intercept, fit.intercept - half, fit.intercept + half))
+    assert a[4:] == (0.1, 1.3) and b[0] == pytest.approx(fit.slope) and b[3] == pytest.approx(fit.pvalue)
+    cells = ["A", "A", "A", "B", "B", "B"]
+    one, slope = stats.adjusted_difference(y, x, cells)
+    two, slope2 = stats.adjusted_difference(y + np.array([0, 0, 0, 1.0, 1, 1]), x, cells)
+    assert two["B"][0] == pytest.approx(one["B"][0] + 1) and two["A"][0] == pytest.approx(one["A"][0])
+    assert slope2[0] == pytest.approx(slope[0])
+    line, b = stats.adjusted_difference(0.5 + 2 * x, x, cells)
+    assert line["A"][0] == pytest.approx(0.5) and b[0] == pytest.approx(2.0) and b[3] < 1e-10
+    assert np.isnan(stats.adjusted_difference([1.0, 2.0], [0.0, 1.0], ["A", "A"])[1][0])  # no dof left
 
 
 def test_the_preference_share_is_a_mean_sigmoid_and_its_interval_stays_inside_0_1():
@@ -104,14 +178,53 @@ def test_times_to_a_level_count_runs_that_never_reach_it_as_censored():
     assert stats.time_to_reach(x, y, 0.4) == (15.0, True) and stats.time_to_reach(x, y, 0.9) == (20.0, False)
     base = {s: (10.0, True) for s in range(4)}
     other = {0: (5.0, True), 1: (20.0, False), 2: (20.0, False), 3: (20.0, False)}
-    r, lo, hi, n, p = stats.censored_speedup(base, other)
-    assert r == 0 and n == 4 and 0 <= lo <= hi and np.isfinite(p)
-    assert stats.fmt_speedup(r, lo, hi, n, p).startswith("0.00x [")
+    r, lo, hi, n = stats.censored_speedup(base, other)
+    assert r == 0 and n == 4 and 0 <= lo <= hi
+    assert stats.fmt_speedup((r, lo, hi, n)).startswith("KM 0.00x [")
     faster = {s: (5.0, True) for s in range(4)}
-    r, lo, hi, n, p = stats.censored_speedup(base, faster)
-    assert r == 2.0 and lo == hi == 2.0 and p < 0.01
+    assert stats.censored_speedup(base, faster) == (2.0, 2.0, 2.0, 4)
     assert stats.censored_speedup(faster, other)[0] == 0 and stats.censored_speedup(other, base)[0] == np.inf
     assert stats.censored_speedup(base, faster) == stats.censored_speedup(base, faster)  # a fixed generator
+
+
+def test_the_bootstrap_keeps_the_resamples_where_neither_median_is_reached():
+    """Each method reaches the level in 1 of 4 seeds: neither median is reached (ratio n/a), and most resamples say
+    nothing about the ratio; they count as 0 for the lower bound and inf for the upper, so the interval is [0, inf]
+    (dropping them, as before, left an interval from the few resamples that happened to reach)."""
+    base = {0: (10.0, True), 1: (20.0, False), 2: (20.0, False), 3: (20.0, False)}
+    other = {0: (20.0, False), 1: (5.0, True), 2: (20.0, False), 3: (20.0, False)}
+    r, lo, hi, n = stats.censored_speedup(base, other)
+    assert np.isnan(r) and (lo, hi) == (0.0, np.inf)
+
+
+def test_the_paired_time_test_sees_a_speed_up_that_log_rank_misses():
+    """The audit's counter-example: five seeds with times 10-50, each exactly 1.25x faster with the method. The
+    log-rank test ignores the pairing (p 0.45); the paired log ratios are all log 1.25: geometric-mean speed-up 1.25,
+    t p 0 (zero variance: the normal model's answer) and exact sign-flip p 2 / 2^5 = 0.0625, the smallest 5 seeds
+    can give. A censored run counts by its bound, clipped at 0: 0.5x below, where the method never reaches (by 20) a
+    level the baseline reaches at 10; both never reaching: log ratio 0. The claim "at least 2.1x" is
+    rejected one-sided at the sign-flip test's floor, 1 / 2^5."""
+    from scipy import stats as scipy_stats
+
+    base = {s: (10.0 * (s + 1), True) for s in range(5)}
+    other = {s: (8.0 * (s + 1), True) for s in range(5)}
+    data = [scipy_stats.CensoredData(uncensored=[d[s][0] for s in range(5)]) for d in (base, other)]
+    assert scipy_stats.logrank(*data).pvalue == pytest.approx(0.448, abs=0.001)
+    r, lo, hi, n, p, exact = stats.paired_speedup(base, other)
+    assert (r, lo, hi, n, p) == pytest.approx((1.25, 1.25, 1.25, 5, 0.0)) and exact == 2 / 2**5
+    assert stats.below_claim(stats.paired_log_ratios(base, other), 2.1) == (0.0, 1 / 2**5)
+    assert stats.below_claim(stats.paired_log_ratios(base, other), 1.0) == (1.0, 1.0)
+    never = {s: (20.0, False) for s in range(5)}
+    assert stats.paired_log_ratios({s: (10.0, True) for s in range(5)}, never) == pytest.approx([np.log(0.5)] * 5)
+    assert stats.paired_log_ratios(never, never) == [0.0] * 5
+    # horizons that differ (a distance clock): a method that stops moving at 0.003 without reaching a level the
+    # baseline reaches at 0.008 is not 2.7x "faster"; its bound log(0.008 / 0.003) > 0 says nothing, clipped to 0
+    stalled = {s: (0.003, False) for s in range(5)}
+    assert stats.paired_log_ratios({s: (0.008, True) for s in range(5)}, stalled) == [0.0] * 5
+    assert stats.paired_log_ratios(stalled, {s: (0.001, True) for s in range(5)}) == pytest.approx([np.log(3)] * 5)
+    assert stats.paired_log_ratios(stalled, {s: (0.006, True) for s in range(5)}) == [0.0] * 5
+    text = stats.fmt_speedup(stats.censored_speedup(base, other), stats.paired_speedup(base, other), 0.0, 0.3)
+    assert text == "KM 1.25x [1.25, 1.25]; paired 1.25x [1.25, 1.25] p 0 Holm 0, exact p 0.062 Holm 0.3 (n=5)"
 
 
 def test_the_statistics_and_the_math_toy_import_no_experiment_code():
