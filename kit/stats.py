@@ -75,16 +75,23 @@ def t_975(dof):
     return stats.t.ppf(0.975, dof)
 
 
+def no_spread(m, se):
+    """Whether paired differences do not vary (their se below 1e-9 of |mean|, or 0): then t = m / se is round-off
+    (a 0/1 reward over a few hundred images can give n equal differences, whose t p came out 0 or 1e-28)."""
+    return se <= 1e-9 * abs(m) or se == 0
+
+
 def p_value(m, lo, hi, n):
     """Two-sided p of the paired t test behind `mean_ci`'s (m, lo, hi, n): t = m / (sd / sqrt(n)), n - 1 dof; NaN
-    below 2 values; 0 or 1 when the differences do not vary."""
+    below 2 values. Where the differences do not vary (`no_spread`) the t test has no answer and the exact sign-flip
+    test's is given: 2 / 2^n for n equal nonzero differences (`sign_flip_p`), 1 for zeros."""
     from scipy import stats
 
     if not (n > 1 and np.isfinite(lo)):
         return np.nan
     se = interval_sd(lo, hi, n) / np.sqrt(n)
-    if se == 0:
-        return 1.0 if m == 0 else 0.0
+    if no_spread(m, se):
+        return 1.0 if m == 0 else 2.0 / 2**n
     return float(2 * stats.t.sf(abs(m) / se, n - 1))
 
 
@@ -235,8 +242,8 @@ def non_inferiority(diff, margin, better=1):
     if not (n > 1 and np.isfinite(lo)):
         return np.nan
     se = interval_sd(lo, hi, n) / np.sqrt(n)
-    if se == 0:
-        return 0.0 if better * m > -margin else 1.0
+    if no_spread(better * m + margin, se):  # n equal differences: the exact one-sided test's answer
+        return 1.0 / 2**n if better * m > -margin else 1.0
     return float(stats.t.sf((better * m + margin) / se, n - 1))
 
 
@@ -399,7 +406,7 @@ def below_claim(logs, claim):
     if n < 2:
         return np.nan, np.nan
     se = interval_sd(lo, hi, n) / np.sqrt(n)
-    t_p = float(stats.t.cdf(m / se, n - 1)) if se > 0 else 0.0 if m < 0 else 1.0
+    t_p = 1.0 / 2**n if no_spread(m, se) and m < 0 else 1.0 if no_spread(m, se) else float(stats.t.cdf(m / se, n - 1))
     return t_p, sign_flip_p(d, alternative="less")
 
 

@@ -82,8 +82,9 @@ def test_fmt_ci_prints_p_holm_and_N80_only_for_unresolved_differences():
 def test_the_sign_flip_test_by_hand_against_scipy_and_at_zero_variance():
     """Exact sign-flip p: [1, 2, -0.5, 3] has sum 5.5; of the 16 sign patterns of (1, 2, 0.5, 3), |sum| >= 5.5 for
     +all (6.5), the observed one (5.5) and their negatives: 4 / 16 = 0.25, scipy's permutation_test's answer. The
-    audit's counter-example: n equal differences (zero variance), where the t test's p is 0, get 2 / 2^n (8 seeds:
-    0.0078; 3 seeds: 0.25, so no family of tests can be resolved at 3 seeds without the normal model); all zero: 1."""
+    audit's counter-example: n equal differences (zero variance), where the t test's p was 0 (or 6e-33, round-off),
+    get 2 / 2^n (8 seeds: 0.0078; 3 seeds: 0.25, so no family of tests can be resolved at 3 seeds without the normal
+    model), and p_value gives the same there, the t test having no answer; all zero: 1."""
     from scipy import stats as scipy_stats
 
     x = [1.0, 2.0, -0.5, 3.0]
@@ -96,7 +97,7 @@ def test_the_sign_flip_test_by_hand_against_scipy_and_at_zero_variance():
     assert stats.sign_flip_p([1.0, 2.0, 3.0], alternative="less") == 1.0
     for n in (3, 5, 8):
         same = [0.0078] * n
-        assert stats.p_value(*stats.mean_ci(same)) < 1e-20 and stats.sign_flip_p(same) == 2 / 2**n  # t: 0 or 1e-33
+        assert stats.p_value(*stats.mean_ci(same)) == stats.sign_flip_p(same) == 2 / 2**n  # t's: 0 or 6e-33
     assert stats.sign_flip_p([0.0, 0.0, 0.0]) == 1.0 and np.isnan(stats.sign_flip_p([]))
     many = np.random.default_rng(1).normal(0.4, 1.0, 30)  # past EXACT_UP_TO: fixed Monte Carlo draws, near the t's p
     assert stats.sign_flip_p(many) == stats.sign_flip_p(many)
@@ -200,10 +201,10 @@ def test_the_bootstrap_keeps_the_resamples_where_neither_median_is_reached():
 def test_the_paired_time_test_sees_a_speed_up_that_log_rank_misses():
     """The audit's counter-example: five seeds with times 10-50, each exactly 1.25x faster with the method. The
     log-rank test ignores the pairing (p 0.45); the paired log ratios are all log 1.25: geometric-mean speed-up 1.25,
-    t p 0 (zero variance: the normal model's answer) and exact sign-flip p 2 / 2^5 = 0.0625, the smallest 5 seeds
-    can give. A censored run counts by its bound, clipped at 0: 0.5x below, where the method never reaches (by 20) a
-    level the baseline reaches at 10; both never reaching: log ratio 0. The claim "at least 2.1x" is
-    rejected one-sided at the sign-flip test's floor, 1 / 2^5."""
+    exact sign-flip p 2 / 2^5 = 0.0625, the smallest 5 seeds can give (zero variance: the t test has no answer, and
+    p_value gives the exact one). A censored run counts by its bound, clipped at 0: 0.5x below, where the method
+    never reaches (by 20) a level the baseline reaches at 10; both never reaching: log ratio 0. The claim "at least
+    2.1x" is rejected one-sided at the sign-flip test's floor, 1 / 2^5."""
     from scipy import stats as scipy_stats
 
     base = {s: (10.0 * (s + 1), True) for s in range(5)}
@@ -211,8 +212,8 @@ def test_the_paired_time_test_sees_a_speed_up_that_log_rank_misses():
     data = [scipy_stats.CensoredData(uncensored=[d[s][0] for s in range(5)]) for d in (base, other)]
     assert scipy_stats.logrank(*data).pvalue == pytest.approx(0.448, abs=0.001)
     r, lo, hi, n, p, exact = stats.paired_speedup(base, other)
-    assert (r, lo, hi, n, p) == pytest.approx((1.25, 1.25, 1.25, 5, 0.0)) and exact == 2 / 2**5
-    assert stats.below_claim(stats.paired_log_ratios(base, other), 2.1) == (0.0, 1 / 2**5)
+    assert (r, lo, hi, n) == pytest.approx((1.25, 1.25, 1.25, 5)) and p == exact == 2 / 2**5
+    assert stats.below_claim(stats.paired_log_ratios(base, other), 2.1) == (1 / 2**5, 1 / 2**5)
     assert stats.below_claim(stats.paired_log_ratios(base, other), 1.0) == (1.0, 1.0)
     never = {s: (20.0, False) for s in range(5)}
     assert stats.paired_log_ratios({s: (10.0, True) for s in range(5)}, never) == pytest.approx([np.log(0.5)] * 5)
@@ -223,8 +224,8 @@ def test_the_paired_time_test_sees_a_speed_up_that_log_rank_misses():
     assert stats.paired_log_ratios({s: (0.008, True) for s in range(5)}, stalled) == [0.0] * 5
     assert stats.paired_log_ratios(stalled, {s: (0.001, True) for s in range(5)}) == pytest.approx([np.log(3)] * 5)
     assert stats.paired_log_ratios(stalled, {s: (0.006, True) for s in range(5)}) == [0.0] * 5
-    text = stats.fmt_speedup(stats.censored_speedup(base, other), stats.paired_speedup(base, other), 0.0, 0.3)
-    assert text == "KM 1.25x [1.25, 1.25]; paired 1.25x [1.25, 1.25] p 0 Holm 0, exact p 0.062 Holm 0.3 (n=5)"
+    text = stats.fmt_speedup(stats.censored_speedup(base, other), stats.paired_speedup(base, other), 0.3, 0.3)
+    assert text == "KM 1.25x [1.25, 1.25]; paired 1.25x [1.25, 1.25] p 0.062 Holm 0.3, exact p 0.062 Holm 0.3 (n=5)"
 
 
 def test_the_statistics_and_the_math_toy_import_no_experiment_code():
