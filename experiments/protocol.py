@@ -738,7 +738,8 @@ def distance_lines(res: Results, cells: dict) -> list[str]:
         "(the farther run interpolated linearly between its evaluations, the nearer one at its end); `weighted` at the "
         f"cell's budgets; paired over seeds, Holm per metric over these {n_tests} comparisons (t and exact); "
         "frechet over the in-run set's images (lower is better). Compare with the same in-run metrics at the final "
-        "iteration (the figure's curves), not with the final evaluation's larger tables above.",
+        "iteration (the figure's curves), not with the final evaluation's larger tables above. A secondary reading: "
+        "no N80, and the Power section sizes the comparisons above only.",
         "",
         "| difference | distance ratio [95%] | " + " | ".join(f"{m} at matched distance" for m in cols) + " |",
         "|---" * (2 + len(cols)) + "|",
@@ -755,7 +756,7 @@ def distance_lines(res: Results, cells: dict) -> list[str]:
                 continue
             ci, h, e, eh = holms[(g, c, col)]
             digits = 1 if col == "judge/frechet" else 4
-            cells_.append(fmt_ci(*ci, digits=digits, p_holm=h, family=n_tests, exact=e, exact_holm=eh))
+            cells_.append(fmt_ci(*ci, digits=digits, p_holm=h, family=n_tests, exact=e, exact_holm=eh, power=False))
         lines.append(f"| {g}: {c[0]} − {c[1]} | " + " | ".join(cells_) + " |")
     # (3) the final evaluation with the log distance ratio as a covariate
     final_metrics = list(dict.fromkeys(m for t in cells.values() for m in [*t.metrics, "pref"]))

@@ -203,14 +203,14 @@ def fmt_exact(exact, exact_holm=None):
     )
 
 
-def fmt_ci(m, lo, hi, n, digits=4, floor=None, p_holm=None, family=1, exact=None, exact_holm=None):
+def fmt_ci(m, lo, hi, n, digits=4, floor=None, p_holm=None, family=1, exact=None, exact_holm=None, power=True):
     """mean [95% t interval] sd (of the paired differences), p (paired t; with `p_holm`, the Holm-adjusted p of its
     family of `family` tests as well); with `exact`, the sign-flip test's p of the same differences and its Holm p
     (`sign_flip_p`: where the t test resolves a difference and this does not, the decision rests on the normal
     model). An unresolved difference (`resolved`) adds "N80 k [low, high]": the seeds a paired t test needs for 80%
     power at `effect_of_interest` (observed |mean|, or two noise floors when larger) and the measured sd, at level
     alpha / family (Holm's first step, so enough for every step; alpha 0.05 uncorrected), and its range over the sd's
-    95% interval (`fmt_n80`)."""
+    95% interval (`fmt_n80`); `power=False` leaves N80 out (a secondary reading that sizes no experiment)."""
     if not np.isfinite(m):
         return "n/a"
     if not np.isfinite(lo):
@@ -219,7 +219,7 @@ def fmt_ci(m, lo, hi, n, digits=4, floor=None, p_holm=None, family=1, exact=None
     text = f"{m:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}] sd {sd:.{digits}f} p {p:.2g}"
     text += f" Holm {p_holm:.2g}" if p_holm is not None and np.isfinite(p_holm) else ""
     text += fmt_exact(exact, exact_holm)
-    if resolved(lo, hi, p_holm):
+    if resolved(lo, hi, p_holm) or not power:
         return text
     return text + fmt_n80(effect_of_interest(m, floor), sd, n, ALPHA / family)
 

@@ -73,6 +73,7 @@ def test_fmt_ci_prints_p_holm_and_N80_only_for_unresolved_differences():
     assert stats.fmt_ci(m, lo, hi, n).endswith(" sd 1.0000 p 0.23 N80 10 [5, 312]")
     assert " N80 5 [" in stats.fmt_ci(m, lo, hi, n, floor=1.0)
     assert f" N80 {stats.seeds_for_power(1.0, 1.0, alpha=0.01)} [" in stats.fmt_ci(m, lo, hi, n, family=5)
+    assert "N80" not in stats.fmt_ci(m, lo, hi, n, power=False)
     clear = stats.mean_ci([1.0, 1.1, 0.9])
     assert "N80" not in stats.fmt_ci(*clear) and " Holm 0.06, exact p 0.25 Holm 1 N80 " in stats.fmt_ci(
         *clear, p_holm=0.06, exact=0.25, exact_holm=1.0
