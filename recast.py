@@ -670,8 +670,9 @@ class Args(NFTArgs):
     unit weight is propto t: each step gets the same share of the update; derivations.ipynb §11). Also applies to
     --credit uniform and nft"""
     gain_init: str = flag("", "method")
-    """start the discounted level statistics from this JSON (bench.py's profiles.json: n, s1, s2 measured on the
-    pretrained model with many groups) instead of from nothing; it must hold the run's rewards, with the same --steps"""
+    """start the discounted level statistics from this JSON (experiments/protocol.py's profiles.json: n, s1, s2
+    measured on the pretrained model with many groups) instead of from nothing; it must hold the run's rewards, with
+    the same --steps"""
     # optimisation
     nft_b: float = flag(1.0, "optimisation", gt=0)
     """DiffusionNFT guidance strength b in v+- = v_old +- b (v_theta - v_old)"""
@@ -758,8 +759,9 @@ def equal_columns(W):
 
 
 def gain_prior(args, names):
-    """--gain-init: the discounted level statistics the run starts from (bench.py's profiles.json, measured on the
-    pretrained model with many groups; `run_kit.read_level_stats` refuses one that does not fit), else None."""
+    """--gain-init: the discounted level statistics the run starts from (experiments/protocol.py's profiles.json,
+    measured on the pretrained model with many groups; `run_kit.read_level_stats` refuses one that does not fit),
+    else None."""
     return read_level_stats(args.gain_init, names, args.steps) if args.gain_init else None
 
 

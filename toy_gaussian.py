@@ -1906,7 +1906,7 @@ def paired_censored(time_a, event_a, time_b, event_b):
 
 
 def paired_stats(diff):
-    """Mean, 95% t interval, two-sided paired t p, n and sd of paired differences (NaN pairs dropped): bench.py's
+    """Mean, 95% t interval, two-sided paired t p, n and sd of paired differences (NaN pairs dropped): kit.stats'
     `mean_ci` and `p_value`, as a dict."""
     m, lo, hi, n = mean_ci(diff)
     return dict(mean=m, lo=lo, hi=hi, p=p_value(m, lo, hi, n), n=n, sd=interval_sd(lo, hi, n) if n > 1 else np.nan)

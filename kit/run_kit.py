@@ -682,12 +682,12 @@ def check_files(args, names):
 
 
 def read_level_stats(path, names, T):
-    """[n (T+1,), s1 (K, T+1), s2 (K, T+1)]: the rows of `names` from a level-statistics file (bench.py
+    """[n (T+1,), s1 (K, T+1), s2 (K, T+1)]: the rows of `names` from a level-statistics file (experiments/protocol.py
     `measure_profiles`), the gain statistics recast.py starts from with --gain-init. They are discounted by
     --gain-ema like the run's own, so the prior's weight halves every ~7 iterations at 0.9. A file that is missing,
     not JSON, without the run's rewards, of other steps, of the wrong shapes, or with null/NaN/inf statistics (which
     would switch the credit off: W uniform, evidence 0) is refused naming the file and the field."""
-    fix = "Make one with bench.py's measure_profiles, or omit --gain-init"
+    fix = "Make one with experiments/protocol.py's measure_profiles, or omit --gain-init"
     try:
         saved = json.loads(Path(path).read_text())
         rows = [saved["names"].index(k) for k in names]
