@@ -40,6 +40,7 @@ from kit import run_kit  # noqa: E402
 from toy_gaussian import (  # noqa: E402
     E1,
     MIX7,
+    GaussianMixture,
     accumulate,
     exact_renyi,
     sigmoid_reward,
@@ -59,6 +60,24 @@ TRAIN_REWARDS = (sigmoid_reward(E1, 0.0, 0.3), vonmises_reward([0.0, 1.0], 4.0))
 TRAIN_LAM = np.array([1.0, 1.0])
 SINGLE_REWARDS = {"smooth": TRAIN_REWARDS[0], "discrete": step_reward(E1, 0.0)}
 RECAST_ARMS = ("nft", "uniform", "exact", "reversed", "online", "grad_uniform", "grad_exact")
+
+
+@dataclass(frozen=True)
+class World:
+    """A pretrained toy and what is measured on it: gm's exact velocity is the pretrained model, `rewards` the K = 2
+    trained rewards (budgets TRAIN_LAM), `extra` rewards only evaluated; `names` the record column of each, in order."""
+
+    gm: object
+    rewards: tuple
+    names: tuple
+    extra: tuple = ()
+
+    def score(self, x):
+        """Every reward on x (S, N, d): (S, N, len(names)) float64, the trained rewards first."""
+        flat = x.reshape(-1, x.shape[-1]).double().numpy()
+        return np.stack([f(flat) for f in self.rewards + self.extra], 1).reshape(*x.shape[:2], len(self.names))
+
+
 RVGE_ARMS = tuple(f"{m}:{r}{p}" for r in ("smooth", "discrete") for p in ("", "-perm") for m in ("nft", "rvge"))
 
 
@@ -210,11 +229,46 @@ def sample_chain(gm, corr, A, sigmas, a, x, noise, branch=None, kl=False):
     return x.reshape(S, -1, d), (total if kl else None)
 
 
+TRAIN_WORLD = World(TRAIN_MIX, TRAIN_REWARDS, ("coarse", "fine", "discrete"), (SINGLE_REWARDS["discrete"],))
+
+
+def sample_tree(gm, corr, A, sigmas, a, x, noise, branch, substeps):
+    """The shipped sampler (nft.tree_rollout), every run at once: a group runs nft.ode_step until its branch step, then
+    `substeps` nft.sde_step sub-steps per grid interval on an even sub-grid (nft.sde_continue), the last step
+    nft.ode_step. x (S, P, R, C, d) start noise (children equal, so they stay equal until the branch);
+    noise (T, substeps, S, P, R, C, d); branch (P,) each group's branch step; A None: the exact model.
+    Returns x0 (S, N, d)."""
+    import torch
+
+    S, d, T = x.shape[0], x.shape[-1], len(sigmas) - 1
+    shape = x.shape
+
+    def velocity(y, u):
+        flat = y.reshape(S, -1, d)
+        v = exact_velocity(gm, flat, u) + (0.0 if A is None else corr(A, flat, u))
+        return v.reshape(shape)
+
+    with torch.no_grad():
+        for j in range(T):
+            s, sn = float(sigmas[j]), float(sigmas[j + 1])
+            v = velocity(x, s)
+            x_ode = nft.ode_step(x, v, s, sn)
+            if j == T - 1:
+                x = x_ode
+                continue
+            grid = np.linspace(s, sn, substeps + 1)
+            y = x
+            for i, (u, u_next) in enumerate(zip(grid[:-1], grid[1:])):
+                w = v if i == 0 else velocity(y, float(u))
+                y = nft.sde_step(y, w, float(u), float(u_next), a, float(sigmas[1]), noise[j, i])
+            sde = torch.as_tensor(j >= np.asarray(branch)).reshape(1, -1, 1, 1, 1)
+            x = torch.where(sde, y, x_ode)
+    return x.reshape(S, -1, d)
+
+
 def score_all(x):
     """Every reward of the experiments on x (S, N, d): coarse, fine, discrete. Returns (S, N, 3) float64."""
-    flat = x.reshape(-1, x.shape[-1]).double().numpy()
-    out = [TRAIN_REWARDS[0](flat), TRAIN_REWARDS[1](flat), SINGLE_REWARDS["discrete"](flat)]
-    return np.stack(out, 1).reshape(*x.shape[:2], 3)
+    return TRAIN_WORLD.score(x)
 
 
 REWARD_COLUMN = {"coarse": 0, "fine": 1, "smooth": 0, "discrete": 2}
@@ -238,6 +292,8 @@ class ArmPlan:
     omega: np.ndarray = None
     online: np.ndarray = None
     nft_raw: np.ndarray = None
+    evidence: np.ndarray = None  # c of each online run (None: recast.Args' default)
+    W_exact: np.ndarray = None  # W of the exact profiles, for each online run's distance to it
     loss: tuple = ()
     reward: tuple = ()
     permuted: np.ndarray = None
@@ -283,7 +339,7 @@ def rvge_plan(arms, seeds):
     )
 
 
-def train_batch(plan: ArmPlan, cfg: TrainConfig, P, corr, log=print):
+def train_batch(plan: ArmPlan, cfg: TrainConfig, P, corr, log=print, world=TRAIN_WORLD, substeps=0):
     """Fine-tune every run of the plan (arms x seeds, one parameter set each) for cfg.iterations iterations of P
     groups. Per iteration: rollouts of the old policy (recast family: 2 roots x 4 children, rotated branch step;
     rvge family: 8 independent samples per group), rewards -> nft.optimality (ReCAST arms: per reward, mixed by
@@ -292,11 +348,13 @@ def train_batch(plan: ArmPlan, cfg: TrainConfig, P, corr, log=print):
     rvge.rvge_loss (+ base_reg |dv|^2); one AdamW step with per-run clipping; old <- decay old + (1 - decay) new
     (nft.old_decay type 1). Online W: recast.level_observations accumulated at recast.Args' gain_ema ->
     level_curves -> credit_profiles -> solve_W, per run. Evaluations every cfg.eval_every iterations: rewards of
-    n_eval samples and the path KL to the exact model (`sample_chain`). Returns (records, the online arm's final
-    W, evidence weights and measured D_2 curves, summarised over seeds, or None)."""
+    n_eval samples and the path KL to the exact model (`sample_chain`). world: the pretrained toy and its rewards;
+    substeps > 0: rollouts with the shipped sampler (`sample_tree`) instead of the all-SDE chain. plan.evidence: each
+    online run's c (default recast.Args'). Returns (records, the online arm's final W, evidence weights and measured
+    D_2 curves, summarised over seeds, or None; with plan.W_exact also each online run's final W, rho, counts)."""
     import torch
 
-    gm, d, T = TRAIN_MIX, TRAIN_MIX.d, cfg.steps
+    gm, d, T = world.gm, world.gm.d, cfg.steps
     sig = nft.shifted_sigmas(T, 3.0)
     runs, seeds = plan.runs, list(plan.seeds)
     S, n_arms = len(runs), len(plan.arms)
@@ -316,7 +374,7 @@ def train_batch(plan: ArmPlan, cfg: TrainConfig, P, corr, log=print):
     for it in range(cfg.iterations + 1):
         if it % cfg.eval_every == 0 or it == cfg.iterations:
             x_ev, kl = sample_chain(gm, corr, A.detach(), sig, cfg.sde_a, ev_x, ev_z, kl=True)
-            R_ev = score_all(x_ev).mean(1)  # (S, 3)
+            R_ev = world.score(x_ev).mean(1)  # (S, columns)
             for i, (arm, seed) in enumerate(runs):
                 records.append(
                     dict(
@@ -326,9 +384,7 @@ def train_batch(plan: ArmPlan, cfg: TrainConfig, P, corr, log=print):
                         seed=seed,
                         iteration=it,
                         kl=float(kl[i]),
-                        coarse=float(R_ev[i, 0]),
-                        fine=float(R_ev[i, 1]),
-                        discrete=float(R_ev[i, 2]),
+                        **{name: float(R_ev[i, c]) for c, name in enumerate(world.names)},
                     )
                 )
         if it == cfg.iterations:
@@ -336,8 +392,12 @@ def train_batch(plan: ArmPlan, cfg: TrainConfig, P, corr, log=print):
         groups, anc, layouts, branch = tree_layout(P, R_, C_, T, it)
         x1 = tile(seed_noise(seeds, it, 3, (P, R_, 1, d))).expand(S, P, R_, C_, d)
         z = tile(seed_noise(seeds, it, 4, (P, R_, C_, T, d))).permute(4, 0, 1, 2, 3, 5)
-        x0, _ = sample_chain(gm, corr, A_old, sig, cfg.sde_a, x1, z, branch)  # (S, N, d)
-        R_all = score_all(x0)
+        if substeps:
+            z = tile(seed_noise(seeds, it, 6, (P, R_, C_, T, substeps, d))).permute(4, 5, 0, 1, 2, 3, 6)
+            x0 = sample_tree(gm, corr, A_old, sig, cfg.sde_a, x1, z, branch, substeps)
+        else:
+            x0, _ = sample_chain(gm, corr, A_old, sig, cfg.sde_a, x1, z, branch)  # (S, N, d)
+        R_all = world.score(x0)
         if plan.family == "recast":
             r = np.zeros((S, N, 2))
             for i in range(S):
@@ -350,7 +410,8 @@ def train_batch(plan: ArmPlan, cfg: TrainConfig, P, corr, log=print):
                     new = recast.level_observations(r[i], groups, anc, layouts, T)
                     stats[i] = accumulate(stats[i], new, defaults.gain_ema)
                     D, se = recast.level_curves(*stats[i])
-                    _, _, P_i, rho = recast.credit_profiles(D, se, sig, stats[i][0], defaults.evidence)
+                    c = defaults.evidence if plan.evidence is None else plan.evidence[i]
+                    _, _, P_i, rho = recast.credit_profiles(D, se, sig, stats[i][0], c)
                     W_np[i] = recast.solve_W(TRAIN_LAM, P_i, defaults.tau, defaults.eps)
                     last[i] = (D, rho, stats[i][0])
             W = torch.as_tensor(W_np, dtype=torch.float32)
@@ -413,6 +474,17 @@ def train_batch(plan: ArmPlan, cfg: TrainConfig, P, corr, log=print):
             ],  # measured D_2, per level
             n=n_on.mean(0).tolist(),  # discounted observations per level
         )
+        if plan.W_exact is not None:
+            online["runs"] = [
+                dict(
+                    arm=runs[i][0],
+                    seed=runs[i][1],
+                    W_distance=float(np.linalg.norm(W_np[i] - plan.W_exact)),
+                    rho=last[i][1].tolist(),
+                    n=last[i][2].tolist(),
+                )
+                for i in sorted(last)
+            ]
     return records, online
 
 
@@ -462,12 +534,13 @@ def paired_stats(diff):
     return dict(mean=m, lo=lo, hi=hi, p=p_value(m, lo, hi, n), n=n, sd=interval_sd(lo, hi, n) if n > 1 else np.nan)
 
 
-def run_curves(records, family, groups, arm, key):
-    """{seed: (iterations (E,), kl (E,), value (E,))} of one arm; key a reward column or 'weighted'."""
+def run_curves(records, family, groups, arm, key, pair=("coarse", "fine")):
+    """{seed: (iterations (E,), kl (E,), value (E,))} of one arm; key a reward column or 'weighted' (the mean of
+    the two trained rewards' columns, `pair`)."""
     out = {}
     for rec in records:
         if rec["family"] == family and rec["groups"] == groups and rec["arm"] == arm:
-            val = (rec["coarse"] + rec["fine"]) / 2 if key == "weighted" else rec[key]
+            val = (rec[pair[0]] + rec[pair[1]]) / 2 if key == "weighted" else rec[key]
             out.setdefault(rec["seed"], []).append((rec["iteration"], rec["kl"], val))
     return {s: tuple(np.array(c).T) for s, c in sorted(out.items())}
 
@@ -489,26 +562,25 @@ EFFECT_OF_INTEREST = 0.02  # fixed before the full run: 2% of uniform W's weight
 KL_FRACTIONS = (0.25, 0.5, 1.0)  # KL levels as fractions of the median final KL of uniform W (primary: 0.5)
 
 
-def analyse_recast(records, groups_list):
+def analyse_recast(
+    records, groups_list, arms=RECAST_ARMS, comparisons=RECAST_COMPARISONS, pair=("coarse", "fine"), ref="uniform"
+):
     """Equal-KL paired comparisons of the ReCAST arms: per batch size the weighted-reward gain of each run read at
-    KL levels KL_FRACTIONS x the median final KL of uniform W; paired differences by seed; Holm over every
-    (batch size, comparison) at the primary level 0.5."""
+    KL levels KL_FRACTIONS x the median final KL of the `ref` arm; paired differences by seed; Holm over every
+    (batch size, comparison) at the primary level 0.5. Arms without runs at a batch size (and their comparisons) are
+    skipped there. `uniform_gain` in the rows: the ref arm's mean gain at the level."""
     rows, per_arm = [], []
     for P in groups_list:
-        cur = {a: gains(run_curves(records, "recast", P, a, "weighted")) for a in RECAST_ARMS}
-        per_rew = {
-            (a, k): gains(run_curves(records, "recast", P, a, k)) for a in RECAST_ARMS for k in ("coarse", "fine")
-        }
-        ref = float(np.median([kl[-1] for _, kl, _ in cur["uniform"].values()]))
+        cur = {a: gains(run_curves(records, "recast", P, a, "weighted", pair)) for a in arms}
+        cur = {a: c for a, c in cur.items() if c}
+        per_rew = {(a, k): gains(run_curves(records, "recast", P, a, k, pair)) for a in cur for k in pair}
+        top = float(np.median([kl[-1] for _, kl, _ in cur[ref].values()]))
         for frac in KL_FRACTIONS:
-            level = frac * ref
+            level = frac * top
             at = {a: {s: value_at_level(kl, y, level) for s, (_, kl, y) in c.items()} for a, c in cur.items()}
-            for a in RECAST_ARMS:
+            for a in cur:
                 vals = np.array(list(at[a].values()))
-                ck = {
-                    k: nan_mean([value_at_level(kl, y, level) for _, kl, y in per_rew[(a, k)].values()])
-                    for k in ("coarse", "fine")
-                }
+                ck = [nan_mean([value_at_level(kl, y, level) for _, kl, y in per_rew[(a, k)].values()]) for k in pair]
                 per_arm.append(
                     dict(
                         groups=P,
@@ -516,17 +588,19 @@ def analyse_recast(records, groups_list):
                         kl_level=level,
                         arm=a,
                         weighted_gain=float(nan_mean(vals)),
-                        coarse_gain=float(ck["coarse"]),
-                        fine_gain=float(ck["fine"]),
+                        coarse_gain=float(ck[0]),
+                        fine_gain=float(ck[1]),
                         reached=int(np.isfinite(vals).sum()),
                         runs=len(vals),
                         final_kl=float(np.median([kl[-1] for _, kl, _ in cur[a].values()])),
                     )
                 )
-            for a, b in RECAST_COMPARISONS:
+            for a, b in comparisons:
+                if a not in cur or b not in cur:
+                    continue
                 seeds = sorted(set(at[a]) & set(at[b]))
                 st = paired_stats([at[a][s] - at[b][s] for s in seeds])
-                base = nan_mean(list(at["uniform"].values()))
+                base = nan_mean(list(at[ref].values()))
                 rows.append(dict(groups=P, kl_fraction=frac, kl_level=level, a=a, b=b, uniform_gain=float(base), **st))
     primary = [i for i, r in enumerate(rows) if r["kl_fraction"] == 0.5]
     adj = holm([rows[i]["p"] for i in primary])
@@ -897,6 +971,338 @@ def train_main(quick, out, cfg=None):
 
 
 # =============================================================================
+# --online: ReCAST's online W against a fixed late-step reweighting (README "Online W, decided"), pre-registered
+# =============================================================================
+
+# modes at (+-2, +-0.6), sd 0.2: which column (x_1) is decided early (t ~ 0.9-0.55), which row (x_2) mid-trajectory
+# (t ~ 0.56-0.25), so the mid reward's credit and the gradient-unit reweighting (largest at the last step) part ways
+ONLINE_MIX = GaussianMixture([0.25] * 4, [[-2.0, -0.6], [-2.0, 0.6], [2.0, -0.6], [2.0, 0.6]], 0.2**2)
+ONLINE_WORLD = World(
+    ONLINE_MIX, (sigmoid_reward(E1, 0.0, 0.3), sigmoid_reward(np.array([0.0, 1.0]), 0.0, 0.2)), ("coarse", "mid")
+)
+ONLINE_EFFECT = 0.02  # fixed before the run: 2% of grad_uniform's weighted gain at the primary KL level
+
+
+@dataclass
+class OnlineConfig(TrainConfig):
+    """Sizes of `python experiments/toy_train.py --online` (QUICK_ONLINE: --online --quick)."""
+
+    iterations: int = 40
+    groups: tuple = (8, 32)  # prompt groups per iteration: the estimator's sample size (groups / 8 per level)
+    substeps: int = 2  # the shipped sampler: ODE to the branch step, then 2 SDE sub-steps per interval
+    prior_groups: tuple = (192, 1000)  # groups per level of the estimated-prior arms (measured once on the base)
+    largest_arms: tuple = ("uniform", "grad_uniform", "exact", "online", "online_noshrink")  # at max(groups)
+
+
+QUICK_ONLINE = OnlineConfig(
+    seeds=3, iterations=4, groups=(2, 3), eval_every=2, n_eval=64, features=48, prior_groups=(4, 8)
+)
+
+
+def online_arms(cfg):
+    return ("uniform", "grad_uniform", "exact", "online", "online_noshrink") + tuple(
+        f"prior{n}" for n in cfg.prior_groups
+    )
+
+
+def online_comparisons(cfg):
+    """The family (Holm over all of them at every batch size, primary KL level): each estimated W and the exact one
+    against the bar grad_uniform; the controls exact - uniform (credit helps here at all), grad_uniform - uniform (the
+    bar is above uniform), online - uniform (online W moves at all)."""
+    est = ("online", "online_noshrink") + tuple(f"prior{n}" for n in cfg.prior_groups)
+    return tuple((a, "grad_uniform") for a in est + ("exact",)) + (
+        ("exact", "uniform"),
+        ("grad_uniform", "uniform"),
+        ("online", "uniform"),
+    )
+
+
+def measured_prior(world, sig, n_per_level, seed, cfg):
+    """The toy twin of recast_prior: D_2 measured once on the pretrained model (A = 0) with the shipped sampler and the
+    pairs estimator, n_per_level groups of 2 x 4 leaves at each branch level 1..T-2 (`tree_layout`, rotated), then
+    recast.level_curves -> credit_profiles (evidence c of recast.Args) -> solve_W, held fixed during training.
+    Returns (W (K, T), rho (K,), n (T+1,))."""
+    import torch
+
+    T, d = cfg.steps, world.gm.d
+    n_groups = n_per_level * (T - 2)
+    rng = np.random.default_rng([seed, 99, n_per_level])
+    groups, anc, layouts, branch = tree_layout(n_groups, 2, 4, T, 0)
+    x1 = torch.as_tensor(rng.standard_normal((1, n_groups, 2, 1, d)), dtype=torch.float32).expand(1, n_groups, 2, 4, d)
+    z = torch.as_tensor(rng.standard_normal((T, cfg.substeps, 1, n_groups, 2, 4, d)), dtype=torch.float32)
+    x0 = sample_tree(world.gm, None, None, sig, cfg.sde_a, x1, z, branch, cfg.substeps)
+    r = nft.optimality(world.score(x0)[0, :, :2], groups)
+    stats = recast.level_observations(r, groups, anc, layouts, T)
+    D, se = recast.level_curves(*stats)
+    defaults = recast.Args()
+    _, _, P, rho = recast.credit_profiles(D, se, sig, stats[0], defaults.evidence)
+    return recast.solve_W(TRAIN_LAM, P, defaults.tau, defaults.eps), rho, stats[0]
+
+
+def online_plan(arms, seeds, sig, P_exact, priors):
+    """W per run: uniform, grad_uniform (solve_W of uniform profiles with gradient-unit columns), exact (solve_W of the
+    exact profiles), online and online_noshrink (start uniform, learnt; evidence c = recast.Args' or 0), prior<n>
+    (each seed's measured_prior W). Returns (ArmPlan, W_exact)."""
+    T, lam = len(sig) - 1, TRAIN_LAM
+    W_exact = recast.solve_W(lam, P_exact)
+    fixed = {
+        "uniform": recast.uniform_W(lam, T),
+        "online": recast.uniform_W(lam, T),
+        "online_noshrink": recast.uniform_W(lam, T),
+        "exact": W_exact,
+        "grad_uniform": recast.solve_W(
+            lam, np.full_like(P_exact, 1.0 / T), col_sums=recast.gradient_unit_columns(sig, lam)
+        ),
+    }
+    W, omega = [], []
+    for arm, seed in [(a, s) for a in arms for s in seeds]:
+        om, Weq = recast.equal_columns(fixed[arm] if arm in fixed else priors[int(arm[5:])][seed][0])
+        W.append(Weq), omega.append(om)
+    flags = np.array([a for a in arms for _ in seeds])
+    online = np.isin(flags, ("online", "online_noshrink"))
+    evidence = np.where(flags == "online_noshrink", 0.0, recast.Args().evidence)
+    plan = ArmPlan(
+        "recast",
+        tuple(arms),
+        tuple(seeds),
+        np.stack(W),
+        np.stack(omega),
+        online,
+        np.zeros(len(flags), bool),
+        evidence,
+        W_exact,
+    )
+    return plan, fixed
+
+
+def estimator_rows(credit, W_uniform_distance):
+    """Per (arm, groups): observations per branch level (mean over the measured levels 1..T-2), evidence weight rho
+    per reward (mean, max over seeds), ||W - W_exact||_F (mean, 95% t interval over seeds)."""
+    rows = []
+    for key in dict.fromkeys((c["arm"], c["groups"]) for c in credit):
+        cs = [c for c in credit if (c["arm"], c["groups"]) == key]
+        rho = np.array([c["rho"] for c in cs])
+        n = np.array([c["n"] for c in cs])
+        m, lo, hi, k = mean_ci([c["W_distance"] for c in cs])
+        rows.append(
+            dict(
+                arm=key[0],
+                groups=key[1],
+                n_level=float(n[:, 1:-2].mean()),
+                rho_mean=rho.mean(0).tolist(),
+                rho_max=rho.max(0).tolist(),
+                dist_mean=m,
+                dist_lo=lo,
+                dist_hi=hi,
+                runs=k,
+                uniform_distance=W_uniform_distance,
+            )
+        )
+    return rows
+
+
+def write_online_tables(path, cfg, info, rows, per_arm, est, power, elapsed):
+    sig = info["sigmas"]
+    L = [f"# toy --online: {cfg.seeds} paired seeds per arm, {cfg.iterations} iterations, groups {list(cfg.groups)}"]
+    L.append(f"\nWritten by `python experiments/toy_train.py --online` in {elapsed:.0f} s (one thread).")
+    L.append("\n## Exact profiles of the online world (training-regime r, exact_renyi + gains_on_grid)\n")
+    L.append("| | " + " | ".join(f"{s:.3f}" for s in sig[:-1]) + " | D(0) |")
+    L.append("|---" * (len(sig) + 1) + "|")
+    for name, row, D0 in zip(("coarse", "mid"), info["P"], info["D0"]):
+        L.append(f"| P {name} | " + " | ".join(f"{p:.3f}" for p in row) + f" | {D0:.4f} |")
+    for arm in ("exact", "grad_uniform"):
+        W = np.asarray(info["W"][arm])
+        L.append(f"| W {arm}: coarse share | " + " | ".join(f"{c:.2f}" for c in W[0] / W.sum(0)) + " | |")
+        L.append(
+            f"| W {arm}: column sum x T / Lam | " + " | ".join(f"{c:.2f}" for c in W.sum(0) * W.shape[1] / 2) + " | |"
+        )
+    L.append("\n## The estimator: observations per level, evidence weight, distance of W to the exact W\n")
+    L.append("Online arms: at the end of training (counts discounted at gain_ema 0.999); prior arms: the one")
+    L.append(
+        f"measurement on the pretrained model. ||W_uniform - W_exact||_F = {est[0]['uniform_distance']:.4f}.\n"
+        if est
+        else "measurement on the pretrained model.\n"
+    )
+    L += table_header(
+        "arm",
+        "groups / iteration",
+        "observations per level",
+        "rho coarse mean / max",
+        "rho mid mean / max",
+        "||W - W_exact|| [95% t interval]",
+        "runs",
+    )
+    for r in est:
+        L.append(
+            f"| {r['arm']} | {r['groups']} | {r['n_level']:.0f} | {r['rho_mean'][0]:.2f} / {r['rho_max'][0]:.2f} | "
+            f"{r['rho_mean'][1]:.2f} / {r['rho_max'][1]:.2f} | {fmt_ci(r, 'dist_')} | {r['runs']} |"
+        )
+    L.append(
+        "\n## Weighted gain (coarse + mid) / 2 at equal KL (KL level = fraction x grad_uniform's median final KL)\n"
+    )
+    L += table_header(
+        "groups",
+        "KL fraction",
+        "KL level",
+        "arm",
+        "weighted gain",
+        "coarse gain",
+        "mid gain",
+        "runs reaching",
+        "median final KL",
+    )
+    for r in per_arm:
+        L.append(
+            f"| {r['groups']} | {r['kl_fraction']} | {r['kl_level']:.4f} | {r['arm']} | {r['weighted_gain']:+.4f} | "
+            f"{r['coarse_gain']:+.4f} | {r['fine_gain']:+.4f} | {r['reached']}/{r['runs']} | {r['final_kl']:.4f} |"
+        )
+    n_primary = sum("p_holm" in r for r in rows)
+    L.append(
+        f"\n### Paired differences at equal KL (a - b; mean [95% t interval]; Holm over the {n_primary} primary rows)\n"
+    )
+    L.append("| groups | KL fraction | a - b | difference | relative to grad_uniform's gain | n | p | p Holm |")
+    L.append("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        rel = r["mean"] / r["uniform_gain"] if r["uniform_gain"] else np.nan
+        ph = f"{r['p_holm']:.3g}" if "p_holm" in r else "-"
+        L.append(
+            f"| {r['groups']} | {r['kl_fraction']} | {r['a']} - {r['b']} | {fmt_ci(r)} | {rel:+.1%} | {r['n']} | "
+            f"{r['p']:.3g} | {ph} |"
+        )
+    L.append(f"\n## Seeds for 80% power (paired t at 0.05 / {n_primary}, Holm's first step) at this run's paired sd\n")
+    L.append(
+        f"Effect that matters: {ONLINE_EFFECT:.0%} of grad_uniform's weighted gain at the primary KL level (0.5).\n"
+    )
+    L.append("| groups | a - b | paired sd | effect | seeds needed | seeds run |")
+    L.append("|---|---|---|---|---|---|")
+    for r in power:
+        L.append(
+            f"| {r['groups']} | {r['a']} - {r['b']} | {r['sd']:.4f} | {r['delta']:.4f} | {r['needed']} | {r['n']} |"
+        )
+    with open(path, "w") as f:
+        f.write("\n".join(L) + "\n")
+
+
+def online_report(out, records, credit, cfg, info, seconds):
+    """summary.json and tables.md of an --online run from runs.csv's records and credit.json's per-run estimator."""
+    import json
+
+    groups = sorted({r["groups"] for r in records})
+    comps = online_comparisons(cfg)
+    rows, per_arm = analyse_recast(records, groups, online_arms(cfg), comps, ("coarse", "mid"), "grad_uniform")
+    n_primary = sum("p_holm" in r for r in rows)
+    power = []
+    for r in rows:
+        if r["kl_fraction"] == 0.5:
+            delta = ONLINE_EFFECT * abs(r["uniform_gain"])
+            needed = seeds_for_power(delta, r["sd"], alpha=0.05 / n_primary) if np.isfinite(r["sd"]) else None
+            power.append(
+                dict(groups=r["groups"], a=r["a"], b=r["b"], sd=r["sd"], delta=delta, n=r["n"], needed=needed or np.inf)
+            )
+    W_ex, W_un = np.asarray(info["W"]["exact"]), np.asarray(info["W"]["uniform"])
+    est = estimator_rows(credit, float(np.linalg.norm(W_un - W_ex)))
+    summary = dict(
+        config=asdict(cfg), profiles=info, recast=rows, recast_arms=per_arm, estimator=est, power=power, seconds=seconds
+    )
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    write_online_tables(os.path.join(out, "tables.md"), cfg, info, rows, per_arm, est, power, seconds)
+    print(open(os.path.join(out, "tables.md")).read())
+
+
+def write_online_files(out, records, credit):
+    import csv
+    import json
+
+    with open(os.path.join(out, "runs.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(records[0]))
+        writer.writeheader(), writer.writerows(records)
+    with open(os.path.join(out, "credit.json"), "w") as f:
+        json.dump(credit, f)
+
+
+def read_online_run(out):
+    """runs.csv, credit.json and summary.json of an --online run: (records, credit, OnlineConfig, info, seconds)."""
+    import csv
+    import json
+
+    with open(os.path.join(out, "runs.csv")) as f:
+        records = [
+            {
+                k: (v if k in ("family", "arm") else (int(v) if k in ("groups", "seed", "iteration") else float(v)))
+                for k, v in row.items()
+            }
+            for row in csv.DictReader(f)
+        ]
+    with open(os.path.join(out, "credit.json")) as f:
+        credit = json.load(f)
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    c = summary["config"]
+    cfg = OnlineConfig(**{**c, **{k: tuple(c[k]) for k in ("groups", "prior_groups", "largest_arms")}})
+    return records, credit, cfg, summary["profiles"], summary["seconds"]
+
+
+def online_main(quick, out, cfg=None):
+    """--online: the exact profiles of ONLINE_WORLD, the prior arms' measurements, every arm at every batch size (the
+    largest with cfg.largest_arms only) with the shipped sampler, the analysis. Writes runs.csv and credit.json after
+    each batch size (partial results survive), summary.json and tables.md at the end (and with each batch size)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    start = time.time()
+    cfg = cfg or (QUICK_ONLINE if quick else OnlineConfig())
+    os.makedirs(out, exist_ok=True)
+    sig = nft.shifted_sigmas(cfg.steps, 3.0)
+    D, g, P = exact_profiles(ONLINE_MIX, ONLINE_WORLD.rewards, sig, n_grid=81 if quick else 161)
+    corr = FourierCorrection(ONLINE_MIX.d, cfg.features, seed=cfg.seed0)
+    seeds = tuple(range(cfg.seed0, cfg.seed0 + cfg.seeds))
+    records, credit = [], []
+    try:
+        priors = {n: {s: measured_prior(ONLINE_WORLD, sig, n, s, cfg) for s in seeds} for n in cfg.prior_groups}
+        print(f"[prior measurements: {time.time() - start:.0f} s]", flush=True)
+        for n, per_seed in priors.items():
+            W_ex = recast.solve_W(TRAIN_LAM, P)
+            credit += [
+                dict(
+                    arm=f"prior{n}",
+                    groups=0,
+                    seed=s,
+                    W_distance=float(np.linalg.norm(W - W_ex)),
+                    rho=rho.tolist(),
+                    n=cnt.tolist(),
+                )
+                for s, (W, rho, cnt) in per_seed.items()
+            ]
+        for n_groups in cfg.groups:
+            t0 = time.time()
+            arms = online_arms(cfg) if n_groups != max(cfg.groups) else cfg.largest_arms
+            plan, Ws = online_plan(arms, seeds, sig, P, priors)
+            rec, on = train_batch(plan, cfg, n_groups, corr, world=ONLINE_WORLD, substeps=cfg.substeps)
+            records += rec
+            credit += [dict(r, groups=n_groups) for r in on["runs"]]
+            info = dict(
+                sigmas=sig.tolist(),
+                D=D.tolist(),
+                D0=D[:, -1].tolist(),
+                gains=g.tolist(),
+                P=P.tolist(),
+                W={k: np.asarray(v).tolist() for k, v in Ws.items()},
+            )
+            write_online_files(out, records, credit)
+            online_report(out, records, credit, cfg, info, time.time() - start)
+            print(f"[groups {n_groups}: {time.time() - t0:.0f} s]", flush=True)
+    finally:
+        torch.set_num_threads(threads)
+    finite = all(np.isfinite([r["kl"], r["coarse"], r["mid"]]).all() for r in records)
+    print(
+        f"--online done in {time.time() - start:.0f} s; results in {out}/ ({'all finite' if finite else 'NON-FINITE'})"
+    )
+    return 0 if finite else 1
+
+
+# =============================================================================
 # Main
 # =============================================================================
 
@@ -911,7 +1317,21 @@ def main(argv=None):
         "--tables-only", action="store_true", help="redo the analysis, tables and figure from --out's runs.csv"
     )
     parser.add_argument("--seed0", type=int, default=None, help="first seed (the pilot used 1000)")
+    parser.add_argument(
+        "--online",
+        action="store_true",
+        help="the online-W experiment (OnlineConfig; default --out .../toy-train/online)",
+    )
     args = parser.parse_args(argv)
+    if args.online:
+        out = args.out if args.out != RESULTS else os.path.join(RESULTS, "online")
+        if args.tables_only:
+            records, credit, cfg, info, seconds = read_online_run(out)
+            online_report(out, records, credit, cfg, info, seconds)
+            return 0
+        cfg = QUICK_ONLINE if args.quick else OnlineConfig()
+        cfg = replace(cfg, seeds=args.seeds or cfg.seeds, seed0=cfg.seed0 if args.seed0 is None else args.seed0)
+        return online_main(args.quick, out, cfg)
     if args.tables_only:
         train_report(args.out, *read_train_run(args.out))
         return 0
