@@ -166,3 +166,54 @@ def test_analysis_helpers_on_hand_cases():
         [1.0, 2.0, 5.0, 2.0], [True, False, False, True], [3.0, 3.0, 5.0, 1.0], [False, True, False, True]
     )
     assert (w, lo, ties) == (1, 1, 2)
+
+
+def test_online_quick_runs_every_arm_paired_and_regenerates(tmp_path):
+    import json
+
+    import numpy as np
+
+    from experiments import toy_train as tt
+
+    assert tt.main(["--online", "--quick", "--out", str(tmp_path)]) == 0
+    records, credit, cfg, _, _ = tt.read_online_run(str(tmp_path))
+    assert cfg == tt.QUICK_ONLINE
+    seeds = set(range(cfg.seed0, cfg.seed0 + cfg.seeds))
+    for P in cfg.groups:
+        arms = tt.online_arms(cfg) if P != max(cfg.groups) else cfg.largest_arms
+        got = {(r["arm"], r["seed"]) for r in records if r["groups"] == P}
+        assert got == {(a, s) for a in arms for s in seeds}
+        first = {r["arm"]: r for r in records if r["groups"] == P and r["iteration"] == 0 and r["seed"] == cfg.seed0}
+        assert len({(r["coarse"], r["mid"], r["kl"]) for r in first.values()}) == 1  # paired: the same exact model
+    # every online run and every prior measurement reports its W's distance to the exact W and its evidence weight
+    kinds = {(c["arm"], c["groups"]) for c in credit}
+    assert {(f"prior{n}", 0) for n in cfg.prior_groups} <= kinds
+    assert {("online", P) for P in cfg.groups} | {("online_noshrink", P) for P in cfg.groups} <= kinds
+    assert all(np.isfinite(c["W_distance"]) and len(c["rho"]) == 2 for c in credit)
+    assert all(c["rho"] == [1.0, 1.0] for c in credit if c["arm"] == "online_noshrink")  # evidence weight 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert sum("p_holm" in r for r in summary["recast"]) == 14  # the pre-registered family
+    tables = (tmp_path / "tables.md").read_text()
+    assert tt.main(["--online", "--tables-only", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "tables.md").read_text() == tables
+
+
+def test_tree_sampler_keeps_children_equal_until_the_branch():
+    import numpy as np
+    import torch
+
+    import nft
+    from experiments import toy_train as tt
+
+    sig = nft.shifted_sigmas(10, 3.0)
+    g = torch.Generator().manual_seed(0)
+    x1 = torch.randn((1, 3, 2, 1, 2), generator=g).expand(1, 3, 2, 4, 2)
+    z = torch.randn((10, 2, 1, 3, 2, 4, 2), generator=g)
+    branch = np.array([1, 4, 8])
+    x0 = tt.sample_tree(tt.ONLINE_MIX, None, None, sig, np.sqrt(2), x1, z, branch, 2).reshape(3, 2, 4, 2)
+    assert torch.isfinite(x0).all() and (x0[:, :, 1:] != x0[:, :, :1]).any(-1).all()  # children split after branching
+    # the ODE before the branch is deterministic: a group branching at the last SDE step differs only by that step
+    z2 = z.clone()
+    z2[:8] = torch.randn(z2[:8].shape, generator=g)
+    x0b = tt.sample_tree(tt.ONLINE_MIX, None, None, sig, np.sqrt(2), x1, z2, branch, 2).reshape(3, 2, 4, 2)
+    assert torch.equal(x0[2], x0b[2]) and not torch.equal(x0[0], x0b[0])
