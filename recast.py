@@ -97,7 +97,7 @@ def solve_W(budgets, profile, tau=1.0, eps=1e-3, tol=1e-12, max_iter=20000, col_
     is allowed when the profile is strictly positive. tau = 0 gives the uniform
     W_kj = lambda_k / T; identical profiles give it too.
     col_sums (T,): other column sums than the equal Lam / T (positive, summing to Lam), e.g. columns equal in
-    gradient units (toy_gaussian.py --train, derivations.ipynb §11); None (the default) is the equal Lam / T.
+    gradient units (experiments/toy_train.py, derivations.ipynb §11); None (the default) is the equal Lam / T.
     """
     lam = np.asarray(budgets, dtype=np.float64)
     P = np.asarray(profile, dtype=np.float64)
