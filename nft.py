@@ -14,7 +14,7 @@ Read top to bottom, one section each:
     rollouts                rollout_and_score -> tree_rollout (the ODE to a branch, the SDE after it: sde_continue;
                             --sampler ode: independent DPM-Solver-2 samples, DiffusionNFT's), ode_sample (held out)
     the update              update_loop: training_pairs, noised_batch, frozen_velocities (v_old, v_base), nft_loss
-                            (ReCAST's loss; RVGE passes its own), optimizer_step (all-reduce, clip, AdamW)
+                            (ReCAST's loss; RVGE passes its own), optimizer_step (all-reduce, [unscale], clip, AdamW)
 The plumbing stays in kit/run_kit.py: flags, run folders, model loading, the transformer call (`run_kit.velocity`:
 timestep = 1000 t, dtype, chunks), text encoding, decoding and scoring, the adapter copy (`run_kit.copy_adapter`,
 which old_decay's weight drives), checkpoints, figures.
@@ -35,7 +35,9 @@ Notation map (code name -> symbol)
 
 Conventions: x_t = (1 - t) x0 + t eps (t = sigma, SD3's rectified flow); the loss is a mean over latent dimensions,
 then over the batch; numpy statistics in float64, the transformer's outputs float32; every random number of an
-iteration comes from its CPU generator `gen`.
+iteration comes from its CPU generator `gen`. Precision (`run_kit.precision`): the transformer's forwards and the
+decodes run inside `run.autocast()` (--mixed-precision fp16: float16 autocast, DiffusionNFT's; else nothing), the loss
+outside it in float32, its backward through `run.scaler` when there is one.
 """
 
 from __future__ import annotations
