@@ -135,9 +135,10 @@ class RunArgs:
     """fp16: DiffusionNFT's mode: the transformer's weights in float32, its forwards (rollouts, training, evaluation)
     and the decodes under float16 autocast, a gradient scaler (a step with non-finite gradients is skipped, counted in
     train/skipped_steps), the VAE in float32, the text encoders in float16, TF32 allowed; set by every SD3.5-M recipe.
-    no (default): no autocast and no scaler, every frozen weight in --dtype: on a GPU bfloat16, whose exponent range
-    is float32's, so no loss scale, no skipped step, and a third of fp16 mode's memory for the frozen transformer (2
-    bytes a parameter against 4, plus the 2 of autocast's copies kept for backward); float32 on the CPU"""
+    no: no autocast and no scaler, every frozen weight in --dtype (bfloat16 on a GPU, float32 on the CPU). no is the
+    default: bfloat16's exponent range is float32's, so no loss scale and no skipped step, at a third of fp16 mode's
+    memory for the frozen transformer (2 bytes a parameter against 4, plus the 2 of autocast's copies kept for
+    backward)"""
     dry_run: bool = flag(False, "I/O")
     """build SD3.5-Medium's transformer on the meta device, attach the LoRA, print trainable parameters and a memory
     plan, exit"""
