@@ -521,7 +521,8 @@ def update_loop(run: Run, b: Rollout, args: NFTArgs, gen, on_step, policy_loss):
     --updates-per-iter equal chunks, one AdamW step per chunk on the mean loss over its samples (all processes;
     1 chunk is DiffusionNFT's one step per epoch). Per micro-batch: fresh noise (`noised_batch`), the frozen
     v_old / v_base, v_theta, and loss = mean(policy_loss(nb, v_theta, v_old)) + base_reg mean(|v_theta - v_base|^2),
-    policy_loss the method's per-sample loss (B,). `on_step()` runs after every optimizer step (the EMA).
+    policy_loss the method's per-sample loss (B,); the forwards inside `run.autocast()`, the backward scaled by
+    `run.scaler` (--mixed-precision fp16). `on_step()` runs after every optimizer step (the EMA).
     Returns mean losses, the last gradient norm and the counts."""
     transformer, sigmas, leaves, groups = run.transformer, run.sigmas, b.leaves, torch.as_tensor(b.groups)
     pairs = training_pairs(len(leaves), len(sigmas) - 1, args.train_steps_per_leaf, gen)
