@@ -14,7 +14,7 @@ Read top to bottom, one section each:
     rollouts                rollout_and_score -> tree_rollout (the ODE to a branch, the SDE after it: sde_continue;
                             --sampler ode: independent DPM-Solver-2 samples, DiffusionNFT's), ode_sample (held out)
     the update              update_loop: training_pairs, noised_batch, frozen_velocities (v_old, v_base), nft_loss
-                            (ReCAST's loss; RVGE passes its own), optimizer_step (all-reduce, clip, AdamW)
+                            (ReCAST's loss; RVGE passes its own), optimizer_step (all-reduce, [unscale], clip, AdamW)
 The plumbing stays in kit/run_kit.py: flags, run folders, model loading, the transformer call (`run_kit.velocity`:
 timestep = 1000 t, dtype, chunks), text encoding, decoding and scoring, the adapter copy (`run_kit.copy_adapter`,
 which old_decay's weight drives), checkpoints, figures.
@@ -35,7 +35,9 @@ Notation map (code name -> symbol)
 
 Conventions: x_t = (1 - t) x0 + t eps (t = sigma, SD3's rectified flow); the loss is a mean over latent dimensions,
 then over the batch; numpy statistics in float64, the transformer's outputs float32; every random number of an
-iteration comes from its CPU generator `gen`.
+iteration comes from its CPU generator `gen`. Precision (`run_kit.precision`): the transformer's forwards and the
+decodes run inside `run.autocast()` (--mixed-precision fp16: float16 autocast, DiffusionNFT's; else nothing), the loss
+outside it in float32, its backward through `run.scaler` when there is one.
 """
 
 from __future__ import annotations
@@ -348,27 +350,32 @@ def rollout_and_score(run: Run, args: NFTArgs, it, gen, probe_steps=()) -> Rollo
     layouts = branch_layout(P, args.steps, run.branch, offset=(it * run.acc.num_processes + run.acc.process_index) * P)
     tree = args.sampler == "tree"
     run.transformer.set_adapter("old")
-    leaves, groups, ancestry, probes = tree_rollout(
-        run.transformer,
-        emb,
-        pooled,
-        run.sigmas,
-        n_roots=args.n_roots,
-        n_branch=args.n_branch,
-        branch=layouts if tree else [],
-        sde_a=args.sde_a,
-        gen=gen,
-        shape=run.shape,
-        chunk=args.rollout_batch,
-        probe_steps=layouts if probe_steps == "layout" else probe_steps,
-        substeps=args.sde_substeps,
-        solver="euler" if tree else "dpm2",
-    )
+    with run.autocast():  # --mixed-precision fp16: DiffusionNFT samples under float16 autocast
+        leaves, groups, ancestry, probes = tree_rollout(
+            run.transformer,
+            emb,
+            pooled,
+            run.sigmas,
+            n_roots=args.n_roots,
+            n_branch=args.n_branch,
+            branch=layouts if tree else [],
+            sde_a=args.sde_a,
+            gen=gen,
+            shape=run.shape,
+            chunk=args.rollout_batch,
+            probe_steps=layouts if probe_steps == "layout" else probe_steps,
+            substeps=args.sde_substeps,
+            solver="euler" if tree else "dpm2",
+        )
     run.transformer.set_adapter("default")
     t_rollout = time.perf_counter()
-    R = score(run.rewards, decode(run.pipe, leaves), [prompts[g] for g in groups])
+    with run.autocast():  # ... and decodes there (its pipeline's VAE call), scoring outside (its reward thread)
+        images, probe_images = decode(run.pipe, leaves), [decode(run.pipe, x0h) for _, x0h, _ in probes]
+    R = score(run.rewards, images, [prompts[g] for g in groups])
     R = permute_within_groups(R, groups, run.names, args.permute_rewards, args.seed, it, run.acc.process_index)
-    probe_R = [(j, score(run.rewards, decode(run.pipe, x0h), [prompts[g] for g in gp]), gp) for j, x0h, gp in probes]
+    probe_R = [
+        (j, score(run.rewards, im, [prompts[g] for g in gp]), gp) for (j, _, gp), im in zip(probes, probe_images)
+    ]
     return Rollout(
         prompts=prompts,
         emb=emb,
@@ -481,12 +488,30 @@ def frozen_velocities_ahead(transformer, batches, size, with_base):
     return list(zip(torch.cat(v_old).split(sizes), torch.cat(v_base).split(sizes)))
 
 
-def optimizer_step(opt, params, totals, grad_clip, all_reduce_grads):
-    """Average the gradients over processes, clip their norm, refuse a non-finite step, step AdamW."""
+def optimizer_step(opt, params, totals, grad_clip, all_reduce_grads, scaler=None):
+    """Average the gradients over processes, clip their norm, refuse a non-finite step, step AdamW.
+
+    With a gradient scaler (--mixed-precision fp16), in DiffusionNFT's order: the scaled gradients are averaged over
+    processes (DDP's all-reduce in backward there), unscaled, clipped (grad_norm: the unscaled norm), then
+    scaler.step takes the AdamW step unless a gradient is non-finite, and scaler.update halves the scale after a
+    skipped step (doubles it after 2,000 taken). Every process reduces the same sum before unscaling, so all skip
+    together. A skipped step is counted in train/skipped_steps (its grad_norm is inf or NaN) and still counts as an
+    optimizer step for the old-policy decay and the EMA, as DiffusionNFT's global_step does; train/loss_scale is the
+    scale after it. A non-finite loss is no scale's doing (the forward overflowed): refused in both cases."""
     all_reduce_grads(params)
+    if scaler is not None:
+        scaler.unscale_(opt)
     totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
-    check_finite(totals)
-    opt.step()
+    if scaler is None:
+        check_finite(totals)
+        opt.step()
+    else:
+        check_finite({k: v for k, v in totals.items() if k != "grad_norm"})
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        totals["train/skipped_steps"] += int(scaler.get_scale() < scale)  # the scale drops only after a skip
+        totals["train/loss_scale"] = scaler.get_scale()
     opt.zero_grad(set_to_none=True)
     totals["train/opt_steps"] += 1
 
@@ -496,28 +521,38 @@ def update_loop(run: Run, b: Rollout, args: NFTArgs, gen, on_step, policy_loss):
     --updates-per-iter equal chunks, one AdamW step per chunk on the mean loss over its samples (all processes;
     1 chunk is DiffusionNFT's one step per epoch). Per micro-batch: fresh noise (`noised_batch`), the frozen
     v_old / v_base, v_theta, and loss = mean(policy_loss(nb, v_theta, v_old)) + base_reg mean(|v_theta - v_base|^2),
-    policy_loss the method's per-sample loss (B,). `on_step()` runs after every optimizer step (the EMA).
+    policy_loss the method's per-sample loss (B,); the forwards inside `run.autocast()`, the backward scaled by
+    `run.scaler` (--mixed-precision fp16). `on_step()` runs after every optimizer step (the EMA).
     Returns mean losses, the last gradient norm and the counts."""
     transformer, sigmas, leaves, groups = run.transformer, run.sigmas, b.leaves, torch.as_tensor(b.groups)
     pairs = training_pairs(len(leaves), len(sigmas) - 1, args.train_steps_per_leaf, gen)
     params = lora_params(transformer, "default")
     totals = {"loss/policy": 0.0, "loss/base_reg": 0.0, "train/opt_steps": 0, "train/samples": len(pairs)}
+    if run.scaler is not None:  # --mixed-precision fp16
+        totals.update({"train/skipped_steps": 0, "train/loss_scale": run.scaler.get_scale()})
+    scale = run.scaler.scale if run.scaler is not None else (lambda loss: loss)
     for chunk in pairs.tensor_split(args.updates_per_iter):
         batches = [
             noised_batch(mb, leaves, groups, b.emb, b.pooled, sigmas, gen) for mb in chunk.split(args.train_batch)
         ]
         with_base = args.base_reg > 0
-        frozen = (
-            frozen_velocities_ahead(transformer, batches, args.frozen_batch, with_base) if args.frozen_batch else None
-        )
+        with run.autocast():  # the forwards under --mixed-precision fp16's autocast; the loss in float32 (`velocity`)
+            frozen = (
+                frozen_velocities_ahead(transformer, batches, args.frozen_batch, with_base)
+                if args.frozen_batch
+                else None
+            )
         for k, nb in enumerate(batches):
-            v_old, v_base = frozen[k] if frozen else frozen_velocities(transformer, nb.x_t, nb.s, nb.cond, with_base)
-            v_theta = velocity(transformer, nb.x_t, nb.s, *nb.cond)
+            with run.autocast():
+                v_old, v_base = (
+                    frozen[k] if frozen else frozen_velocities(transformer, nb.x_t, nb.s, nb.cond, with_base)
+                )
+                v_theta = velocity(transformer, nb.x_t, nb.s, *nb.cond)
             policy = policy_loss(nb, v_theta, v_old).mean()
             base = ((v_theta - v_base) ** 2).mean()
-            ((policy + args.base_reg * base) * (len(nb.pairs) / len(chunk))).backward()
+            scale((policy + args.base_reg * base) * (len(nb.pairs) / len(chunk))).backward()
             totals["loss/policy"] += policy.item() * len(nb.pairs) / len(pairs)
             totals["loss/base_reg"] += base.item() * len(nb.pairs) / len(pairs)
-        optimizer_step(run.opt, params, totals, args.grad_clip, run.all_reduce_grads)
+        optimizer_step(run.opt, params, totals, args.grad_clip, run.all_reduce_grads, run.scaler)
         on_step()
     return totals

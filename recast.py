@@ -97,7 +97,7 @@ def solve_W(budgets, profile, tau=1.0, eps=1e-3, tol=1e-12, max_iter=20000, col_
     is allowed when the profile is strictly positive. tau = 0 gives the uniform
     W_kj = lambda_k / T; identical profiles give it too.
     col_sums (T,): other column sums than the equal Lam / T (positive, summing to Lam), e.g. columns equal in
-    gradient units (toy_gaussian.py --train, derivations.ipynb §11); None (the default) is the equal Lam / T.
+    gradient units (experiments/toy_train.py, derivations.ipynb §11); None (the default) is the equal Lam / T.
     """
     lam = np.asarray(budgets, dtype=np.float64)
     P = np.asarray(profile, dtype=np.float64)
@@ -670,8 +670,9 @@ class Args(NFTArgs):
     unit weight is propto t: each step gets the same share of the update; derivations.ipynb §11). Also applies to
     --credit uniform and nft"""
     gain_init: str = flag("", "method")
-    """start the discounted level statistics from this JSON (bench.py's profiles.json: n, s1, s2 measured on the
-    pretrained model with many groups) instead of from nothing; it must hold the run's rewards, with the same --steps"""
+    """start the discounted level statistics from this JSON (experiments/protocol.py's profiles.json: n, s1, s2
+    measured on the pretrained model with many groups) instead of from nothing; it must hold the run's rewards, with
+    the same --steps"""
     # optimisation
     nft_b: float = flag(1.0, "optimisation", gt=0)
     """DiffusionNFT guidance strength b in v+- = v_old +- b (v_theta - v_old)"""
@@ -758,8 +759,9 @@ def equal_columns(W):
 
 
 def gain_prior(args, names):
-    """--gain-init: the discounted level statistics the run starts from (bench.py's profiles.json, measured on the
-    pretrained model with many groups; `run_kit.read_level_stats` refuses one that does not fit), else None."""
+    """--gain-init: the discounted level statistics the run starts from (experiments/protocol.py's profiles.json,
+    measured on the pretrained model with many groups; `run_kit.read_level_stats` refuses one that does not fit),
+    else None."""
     return read_level_stats(args.gain_init, names, args.steps) if args.gain_init else None
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import datetime
 import difflib
 import fcntl
@@ -128,7 +129,16 @@ class RunArgs:
     device: str = flag("", "I/O")
     """cpu or cuda (default: cuda if available)"""
     dtype: str = flag("", "I/O", choices=["", "float32", "bfloat16", "float16"])
-    """frozen weights' dtype (default: bfloat16 on cuda, float32 on cpu)"""
+    """frozen weights' dtype with --mixed-precision no (default: bfloat16 on cuda, float32 on cpu); float16 is refused
+    there (its gradients need a scaler: --mixed-precision fp16)"""
+    mixed_precision: str = flag("no", "I/O", choices=["no", "fp16"])
+    """fp16: DiffusionNFT's mode: the transformer's weights in float32, its forwards (rollouts, training, evaluation)
+    and the decodes under float16 autocast, a gradient scaler (a step with non-finite gradients is skipped, counted in
+    train/skipped_steps), the VAE in float32, the text encoders in float16, TF32 allowed; set by every SD3.5-M recipe.
+    no: no autocast and no scaler, every frozen weight in --dtype (bfloat16 on a GPU, float32 on the CPU). no is the
+    default: bfloat16's exponent range is float32's, so no loss scale and no skipped step, at a third of fp16 mode's
+    memory for the frozen transformer (2 bytes a parameter against 4, plus the 2 of autocast's copies kept for
+    backward)"""
     dry_run: bool = flag(False, "I/O")
     """build SD3.5-Medium's transformer on the meta device, attach the LoRA, print trainable parameters and a memory
     plan, exit"""
@@ -583,6 +593,7 @@ def check_common(args, extra_rewards=None):
     and server there: reward_models.missing_inputs), branch steps. Returns (reward
     names, budgets, branch steps). Raises SystemExit with the problem and the fix."""
     check_ranges(args)
+    check_precision(args)
     check_report_to(args.report_to)
     check_launch()
     if args.resolution % 16:
@@ -650,6 +661,23 @@ def check_common(args, extra_rewards=None):
     return names, budgets, branch
 
 
+def check_precision(args):
+    """--mixed-precision with --dtype: float16 weights without a gradient scaler are refused (a float16 gradient
+    underflows to 0 or overflows to inf where a bfloat16 or float32 one does not), and fp16 mode keeps the transformer's
+    weights in float32 as DiffusionNFT does, so another --dtype contradicts it."""
+    if args.mixed_precision == "fp16" and args.dtype not in ("", "float32"):
+        raise SystemExit(
+            f"--mixed-precision fp16 keeps the transformer's weights in float32 under float16 autocast (DiffusionNFT's "
+            f"mode); --dtype {args.dtype} contradicts it: drop --dtype, or --mixed-precision for {args.dtype} weights"
+        )
+    if args.mixed_precision == "no" and args.dtype == "float16":
+        raise SystemExit(
+            "--dtype float16 trains without a gradient scaler, and float16 gradients underflow or overflow where "
+            "bfloat16's do not: use --mixed-precision fp16 (DiffusionNFT's mode: float32 weights, float16 autocast, a "
+            "gradient scaler) or --dtype bfloat16"
+        )
+
+
 def check_files(args, names):
     """The files a run reads, checked before any model loads: prompt files (readable, >= 2 held-out prompts, the
     embedded world's held-out prompts inside its grammar, quoted text for the ocr reward) and, on --resume, the
@@ -682,12 +710,12 @@ def check_files(args, names):
 
 
 def read_level_stats(path, names, T):
-    """[n (T+1,), s1 (K, T+1), s2 (K, T+1)]: the rows of `names` from a level-statistics file (bench.py
+    """[n (T+1,), s1 (K, T+1), s2 (K, T+1)]: the rows of `names` from a level-statistics file (experiments/protocol.py
     `measure_profiles`), the gain statistics recast.py starts from with --gain-init. They are discounted by
     --gain-ema like the run's own, so the prior's weight halves every ~7 iterations at 0.9. A file that is missing,
     not JSON, without the run's rewards, of other steps, of the wrong shapes, or with null/NaN/inf statistics (which
     would switch the credit off: W uniform, evidence 0) is refused naming the file and the field."""
-    fix = "Make one with bench.py's measure_profiles, or omit --gain-init"
+    fix = "Make one with experiments/protocol.py's measure_profiles, or omit --gain-init"
     try:
         saved = json.loads(Path(path).read_text())
         rows = [saved["names"].index(k) for k in names]
@@ -807,17 +835,52 @@ def quiet_start_up():
     transformers.utils.logging.disable_progress_bar()
 
 
-def load_pipeline(args, device, dtype):
+@dataclass(frozen=True)
+class Precision:
+    """What --mixed-precision and --dtype give a run on its device (`precision`): each frozen module's weight dtype
+    (the LoRA adapters and AdamW's state are float32 in every mode) and the autocast of the transformer's forwards and
+    the decodes (None: none). A float16 autocast comes with a gradient scaler (`gradient_scaler`)."""
+
+    transformer: torch.dtype  # the frozen transformer's weights
+    text_encoders: torch.dtype  # CLIP-L, CLIP-G, T5 (their embeddings' dtype is the transformer input's, `velocity`)
+    vae: torch.dtype
+    autocast: torch.dtype | None  # rollouts, the update's forwards, evaluation, decoding; None: no autocast
+    tf32: bool  # TF32 matmuls and convolutions allowed on cuda (DiffusionNFT's allow_tf32)
+
+
+def precision(args, device_type):
+    """--mixed-precision fp16: DiffusionNFT's mode (`scripts/train_nft_sd3.py`: the pipeline loaded in float32, the VAE
+    kept there, the text encoders in float16, `torch_autocast(dtype=float16)` around the transformer's forwards and the
+    sampler's decode, a `GradScaler`, `allow_tf32`). no: every frozen weight in --dtype (bfloat16 on cuda, float32 on
+    cpu), no autocast, TF32 left as torch sets it."""
+    if args.mixed_precision == "fp16":
+        return Precision(torch.float32, torch.float16, torch.float32, torch.float16, tf32=True)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device_type == "cuda" else "float32"))
+    return Precision(dtype, dtype, dtype, None, tf32=False)
+
+
+def gradient_scaler(device_type, prec: Precision):
+    """torch.amp.GradScaler for a float16 autocast (its default scale 2^16, halved after a step with non-finite
+    gradients, doubled after 2,000 good ones), else None (bfloat16 and float32 need none)."""
+    return torch.amp.GradScaler(device_type) if prec.autocast == torch.float16 else None
+
+
+def load_pipeline(args, device, dtype, text_dtype=None):
     """StableDiffusion3Pipeline (the real SD3.5-M or the embedded tiny one, same classes) with
     frozen VAE and text encoders, and LoRA adapters on the transformer: "default" (trained), "old"
-    (sampling policy, a copy) and with --ema "ema". Disabling adapters gives the frozen base."""
+    (sampling policy, a copy) and with --ema "ema". Disabling adapters gives the frozen base.
+    dtype: the frozen weights' (the VAE's too); text_dtype: the text encoders' when it differs (fp16 mode)."""
     from diffusers import StableDiffusion3Pipeline
     from peft import LoraConfig
 
     local = Path(args.model).exists()
     pipe = StableDiffusion3Pipeline.from_pretrained(args.model, dtype=dtype, local_files_only=local)
+    if text_dtype is not None:  # before moving to the device: T5-XXL in float32 would take 19 GB there
+        for module in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+            if module is not None:
+                module.to(dtype=text_dtype)
     pipe.set_progress_bar_config(disable=True)
-    pipe.to(device)
+    pipe.to(device, silence_dtype_warnings=text_dtype is not None)  # float16 text encoders run on a CPU too (autocast)
     for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.transformer):
         if module is not None:
             module.requires_grad_(False)
@@ -939,7 +1002,9 @@ def shuffle_within_groups(R, groups, rng):
 def dry_run(args):
     """SD3.5-Medium readiness without weights: its transformer (shipped config) on the meta device,
     the LoRA adapters attached ("default", "old", with --ema "ema"), trainable parameters and a memory plan for one
-    micro-batch."""
+    micro-batch in the run's precision (--mixed-precision fp16: float32 frozen weights and the float16 copies autocast
+    makes of them, kept for backward: of one block at a time with --gradient-checkpointing, which recomputes them)."""
+    check_precision(args)
     from accelerate import init_empty_weights
     from diffusers import SD3Transformer2DModel
     from peft import LoraConfig
@@ -960,11 +1025,15 @@ def dry_run(args):
     res = args.resolution or 512
     tokens = (res // 8 // config["patch_size"]) ** 2 + 77 + (args.max_sequence_length or 128)
     gib = 2**30
+    fp16 = args.mixed_precision == "fp16"
+    weights = "fp32" if fp16 or args.dtype == "float32" else "bf16"  # float16 without a scaler: check_precision
+    copies = total / (config["num_layers"] if args.gradient_checkpointing else 1)
     plan = {
-        "frozen weights (bf16)": 2 * total / gib,
+        f"frozen weights ({weights})": {"fp32": 4, "bf16": 2}[weights] * total / gib,
+        **({"their fp16 copies kept for backward (autocast)": 2 * copies / gib} if fp16 else {}),
         f"{len(adapters)} LoRA adapters ({', '.join(adapters)}; fp32)": 4 * len(adapters) * trainable / gib,
         "AdamW state + grads (fp32)": 3 * 4 * trainable / gib,
-        # rough activation size kept for backward: per block ~ 12 tensors of (tokens, hidden) in bf16
+        # rough activation size kept for backward: per block ~ 12 tensors of (tokens, hidden) in bf16 (fp16)
         f"activations, micro-batch {args.train_batch} (estimate)": args.train_batch
         * config["num_layers"]
         * 12
@@ -1017,6 +1086,14 @@ class Run:
     prompts_per_iter: int  # prompt groups per iteration and process
     seed: int  # --seed, which draws the prompts
     keep_checkpoints: int = 2  # --keep-checkpoints: the newest N kept (0: all)
+    precision: Precision | None = None  # --mixed-precision, --dtype: the weights' dtypes and the autocast
+    scaler: torch.amp.GradScaler | None = None  # the gradient scaler of a float16 autocast (`nft.optimizer_step`)
+
+    def autocast(self):
+        """The context of the transformer's forwards and the decodes: `torch.autocast` with --mixed-precision fp16,
+        else none (the weights' own dtype)."""
+        dtype = self.precision.autocast if self.precision else None
+        return torch.autocast(self.acc.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
     def reduce(self, a):
         """Sum numpy statistics over processes."""
@@ -1060,13 +1137,17 @@ def load_run(args, names, budgets, branch, script, extra_rewards=None, judges=No
         args.out = broadcast_object_list([args.out], from_process=0)[0]
     trackers = {} if args.report_to == "none" else {"log_with": args.report_to, "project_dir": args.out}
     acc = Accelerator(cpu=device_name == "cpu", **trackers)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if acc.device.type == "cuda" else "float32"))
+    prec = precision(args, acc.device.type)
+    if prec.tf32 and acc.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     seed_everything(args.seed)
     world = shapes_world if is_embedded(args.model) else None
     gen_kwargs = world.GEN_KWARGS if world else {}
     res = args.resolution or gen_kwargs.get("height", 512)
     max_len = args.max_sequence_length or gen_kwargs.get("max_sequence_length", 128)  # 128: DiffusionNFT's T5 length
-    pipe = load_pipeline(args, acc.device, dtype)
+    text_dtype = prec.text_encoders if prec.text_encoders != prec.transformer else None
+    pipe = load_pipeline(args, acc.device, prec.transformer, text_dtype)
     pipe.scheduler.set_timesteps(args.steps)
     train_prompts = read_prompts(args.train_prompts, "--train-prompts") if args.train_prompts else None
     if world is None and train_prompts is None:
@@ -1097,6 +1178,8 @@ def load_run(args, names, budgets, branch, script, extra_rewards=None, judges=No
         prompts_per_iter=args.prompts_per_iter,
         seed=args.seed,
         keep_checkpoints=args.keep_checkpoints,
+        precision=prec,
+        scaler=gradient_scaler(acc.device.type, prec),
     )
 
 
@@ -1120,7 +1203,7 @@ def stop_if_a_reward_failed(run: Run, it, n_valid, state):
     resume trains iteration 0), and the message names the reward(s) and how to continue. n_valid (K,)."""
     if (n_valid == 0).any():
         if run.acc.is_main_process and it > 0:
-            save_checkpoint(run.out, it - 1, run.transformer, run.opt, state, keep=run.keep_checkpoints)
+            save_checkpoint(run.out, it - 1, run.transformer, run.opt, state, run.keep_checkpoints, run.scaler)
         bad = [n for n, c in zip(run.names, n_valid) if c == 0]
         done = f"the state after iteration {it - 1} is saved in {run.out}" if it else "nothing was trained"
         raise SystemExit(
@@ -1169,7 +1252,7 @@ def finish_iteration(run: Run, args, it, metrics, state, before, sample):
         if evaluated:
             show_evaluation(run, it, evaluated, state)
         if (it + 1) % args.save_every == 0 or last:
-            save_checkpoint(run.out, it, run.transformer, run.opt, state, keep=run.keep_checkpoints)
+            save_checkpoint(run.out, it, run.transformer, run.opt, state, run.keep_checkpoints, run.scaler)
     run.acc.wait_for_everyone()
 
 
@@ -1194,11 +1277,12 @@ def evaluate(run: Run, args, sample):
     if len(mine):
         emb, pooled = encode(run.pipe, mine, run.max_len, acc.device)
         run.transformer.set_adapter("ema" if args.ema else "default")
-        latents = sample(
-            run.transformer, emb, pooled, run.eval_sigmas, run.shape, EVAL_SEED, args.rollout_batch, noise[share]
-        )
+        with run.autocast():  # DiffusionNFT's evaluation samples and decodes under its autocast too
+            latents = sample(
+                run.transformer, emb, pooled, run.eval_sigmas, run.shape, EVAL_SEED, args.rollout_batch, noise[share]
+            )
+            images = decode(run.pipe, latents)
         run.transformer.set_adapter("default")
-        images = decode(run.pipe, latents)
         R = score(run.rewards, images, mine)
         judged = {name: np.asarray(fn(images, mine), dtype=np.float64) for name, fn in (run.judges or {}).items()}
     first = share[0] if len(share) else len(prompts)
@@ -1500,7 +1584,11 @@ def start_or_resume(run: Run, args):
     """Restore the newest intact checkpoint when resuming (metrics cut back to it), or clear the folder
     for --overwrite; remove this program's .tmp leftovers; write config.json; start the --report-to tracker.
     Returns (first iteration, state)."""
-    state = load_checkpoint(run.out, run.transformer, run.opt, args.lr, args.weight_decay) if args.resume else None
+    state = (
+        load_checkpoint(run.out, run.transformer, run.opt, args.lr, args.weight_decay, run.scaler)
+        if args.resume
+        else None
+    )
     start = state.pop("iteration") + 1 if state else 0
     if args.resume and state is None:
         tqdm.write(f"{run.out} has no checkpoint yet: training starts at iteration 0")
@@ -1657,12 +1745,12 @@ def git_sha():
 # =============================================================================
 
 
-def save_checkpoint(out, iteration, transformer, opt, state, keep=2):
+def save_checkpoint(out, iteration, transformer, opt, state, keep=2, scaler=None):
     """checkpoints/iter_N/: the "default" LoRA in diffusers' format with its LoraConfig as metadata, so that
     pipe.load_lora_weights("<run>/checkpoints/iter_N") gives the trained model exactly (without the metadata
     diffusers takes lora_alpha = r, a wrong scale unless alpha = r); iter_N/ema the EMA with --ema; and state.pt
-    (every adapter, optimizer, level statistics, optimizer-step count, iteration, and the run that wrote it:
-    run_identity). Written to a .tmp folder,
+    (every adapter, optimizer, the gradient scaler's state with --mixed-precision fp16, level statistics,
+    optimizer-step count, iteration, and the run that wrote it: run_identity). Written to a .tmp folder,
     renamed, then `latest` is replaced atomically: a kill at any moment leaves the last good one.
     Keeps this checkpoint and the newest keep - 1 earlier ones (keep=0: every earlier one); a later one (left by a run
     resumed from an earlier checkpoint) goes. Refuses to write non-finite weights."""
@@ -1688,8 +1776,16 @@ def save_checkpoint(out, iteration, transformer, opt, state, keep=2):
                     transformer_lora_layers=lora[adapter],
                     transformer_lora_adapter_metadata=transformer.peft_config[adapter].to_dict(),
                 )
+        scaled = {"scaler": scaler.state_dict()} if scaler is not None else {}  # DiffusionNFT's scaler.pt
         torch.save(
-            {"iteration": iteration, "lora": lora, "optimizer": opt.state_dict(), **state, "run": run_identity(out)},
+            {
+                "iteration": iteration,
+                "lora": lora,
+                "optimizer": opt.state_dict(),
+                **scaled,
+                **state,
+                "run": run_identity(out),
+            },
             tmp / "state.pt",
         )
         shutil.rmtree(final, ignore_errors=True)
@@ -1759,11 +1855,12 @@ def check_checkpoints_are_there(out):
         )
 
 
-def load_checkpoint(out, transformer, opt, lr, weight_decay):
+def load_checkpoint(out, transformer, opt, lr, weight_decay, scaler=None):
     """Restore the newest intact checkpoint of a run folder (the one `latest` names, else the newest
     iter_N whose state.pt loads; says so when it falls back); the optimizer then takes this run's lr and
-    weight decay (its saved moments are kept). Returns its state dict, None when the run has no checkpoint yet;
-    SystemExit, with nothing changed, when it has checkpoints and none loads."""
+    weight decay (its saved moments are kept); `scaler` (--mixed-precision fp16) its saved scale and growth count,
+    or its initial ones when the checkpoint has none (said). Returns its state dict, None when the run has no
+    checkpoint yet; SystemExit, with nothing changed, when it has checkpoints and none loads."""
     from peft.utils import set_peft_model_state_dict
 
     root = out / "checkpoints"
@@ -1785,6 +1882,11 @@ def load_checkpoint(out, transformer, opt, lr, weight_decay):
         if "ema" in transformer.peft_config and "ema" not in lora:  # --ema switched on at resume: start it here
             copy_adapter(transformer, "default", "ema")
         opt.load_state_dict(state.pop("optimizer"))
+        scaled = state.pop("scaler", None)
+        if scaler is not None and scaled:
+            scaler.load_state_dict(scaled)
+        elif scaler is not None:
+            tqdm.write(f"{ckpt.name} holds no gradient scaler state: the loss scale starts at {scaler.get_scale():g}")
         for group in opt.param_groups:  # the saved groups hold the old run's values: --lr / --weight-decay apply
             group.update(lr=lr, weight_decay=weight_decay)
         transformer.set_adapter("default")

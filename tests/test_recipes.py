@@ -1,6 +1,6 @@
 """The SD3.5-Medium recipes (configs/*.yaml) against DiffusionNFT's own values, kept with their source in
 configs/reference/diffusionnft.yaml: each recipe parsed as its command parses it, then its timesteps trained, held-out
-prompts, evaluation and checkpoint cadence and precision checked against that table; what a recipe keeps apart on
+prompts, evaluation and checkpoint cadence and precision mode checked against that table; what a recipe keeps apart on
 purpose is a documented difference, one row of NOTES.md's table. And a recipe that claims every flag of some sections
 at its default lists every one of them."""
 
@@ -50,8 +50,8 @@ def test_every_sd35m_recipe_is_checked_here():
 def test_a_diffusionnft_recipe_has_diffusionnfts_values(recipe):
     """Every value of the reference's `all` and of the recipe's config, flag by flag, unless a documented difference:
     the timesteps trained per image (int(steps x 0.99)), the held-out prompts (DiffusionNFT's test split), the run
-    length and cadence (eval 10, save 30, every checkpoint kept), the batch, the optimiser; precision stays a
-    documented difference until the recipes can run in DiffusionNFT's mode."""
+    length and cadence (eval 10, save 30, every checkpoint kept), the batch, the optimiser, the precision mode (fp16:
+    float32 weights under float16 autocast with a gradient scaler)."""
     args, script = parse(recipe)
     name, config = NFT[recipe]
     known = {f.name for f in fields(script.Args)}
@@ -66,7 +66,8 @@ def test_a_diffusionnft_recipe_has_diffusionnfts_values(recipe):
         got = getattr(args, flag)
         assert got == (pytest.approx(value) if isinstance(got, float) else value), f"{recipe}: {key}"
         checked.add(key)
-    assert {"eval-every", "save-every", "keep-checkpoints", "iterations", "eval-steps", "ema"} <= checked
+    cadence = {"eval-every", "save-every", "keep-checkpoints", "iterations", "eval-steps", "ema"}
+    assert cadence | {"mixed-precision"} <= checked  # precision: fp16 autocast with a scaler, as DiffusionNFT
     assert args.train_steps_per_leaf == int(values["steps"] * values["timestep-fraction"])  # 9 of 10, 24 of 25
     assert args.prompts_per_iter * values["gpus"] == values["prompts-per-epoch"]
     assert args.budgets == ",".join(["1"] * len(args.rewards.split(",")))  # every reward weighted 1.0
@@ -74,7 +75,6 @@ def test_a_diffusionnft_recipe_has_diffusionnfts_values(recipe):
         f"dataset/{config['dataset']}/train.txt",
         f"dataset/{config['dataset']}/test.txt",
     )
-    assert "mixed-precision" in differs and "mixed_precision" not in known  # precision: NOTES.md's row, for now
     if "rewards" in differs:  # the multi-reward set: one reward stands in for one not shipped here
         assert len(args.rewards.split(",")) == len(values["rewards"].split(","))
 
@@ -82,13 +82,14 @@ def test_a_diffusionnft_recipe_has_diffusionnfts_values(recipe):
 @pytest.mark.parametrize("recipe", ["recast-sd35m.yaml", "rvge-sd35m.yaml"])
 def test_the_projects_sd35m_recipes_train_evaluate_and_save_as_diffusionnft(recipe):
     """ReCAST's and RVGE's own SD3.5-M recipes: DiffusionNFT's model, timesteps trained, batches, held-out prompts,
-    evaluation steps and cadence (so their evaluations fall on the nft-*.yaml runs' iterations); their own run
-    length."""
+    evaluation steps and cadence (so their evaluations fall on the nft-*.yaml runs' iterations), precision mode (so a
+    comparison with those runs differs in the method only); their own run length."""
     args, _ = parse(recipe)
     ref = REF["all"]
     assert args.eval_prompts, f"{recipe} trains a real model and never evaluates it"
     assert args.train_steps_per_leaf == int(args.steps * ref["timestep-fraction"])
-    for key in ("model", "resolution", "steps", "eval-steps", "ema", "lr", "train-batch", "eval-every", "save-every"):
+    keys = ("model", "resolution", "steps", "eval-steps", "ema", "lr", "train-batch", "eval-every", "save-every")
+    for key in (*keys, "mixed-precision"):
         assert getattr(args, key.replace("-", "_")) == ref[key], f"{recipe}: {key}"
     assert args.keep_checkpoints == ref["keep-checkpoints"] and args.iterations == 1000
     assert (args.max_sequence_length or 128) == ref["max-sequence-length"]  # 0: the model's default, 128 here

@@ -1,4 +1,4 @@
-"""The Gaussian-mixture toy: every check of toy_gaussian.py at quick sizes."""
+"""The Gaussian-mixture toy: toy_gaussian.py's checks at quick sizes; the trainable toy, experiments/toy_train.py."""
 
 import re
 
@@ -18,7 +18,7 @@ def test_toy_gaussian_quick_passes_every_check(tmp_path, capsys):
 
 
 # -----------------------------------------------------------------------------
-# --train: the trainable toy (every arm runs, quantities finite and paired), and its pure functions
+# experiments/toy_train.py: the trainable toy (every arm runs, quantities finite and paired), its pure functions
 # -----------------------------------------------------------------------------
 
 
@@ -28,19 +28,19 @@ def test_train_quick_runs_every_arm_paired(tmp_path):
 
     import numpy as np
 
-    import toy_gaussian as tg
+    from experiments import toy_train as tt
 
-    assert tg.main(["--train", "--quick", "--out", str(tmp_path)]) == 0
+    assert tt.main(["--quick", "--out", str(tmp_path)]) == 0
     with open(tmp_path / "runs.csv") as f:
         rows = list(csv.DictReader(f))
-    cfg = tg.QUICK_TRAIN
+    cfg = tt.QUICK_TRAIN
     cells = {}
     for r in rows:
         for k in ("kl", "coarse", "fine", "discrete"):
             assert np.isfinite(float(r[k])), r
         cells.setdefault((r["family"], int(r["groups"]), r["arm"]), {}).setdefault(int(r["seed"]), []).append(r)
     expected = {
-        (f, P, a) for P in cfg.groups for f, arms in (("recast", tg.RECAST_ARMS), ("rvge", tg.RVGE_ARMS)) for a in arms
+        (f, P, a) for P in cfg.groups for f, arms in (("recast", tt.RECAST_ARMS), ("rvge", tt.RVGE_ARMS)) for a in arms
     }
     assert set(cells) == expected
     seeds = set(range(cfg.seed0, cfg.seed0 + cfg.seeds))
@@ -54,7 +54,7 @@ def test_train_quick_runs_every_arm_paired(tmp_path):
             first = next(e for e in evals if e["iteration"] == "0")
             ref = next(
                 e
-                for e in cells[(family, P, tg.RECAST_ARMS[0] if family == "recast" else tg.RVGE_ARMS[0])][seed]
+                for e in cells[(family, P, tt.RECAST_ARMS[0] if family == "recast" else tt.RVGE_ARMS[0])][seed]
                 if e["iteration"] == "0"
             )
             assert first["coarse"] == ref["coarse"] and first["fine"] == ref["fine"] and float(first["kl"]) == 0.0
@@ -67,7 +67,7 @@ def test_train_quick_runs_every_arm_paired(tmp_path):
     assert (tmp_path / "tables.md").exists() and (tmp_path / "reward_vs_kl.png").exists()
     # the tables regenerate from the committed files alone
     tables = (tmp_path / "tables.md").read_text()
-    assert tg.main(["--train", "--tables-only", "--out", str(tmp_path)]) == 0
+    assert tt.main(["--tables-only", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "tables.md").read_text() == tables
 
 
@@ -76,7 +76,7 @@ def test_stacked_W_mix_optimality_equals_per_run_calls():
     import torch
 
     import recast
-    import toy_gaussian as tg
+    from experiments import toy_train as tt
 
     rng = np.random.default_rng(0)
     S, K, T, N = 4, 2, 10, 7
@@ -86,7 +86,7 @@ def test_stacked_W_mix_optimality_equals_per_run_calls():
     step = torch.as_tensor(rng.integers(0, T, (S, N)))
     W_t = torch.as_tensor(W)
     stacked = recast.mix_optimality(
-        r.reshape(S * N, K), tg.stack_columns(W_t), (torch.arange(S)[:, None] * T + step).ravel()
+        r.reshape(S * N, K), tt.stack_columns(W_t), (torch.arange(S)[:, None] * T + step).ravel()
     )
     per_run = torch.stack([recast.mix_optimality(r[i], W_t[i], step[i]) for i in range(S)])
     assert torch.allclose(stacked.reshape(S, N), per_run, rtol=0, atol=1e-14)
@@ -124,12 +124,12 @@ def test_reversed_W_has_the_same_marginals_and_is_the_flipped_W():
     import numpy as np
 
     import recast
-    import toy_gaussian as tg
+    from experiments import toy_train as tt
 
     rng = np.random.default_rng(2)
     lam, T = np.array([0.5, 1.0, 1.5]), 10
     P = recast.profiles(rng.random((3, T)) ** 4)
-    W, W_rev = recast.solve_W(lam, P), tg.reversed_W(lam, P)
+    W, W_rev = recast.solve_W(lam, P), tt.reversed_W(lam, P)
     assert np.allclose(W_rev.sum(1), lam, atol=1e-9) and np.allclose(W_rev.sum(0), lam.sum() / T, atol=1e-9)
     assert np.allclose(W_rev, W[:, ::-1], atol=1e-9)
     assert np.abs(W_rev - W).max() > 0.01  # a real control: it differs from W
@@ -138,7 +138,7 @@ def test_reversed_W_has_the_same_marginals_and_is_the_flipped_W():
 def test_per_run_clip_matches_clip_grad_norm_run_by_run():
     import torch
 
-    import toy_gaussian as tg
+    from experiments import toy_train as tt
 
     g = torch.randn(5, 3, 4, 2, generator=torch.Generator().manual_seed(0)) * torch.tensor(
         [0.1, 1, 5, 20, 0.5]
@@ -149,20 +149,71 @@ def test_per_run_clip_matches_clip_grad_norm_run_by_run():
         p.grad = g[i].clone()
         torch.nn.utils.clip_grad_norm_([p], 1.0)
         ref.append(p.grad)
-    tg.per_run_clip(g, 1.0)
+    tt.per_run_clip(g, 1.0)
     assert torch.allclose(g, torch.stack(ref), rtol=1e-5, atol=1e-7)
 
 
 def test_analysis_helpers_on_hand_cases():
     import numpy as np
 
-    import toy_gaussian as tg
+    from experiments import toy_train as tt
 
     x, y = np.array([0.0, 1.0, 2.0, 4.0]), np.array([0.0, 0.1, 0.3, 0.5])
-    assert np.isclose(tg.value_at_level(x, y, 3.0), 0.4) and np.isnan(tg.value_at_level(x, y, 5.0))
+    assert np.isclose(tt.value_at_level(x, y, 3.0), 0.4) and np.isnan(tt.value_at_level(x, y, 5.0))
     # a reached at 1, b censored at 3: a wins; a censored at 2, b reached at 3: not comparable (tie);
     # both censored: tie; b reached first: a loss
-    w, lo, ties, _ = tg.paired_censored(
+    w, lo, ties, _ = tt.paired_censored(
         [1.0, 2.0, 5.0, 2.0], [True, False, False, True], [3.0, 3.0, 5.0, 1.0], [False, True, False, True]
     )
     assert (w, lo, ties) == (1, 1, 2)
+
+
+def test_online_quick_runs_every_arm_paired_and_regenerates(tmp_path):
+    import json
+
+    import numpy as np
+
+    from experiments import toy_train as tt
+
+    assert tt.main(["--online", "--quick", "--out", str(tmp_path)]) == 0
+    records, credit, cfg, _, _ = tt.read_online_run(str(tmp_path))
+    assert cfg == tt.QUICK_ONLINE
+    seeds = set(range(cfg.seed0, cfg.seed0 + cfg.seeds))
+    for P in cfg.groups:
+        arms = tt.online_arms(cfg) if P != max(cfg.groups) else cfg.largest_arms
+        got = {(r["arm"], r["seed"]) for r in records if r["groups"] == P}
+        assert got == {(a, s) for a in arms for s in seeds}
+        first = {r["arm"]: r for r in records if r["groups"] == P and r["iteration"] == 0 and r["seed"] == cfg.seed0}
+        assert len({(r["coarse"], r["mid"], r["kl"]) for r in first.values()}) == 1  # paired: the same exact model
+    # every online run and every prior measurement reports its W's distance to the exact W and its evidence weight
+    kinds = {(c["arm"], c["groups"]) for c in credit}
+    assert {(f"prior{n}", 0) for n in cfg.prior_groups} <= kinds
+    assert {("online", P) for P in cfg.groups} | {("online_noshrink", P) for P in cfg.groups} <= kinds
+    assert all(np.isfinite(c["W_distance"]) and len(c["rho"]) == 2 for c in credit)
+    assert all(c["rho"] == [1.0, 1.0] for c in credit if c["arm"] == "online_noshrink")  # evidence weight 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert sum("p_holm" in r for r in summary["recast"]) == 14  # the pre-registered family
+    tables = (tmp_path / "tables.md").read_text()
+    assert tt.main(["--online", "--tables-only", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "tables.md").read_text() == tables
+
+
+def test_tree_sampler_keeps_children_equal_until_the_branch():
+    import numpy as np
+    import torch
+
+    import nft
+    from experiments import toy_train as tt
+
+    sig = nft.shifted_sigmas(10, 3.0)
+    g = torch.Generator().manual_seed(0)
+    x1 = torch.randn((1, 3, 2, 1, 2), generator=g).expand(1, 3, 2, 4, 2)
+    z = torch.randn((10, 2, 1, 3, 2, 4, 2), generator=g)
+    branch = np.array([1, 4, 8])
+    x0 = tt.sample_tree(tt.ONLINE_MIX, None, None, sig, np.sqrt(2), x1, z, branch, 2).reshape(3, 2, 4, 2)
+    assert torch.isfinite(x0).all() and (x0[:, :, 1:] != x0[:, :, :1]).any(-1).all()  # children split after branching
+    # the ODE before the branch is deterministic: a group branching at the last SDE step differs only by that step
+    z2 = z.clone()
+    z2[:8] = torch.randn(z2[:8].shape, generator=g)
+    x0b = tt.sample_tree(tt.ONLINE_MIX, None, None, sig, np.sqrt(2), x1, z2, branch, 2).reshape(3, 2, 4, 2)
+    assert torch.equal(x0[2], x0b[2]) and not torch.equal(x0[0], x0b[0])
