@@ -748,7 +748,11 @@ def non_inferiority_lines(res: Results, group, floor, metrics, values, rows) -> 
     }
     gains = {m: mean_ci([better_sign(m) * v for v in befores[m]]) for m in metrics}
     if not any(g[3] > 1 for g in gains.values()):
-        return []
+        return [
+            f'Non-inferiority to {base} ("matches or beats"): not testable here, fewer than 2 paired seeds (no '
+            f"interval of {base}'s gain to set a margin from).",
+            "",
+        ]
     margins = {m: gain_margin(gains[m], NI_FRACTION) for m in metrics}
     testable = [m for m in metrics if np.isfinite(margins[m])]
 

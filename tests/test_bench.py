@@ -436,8 +436,8 @@ def test_rvge_joint_quick_in_parallel_processes_resumes_and_marks_partial(tmp_pa
     assert "Along the run" in table and "rvge: weighted" in table and "rvge_fifth: weighted" not in table
     assert "distance to base" in table and np.isfinite(reports.distance_to_base(by_label["rvge"][0]))
     assert "- rvge: direction rms per reward" in table and "- nft: direction rms" not in table
-    # "matches" as a test: the margin is two noise floors of the pretrained model's in-run evaluation, whose first
-    # noise set is the runs' own (so it reproduces their eval_before/*)
+    # the noise floor of the pretrained model's in-run evaluation (N80's effect floor), whose first noise set is the
+    # runs' own (so it reproduces their eval_before/*)
     floor = json.loads((out / "eval_floor.json").read_text())
     first = by_label["nft"][0][0]
     # approx, not ==: the floor evaluates in another batch split than the run (another order of the same float sums),
@@ -446,8 +446,8 @@ def test_rvge_joint_quick_in_parallel_processes_resumes_and_marks_partial(tmp_pa
         first["eval_before/weighted"], rel=1e-6
     )
     assert floor["sd"]["eval/weighted"] == pytest.approx(np.std(floor["values"]["eval/weighted"], ddof=1))
-    margin = 2 * floor["sd"]["eval/weighted"]
-    assert f"weighted (margin {margin:.4g})" in table and "| rvge_fifth | " in table.split("Non-inferiority")[1]
+    # "matches" as a test needs NFT's gain with an interval, so 2 paired seeds: at --quick's one it says so
+    assert "not testable here, fewer than 2 paired seeds" in table.split("Non-inferiority to nft")[1]
 
     def must_not_run(run):
         raise AssertionError(f"{run.run_id} has a result and must be skipped")
@@ -503,10 +503,10 @@ def test_recast_protocol_quick_reports_paired_differences_and_judge_counts(tmp_p
     (tmp_path / "recast-protocol-B" / "summary.json").write_text(json.dumps(tally))
     bench.main(["recast-protocol", "--quick", "--tables-only", "--out", str(tmp_path)])
     both = (exp_dir / "table.md").read_text().split("Summary over both settings")[1]
-    n, sig, cells, planned = tally["recast | nft | judge/cnn"]
+    n, sig, cells, planned, *_ = tally["recast | nft | judge/cnn"]  # then: exact-test count, worse count
     assert (
         planned == 1
-        and f"ReCAST improves judge cnn over nft in {2 * n} of 2 cells (significant after Holm in {2 * sig})" in both
+        and f"ReCAST improves judge cnn over nft in {2 * n} of 2 cells (significant after Holm in {2 * sig};" in both
     )
     check_recast_reversed_quick(tmp_path)
     check_recast_matched_quick(tmp_path)
