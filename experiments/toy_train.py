@@ -898,19 +898,25 @@ def train_report(out, records, cfg, info, seconds):
     print(open(os.path.join(out, "tables.md")).read())
 
 
-def read_train_run(out):
-    """runs.csv and summary.json of a run: (records, TrainConfig, profile info, seconds)."""
+def read_records(out):
+    """The evaluations of runs.csv, typed: family and arm as text, groups, seed and iteration as int, the rest float."""
     import csv
-    import json
 
     with open(os.path.join(out, "runs.csv")) as f:
-        records = [
+        return [
             {
                 k: (v if k in ("family", "arm") else (int(v) if k in ("groups", "seed", "iteration") else float(v)))
                 for k, v in row.items()
             }
             for row in csv.DictReader(f)
         ]
+
+
+def read_train_run(out):
+    """runs.csv and summary.json of a run: (records, TrainConfig, profile info, seconds)."""
+    import json
+
+    records = read_records(out)
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     cfg = TrainConfig(**{**summary["config"], "groups": tuple(summary["config"]["groups"])})
@@ -1223,17 +1229,9 @@ def write_online_files(out, records, credit):
 
 def read_online_run(out):
     """runs.csv, credit.json and summary.json of an --online run: (records, credit, OnlineConfig, info, seconds)."""
-    import csv
     import json
 
-    with open(os.path.join(out, "runs.csv")) as f:
-        records = [
-            {
-                k: (v if k in ("family", "arm") else (int(v) if k in ("groups", "seed", "iteration") else float(v)))
-                for k, v in row.items()
-            }
-            for row in csv.DictReader(f)
-        ]
+    records = read_records(out)
     with open(os.path.join(out, "credit.json")) as f:
         credit = json.load(f)
     with open(os.path.join(out, "summary.json")) as f:
