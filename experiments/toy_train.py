@@ -670,6 +670,20 @@ def table_header(*columns):
     return ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
 
 
+def profile_lines(sig, names, info, arms):
+    """The table of exact profiles (P per reward with its D(0)) and, per arm, W's coarse share and column sums."""
+    L = ["| | " + " | ".join(f"{s:.3f}" for s in sig[:-1]) + " | D(0) |", "|---" * (len(sig) + 1) + "|"]
+    for name, row, D0 in zip(names, info["P"], info["D0"]):
+        L.append(f"| P {name} | " + " | ".join(f"{p:.3f}" for p in row) + f" | {D0:.4f} |")
+    for arm in arms:
+        W = np.asarray(info["W"][arm])
+        L.append(f"| W {arm}: coarse share | " + " | ".join(f"{c:.2f}" for c in W[0] / W.sum(0)) + " | |")
+        L.append(
+            f"| W {arm}: column sum x T / Lam | " + " | ".join(f"{c:.2f}" for c in W.sum(0) * W.shape[1] / 2) + " | |"
+        )
+    return L
+
+
 def write_tables(path, cfg, profiles_info, recast_rows, per_arm, speed, controls, power, elapsed):
     """results/toy-train/tables.md: the exact profiles and W, the equal-KL tables, RVGE's thresholds and controls,
     the seeds a resolution needs."""
@@ -677,16 +691,7 @@ def write_tables(path, cfg, profiles_info, recast_rows, per_arm, speed, controls
     L = [f"# toy --train: {cfg.seeds} paired seeds per arm, {cfg.iterations} iterations, groups {list(cfg.groups)}"]
     L.append(f"\nWritten by `python experiments/toy_train.py` in {elapsed:.0f} s (one thread).")
     L.append("\n## Exact profiles (training-regime r, exact_renyi + recast.gains_on_grid on shifted_sigmas(10, 3))\n")
-    L.append("| | " + " | ".join(f"{s:.3f}" for s in sig[:-1]) + " | D(0) |")
-    L.append("|---" * (len(sig) + 1) + "|")
-    for name, row, D0 in zip(("coarse", "fine"), profiles_info["P"], profiles_info["D0"]):
-        L.append(f"| P {name} | " + " | ".join(f"{p:.3f}" for p in row) + f" | {D0:.4f} |")
-    for arm in ("exact", "reversed", "grad_uniform", "grad_exact"):
-        W = np.asarray(profiles_info["W"][arm])
-        L.append(f"| W {arm}: coarse share | " + " | ".join(f"{c:.2f}" for c in W[0] / W.sum(0)) + " | |")
-        L.append(
-            f"| W {arm}: column sum x T / Lam | " + " | ".join(f"{c:.2f}" for c in W.sum(0) * W.shape[1] / 2) + " | |"
-        )
+    L += profile_lines(sig, ("coarse", "fine"), profiles_info, ("exact", "reversed", "grad_uniform", "grad_exact"))
     for P, on in (profiles_info.get("online") or {}).items():
         W = np.asarray(on["W"])
         L.append(
@@ -1112,16 +1117,7 @@ def write_online_tables(path, cfg, info, rows, per_arm, est, power, elapsed):
     L = [f"# toy --online: {cfg.seeds} paired seeds per arm, {cfg.iterations} iterations, groups {list(cfg.groups)}"]
     L.append(f"\nWritten by `python experiments/toy_train.py --online` in {elapsed:.0f} s (one thread).")
     L.append("\n## Exact profiles of the online world (training-regime r, exact_renyi + gains_on_grid)\n")
-    L.append("| | " + " | ".join(f"{s:.3f}" for s in sig[:-1]) + " | D(0) |")
-    L.append("|---" * (len(sig) + 1) + "|")
-    for name, row, D0 in zip(("coarse", "mid"), info["P"], info["D0"]):
-        L.append(f"| P {name} | " + " | ".join(f"{p:.3f}" for p in row) + f" | {D0:.4f} |")
-    for arm in ("exact", "grad_uniform"):
-        W = np.asarray(info["W"][arm])
-        L.append(f"| W {arm}: coarse share | " + " | ".join(f"{c:.2f}" for c in W[0] / W.sum(0)) + " | |")
-        L.append(
-            f"| W {arm}: column sum x T / Lam | " + " | ".join(f"{c:.2f}" for c in W.sum(0) * W.shape[1] / 2) + " | |"
-        )
+    L += profile_lines(sig, ("coarse", "mid"), info, ("exact", "grad_uniform"))
     L.append("\n## The estimator: observations per level, evidence weight, distance of W to the exact W\n")
     L.append("Online arms: at the end of training (counts discounted at gain_ema 0.999); prior arms: the one")
     L.append(
