@@ -797,10 +797,18 @@ def write_tables(path, cfg, profiles_info, recast_rows, per_arm, speed, controls
     L.append("|---|---|---|---|---|---|")
     for r in power:
         L.append(
-            f"| {r['groups']} | {r['a']} - {r['b']} | {r['sd']:.4f} | {r['delta']:.4f} | {r['needed']} | {r['n']} |"
+            f"| {r['groups']} | {r['a']} - {r['b']} | {r['sd']:.4f} | {r['delta']:.4f} | {fmt_needed(r)} | {r['n']} |"
         )
     with open(path, "w") as f:
         f.write("\n".join(L) + "\n")
+
+
+def fmt_needed(r) -> str:
+    """The seeds a power row needs; none when the two arms give (nearly) the same result on every seed (paired sd
+    under 1% of the effect): a power calculation would print its floor of 3 for arms that cannot differ."""
+    if r["sd"] < 0.01 * r["delta"]:
+        return f"— (paired sd {r['sd']:.1e}: the arms coincide)"
+    return str(r["needed"])
 
 
 def plot_reward_vs_kl(path, records, groups_list):
@@ -1179,7 +1187,7 @@ def write_online_tables(path, cfg, info, rows, per_arm, est, power, elapsed):
     L.append("|---|---|---|---|---|---|")
     for r in power:
         L.append(
-            f"| {r['groups']} | {r['a']} - {r['b']} | {r['sd']:.4f} | {r['delta']:.4f} | {r['needed']} | {r['n']} |"
+            f"| {r['groups']} | {r['a']} - {r['b']} | {r['sd']:.4f} | {r['delta']:.4f} | {fmt_needed(r)} | {r['n']} |"
         )
     with open(path, "w") as f:
         f.write("\n".join(L) + "\n")

@@ -256,6 +256,11 @@ def test_line_texture_rewards_by_hand():
     # by 1 row 0 (a quarter period: the projection on the fixed phase vanishes)
     shifted = {k: Image.fromarray(np.roll(np.asarray(striped), k, axis=0)) for k in (1, 2)}
     assert locked([striped, shifted[2], shifted[1]], caps[:1] * 3) == pytest.approx([-e, e, 0.0], abs=0.01)
+    # lines_phase: the same signed value for a named texture, 0 for a plain caption (its group ties), whatever it shows
+    phase = sw.REWARDS["lines_phase"]
+    assert phase([striped, shifted[2], shifted[1]], caps[:1] * 3) == pytest.approx([-e, e, 0.0], abs=0.01)
+    assert phase([striped, plain, barred], caps[2:] * 3).tolist() == [0.0, 0.0, 0.0]
+    assert phase([barred], caps[1:2])[0] == pytest.approx(-e, abs=0.01)
 
 
 def test_split_checker_rewards_and_detail_by_hand():
@@ -390,3 +395,51 @@ def test_vae_latents_standardised(pipe):
     assert abs(float(x.mean())) < 0.3 and 0.7 < float(x.std()) < 1.3
     recs = sw.vae_decode(pipe.vae, z)
     assert sw.REWARDS["geneval_strict"](recs, prompts).mean() >= 0.85
+
+
+def test_nft_update_adds_across_groups_for_a_signed_reward_and_cancels_for_an_energy():
+    """NOTES.md, "A learnable late reward". (1) At v_theta = v_old, nft.nft_loss's gradient is
+    (2 c t / (d S)) (1 - 2r) e, e = x_t - t v_old - x0, S = mean |e|, c = 5. (2) On Gaussian groups
+    x0 | x_t ~ N(mu_g, Sigma) whose mean has a random phase, the groups' moves mean_i (2 r_i - 1)(x0_i - mu_g) with
+    nft.optimality's r average to (1 - 1/n) Cov(R, x0 | x_t) / (clip sigma_R) (1 - 1/n: the group's own mean is
+    subtracted): b Sigma u for a signed reward b <u, x0> (the groups add: their split-half cosine is near 1),
+    2 <u, mu_g> Sigma u per group for the energy <u, x0>^2 (the groups cancel)."""
+    import torch
+
+    import nft
+
+    g = torch.Generator().manual_seed(0)
+    x0, x_t, v_old = (torch.randn(6, 4, 2, 2, generator=g) for _ in range(3))
+    t, r = torch.rand(6, generator=g), torch.rand(6, generator=g)
+    v = v_old.clone().requires_grad_(True)
+    nft.nft_loss(v, v_old, x_t, x0, t, r).sum().backward()
+    e = x_t - t.view(-1, 1, 1, 1) * v_old - x0
+    S, d = e.abs().mean((1, 2, 3)), e[0].numel()
+    want = (2 * 5 * t / (d * S) * (1 - 2 * r)).view(-1, 1, 1, 1) * e
+    assert torch.allclose(v.grad, want, rtol=1e-5, atol=1e-7)
+
+    rng = np.random.default_rng(1)
+    G, n, dims, m = 4000, 8, 3, 1.5
+    sd = np.array([0.6, 0.6, 1.0])  # Sigma = diag(sd^2): u = e_0, a quiet direction 1, a nuisance direction 2
+    phase = rng.uniform(0, 2 * np.pi, G)
+    mu = np.zeros((G, dims))
+    mu[:, 0], mu[:, 1] = m * np.cos(phase), m * np.sin(phase)
+    x = mu[:, None] + sd * rng.standard_normal((G, n, dims))
+    groups = np.repeat(np.arange(G), n)
+    for name, R in (("signed", 2.0 * x[..., 0]), ("energy", x[..., 0] ** 2)):
+        R = R.reshape(-1)
+        r = nft.optimality(R, groups).reshape(G, n)
+        moves = ((2 * r - 1)[..., None] * (x - mu[:, None])).mean(1)  # (G, dims): each group's move
+        sigma = R.std()
+        if name == "signed":  # b Sigma u / (clip sigma_R), the same for every group
+            want = np.array([2.0 * sd[0] ** 2, 0.0, 0.0]) / (5 * sigma) * (n - 1) / n
+            assert np.allclose(moves.mean(0), want, atol=4 * moves.std(0).max() / np.sqrt(G))
+        else:  # 2 <u, mu_g> Sigma u / (clip sigma_R): a group's own phase, cancelling over groups
+            want = 2 * mu[:, 0] * sd[0] ** 2 / (5 * sigma) * (n - 1) / n
+            slope = (moves[:, 0] * want).sum() / (want * want).sum()
+            assert abs(slope - 1) < 0.15  # the per-group law (clipping and the finite group bend it slightly)
+            assert abs(moves.mean(0)[0]) < 4 * moves[:, 0].std() / np.sqrt(G)
+        half = G // 2
+        cos = moves[:half].sum(0) @ moves[half:].sum(0)
+        cos /= np.linalg.norm(moves[:half].sum(0)) * np.linalg.norm(moves[half:].sum(0))
+        assert (cos > 0.9) if name == "signed" else (abs(cos) < 0.5), (name, cos)

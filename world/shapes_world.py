@@ -742,19 +742,37 @@ def reward_lines_along(images: list, prompts: list[str]) -> np.ndarray:
     return np.where(n > 0, r, 0.0)
 
 
-def reward_lines_locked(images: list, prompts: list[str]) -> np.ndarray:
-    """Diagnostic, not a world reward (ground truth's lines have a random phase per object, so ground truth scores
-    ~0 on average): the named texture's lines at one fixed phase of the image grid, clip(p, -1, 1) with p the signed
-    line amplitude along the named lines (:func:`_line_features` with phase=True, pooled, in units of ground
-    truth's; dark rows / columns at 2, 3 mod 4 give +1); plain captions as :func:`reward_texture_lines`. It asks for
-    the same lines as lines_along, but where the image's lines must go is fixed: the test of whether the random
-    phase is what keeps line rewards from giving DiffusionNFT a consistent gradient."""
+def _locked_lines(images: list, prompts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(p, along, n, named): p the signed amplitude of the named texture's lines at one fixed phase of the image grid
+    (:func:`_line_features` with phase=True, pooled over the objects, in units of ground truth's; dark rows / columns
+    at 2, 3 mod 4 give +1, at 0, 1 mod 4 -1, a quarter period off 0), along / n / named as :func:`_line_energy`."""
     along, across, n, named = _line_energy(images, prompts)
     lx, ly = _checked(images, prompts, "lock_x", 0.0), _checked(images, prompts, "lock_y", 0.0)
     tex = np.array([parse_prompt(p).get("texture") for p in prompts], object)
-    locked = np.where(tex == "striped", ly, lx)
+    return np.where(tex == "striped", ly, lx), along, n, named
+
+
+def reward_lines_locked(images: list, prompts: list[str]) -> np.ndarray:
+    """Diagnostic, not a world reward (ground truth's lines have a random phase per object, so ground truth scores
+    ~0 on average): the named texture's lines at one fixed phase of the image grid, clip(p, -1, 1)
+    (:func:`_locked_lines`); plain captions as :func:`reward_texture_lines`. It asks for the same lines as
+    lines_along, but where the image's lines must go is fixed: the test of whether the random phase is what keeps
+    line rewards from giving DiffusionNFT a consistent gradient."""
+    locked, along, n, named = _locked_lines(images, prompts)
     r = np.where(named, np.clip(locked, -1.0, 1.0), 1.0 - np.minimum(along, 1.0))
     return np.where(n > 0, r, 0.0)
+
+
+def reward_lines_phase(images: list, prompts: list[str]) -> np.ndarray:
+    """A late reward shaped for DiffusionNFT's gradient (NOTES.md, "A learnable late reward"): for a caption that
+    names a texture, the signed amplitude of its lines at one fixed phase of the image grid, clip(p, -1, 1)
+    (:func:`_locked_lines`: +1 for ground truth's lines dark at rows / columns 2, 3 mod 4, -1 for the opposite
+    phase, 0 a quarter period off or without lines); 0 for a caption that names none (its group ties: no signal).
+    Signed and linear in one fixed pattern (the latent grid's finest alternation), the same sign for every caption,
+    both phases of equal energy, and ~50/50 under the pretrained model (the world draws the phase uniformly), so
+    that the groups' updates add instead of cancelling. Range [-1, 1]; 0 when no object is detected."""
+    locked, _, n, named = _locked_lines(images, prompts)
+    return np.where(named & (n > 0), np.clip(locked, -1.0, 1.0), 0.0)
 
 
 REWARDS = {
@@ -778,6 +796,7 @@ REWARDS = {
     "texture_lines": reward_texture_lines,
     "lines_along": reward_lines_along,
     "lines_locked": reward_lines_locked,
+    "lines_phase": reward_lines_phase,
 }
 """name -> callable (images: list[PIL.Image], prompts: list[str]) -> np.ndarray (N,) float64."""
 
