@@ -287,7 +287,13 @@ def test_skipped_steps_leave_the_lora_and_resume_restores_the_scale(tiny, tmp_pa
     state = state_of(resumed)
     assert state["scaler"]["scale"] == 2.0**84 and state["opt_steps"] == 16
     lora = state["lora"]
-    assert all(torch.equal(v, lora["old"][k.replace("default", "old")]) for k, v in lora["default"].items())
+    # "old" after 16 soft updates keep x + (1 - keep) x of an unchanged x: x up to a rounding per update (kernels with
+    # fused multiply-add, avx2 / avx512, return x bit for bit; ATEN_CPU_CAPABILITY=default's do not); one real AdamW
+    # step would move the LoRA by ~lr = 1e-4, >= 1e-3 of its entries, far outside rtol 1e-5 (~80 float32 ulps)
+    assert all(
+        torch.allclose(v, lora["old"][k.replace("default", "old")], rtol=1e-5, atol=0)
+        for k, v in lora["default"].items()
+    )
     assert json.loads((resumed / "config.json").read_text())["args"]["mixed_precision"] == "fp16"
 
 
