@@ -541,6 +541,9 @@ class Args(NFTArgs):
     # optimisation
     iterations: int = flag(120, "optimisation", min=1)
     """training iterations (rollout + update); an iteration costs about as much as recast.py's (64 images)"""
+    base_reg: float = flag(1e-4, "optimisation", min=0)
+    """weight of the velocity MSE to the frozen base model: DiffusionNFT's 1e-4, on which RVGE's defaults were chosen
+    (results/rvge-defaults)"""
 
 
 def validate(args: Args, extra_rewards=None):

@@ -200,7 +200,8 @@ MULTI_BUDGETS = ("0.4,0.3,0.2,0.1", "0.1,0.2,0.3,0.4")
 SMOOTH_REWARD = "grain"  # the textured world's late smooth reward (issue 25.2)
 DISCRETE_REWARD = "texture"  # the textured world's late 0/1 reward: the caption's texture (issue 25.2)
 SETTINGS = {  # setting -> its four training rewards, in budget order
-    "A": tuple(shapes_world.DEFAULT_REWARDS),  # geneval (mid), saturation (early), texture (late), grain (mid-late)
+    # the main command's rewards until first-run chose others (results/first-run): every experiment's setting A
+    "A": ("geneval", "saturation", "texture", "grain"),  # geneval (mid), saturation (early), texture (late), grain
     # Chosen on the textured world from the pretrained model's measured D_k(t) (results/world-design/profiles192,
     # 192 groups per inner level): of the 4-subsets of the candidates sharing at most one reward with A, one whose
     # W at uniform budgets departs far from uniform (max |K T W / Lam - 1| 0.65 then; 0.57 in the protocol's own
@@ -209,7 +210,7 @@ SETTINGS = {  # setting -> its four training rewards, in budget order
     # the caption's shape (0.21) and its texture (0.17), decided late.
     "B": ("sharpness", "jpeg", "shape", "texture"),
 }
-JOINT_REWARDS = SETTINGS["A"]  # RVGE's joint runs: setting A (the main command's rewards) at uniform budgets
+JOINT_REWARDS = SETTINGS["A"]  # RVGE's joint runs: setting A at uniform budgets
 JOINT_BUDGETS = ",".join(["0.25"] * len(JOINT_REWARDS))
 
 
@@ -808,7 +809,7 @@ def write_result(run: Run, wall_s: float):
         "group": run.cell.group,
         "seed": run.seed,
         "settings": [shown(x) for x in run.settings],
-        "command": shown(f"python {run.cell.script}.py {' '.join(run.settings)} --out {run.work} --overwrite"),
+        "command": shown(f"python {run.cell.script}.py {' '.join(argv_of(run))}"),
         "wall_s": wall_s,
         "git_sha": sha,  # the code the run trained with (its config.json)
         "world": shapes_world.world_id(),  # the embedded model it trained (a rebuild changes it)
@@ -825,8 +826,14 @@ def write_result(run: Run, wall_s: float):
     return record
 
 
+PINNED = ("--base-reg", "0.0001")
+"""Flags every run gets before its settings (a cell's own flags override them), outside a result's identity: the
+experiments ran at DiffusionNFT's --base-reg 1e-4, the scripts' default until first-run chose 0.3 for recast.py's main
+command (results/first-run); pinned so that a rerun repeats them."""
+
+
 def argv_of(run: Run):
-    return [*run.settings, "--out", str(run.work), "--overwrite"]
+    return [*PINNED, *run.settings, "--out", str(run.work), "--overwrite"]
 
 
 def run_in_process(run: Run):

@@ -800,12 +800,14 @@ REWARDS = {
 }
 """name -> callable (images: list[PIL.Image], prompts: list[str]) -> np.ndarray (N,) float64."""
 
-DEFAULT_REWARDS = ["geneval", "saturation", "texture", "grain"]
-"""Used with budgets 0.4, 0.3, 0.2, 0.1, one reward per stage of the trajectory (profiles measured on the pretrained
-model: results/world-design/README.md): geneval (the composition the caption asks for: count, colour, shape,
-position; early-mid; the largest budget), saturation (colourful coloured area: decided early), texture (the caption's
-texture, 0/1: decided late) and grain (fine contrast inside shapes, smooth: late; the smallest budget, since on plain
-captions it pulls against texture)."""
+DEFAULT_REWARDS = ["geneval", "grain", "saturation", "shape"]
+"""Used with budgets 0.4, 0.3, 0.2, 0.1 (and recast.py's --base-reg 0.3), chosen by measurement
+(experiments/results/first-run/README.md): geneval (the composition the caption asks for: count, colour, shape,
+position; decided early-mid; the largest budget), grain (fine contrast inside the shapes, smooth: decided late),
+saturation (colourful coloured area: decided early) and shape (the caption's shapes: decided mid-late); whether
+each is learnable alone by DiffusionNFT: first-run's item 6. The caption's texture (`texture`, 0/1) is not learnable
+here and left the defaults (experiments/results/late-reward/README.md). The experiments' setting A is the earlier
+default set, geneval, saturation, texture, grain (experiments/bench.py SETTINGS)."""
 DEFAULT_BUDGETS = [0.4, 0.3, 0.2, 0.1]
 
 

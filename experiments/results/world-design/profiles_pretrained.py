@@ -17,7 +17,6 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 from experiments import bench, protocol  # noqa: E402
-from world import shapes_world  # noqa: E402
 
 iterations = int(sys.argv[1]) if len(sys.argv) > 1 else 96
 out = HERE / sys.argv[2] if len(sys.argv) > 2 else HERE  # a sub-folder for a second measurement
@@ -33,12 +32,13 @@ lines += [
     "| reward | default | D(0) ± se | " + " | ".join(f"t={sig[j]:.3f}" for j in levels) + " |",
     "|---" * (3 + len(levels)) + "|",
 ]
-order = list(shapes_world.DEFAULT_REWARDS) + [k for k in prof["names"] if k not in shapes_world.DEFAULT_REWARDS]
+DEFAULTS = bench.SETTINGS["A"]  # the default rewards when this table was made (setting A)
+order = list(DEFAULTS) + [k for k in prof["names"] if k not in DEFAULTS]
 for name in order:
     k = prof["names"].index(name)
     top = D[k, -1]
     cells = [f"{D[k, j] / top:.2f} ± {se[k, j] / top:.2f}" for j in levels]
-    default = "yes" if name in shapes_world.DEFAULT_REWARDS else ""
+    default = "yes" if name in DEFAULTS else ""
     lines.append(f"| {name} | {default} | {top:.4f} ± {se[k, -1]:.4f} | " + " | ".join(cells) + " |")
 (out / "profiles.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
