@@ -365,8 +365,50 @@ def main(argv=None):
     {"profile": profile, "splithalf": splithalf, "tables": tables}[a.part](a)
 
 
+def profile_table(res) -> str:
+    """Part 1's table: per reward its share of D(0) at each level, area and t_half, rho; the paired differences."""
+    sig = res["sigmas"]
+    inner = [j for j in range(1, len(sig)) if res["groups_per_level"][j] >= 2]
+    ch = res["choice"]
+    lines = [
+        f"Part 1: {res['iterations']} iterations x 8 groups of rotated trees ({int(res['groups_per_level'][1])} groups "
+        f"per inner level), seed 0, {res['seconds'] / 60:.0f} min; paired bootstrap over groups, {res['resamples']} "
+        "resamples.",
+        "",
+        "| reward | D(0) | " + " | ".join(f"t={sig[j]:.3f}" for j in inner) + " | area | t_half | rho |",
+        "|---" * (5 + len(inner)) + "|",
+    ]
+    for k, name in enumerate(res["rewards"]):
+        cells = [f"{res['share'][k][j]:.2f} ± {res['share_se'][k][j]:.2f}" for j in inner]
+        th = res["t_half"][k]
+        lines.append(
+            f"| {name} | {res['D0'][k]:.4f} | " + " | ".join(cells) + f" | {res['area'][k]:.3f} | "
+            f"{'—' if th is None else f'{th:.3f}'} | {res['rho'][k]:.2f} |"
+        )
+    lines += ["", "| lines_phase minus | area [95%] | t_half [95%] |", "|---|---|---|"]
+    for name, d in res["diff"].items():
+        area, th = d["area"], d["t_half"]
+        t_cell = f"{th[0]:+.3f} [{th[1]:+.3f}, {th[2]:+.3f}]" if len(th) == 3 else "—"
+        lines.append(f"| {name} | {area[0]:+.3f} [{area[1]:+.3f}, {area[2]:+.3f}] | {t_cell} |")
+    lines += [
+        "",
+        f"The pretrained model's choice: {ch['nonzero']} of {ch['samples']} samples with lines_phase != 0, "
+        f"{ch['positive_share_of_nonzero']:.3f} of them positive; {ch['tied_groups']} of {ch['groups']} groups tie "
+        "(plain captions score 0).",
+    ]
+    return "\n".join(lines)
+
+
 def tables(a):
-    print(split_table(json.loads((HERE / "phase_gate_splithalf.json").read_text())))
+    """phase_gate.md from the result files that exist."""
+    parts = []
+    for name, fn in (("phase_gate_profile.json", profile_table), ("phase_gate_splithalf.json", split_table)):
+        if (HERE / name).is_file():
+            parts.append(fn(json.loads((HERE / name).read_text())))
+    (HERE / "phase_gate.md").write_text(
+        "# Candidate (a), lines_phase: the gate's parts 1 and 2\n\n" + "\n\n".join(parts) + "\n"
+    )
+    print("\n\n".join(parts))
 
 
 if __name__ == "__main__":
