@@ -1,8 +1,10 @@
 """What the end-to-end tests of both scripts share (test_recast.py, test_run_kit.py): a tiny random SD3 pipeline built
 from configs (diffusers' get_dummy_components pattern, nothing downloaded), two image rewards, the flags of a tiny
-run, a finished run to copy, and readers of what a run writes."""
+run, a finished run to copy, and readers of what a run writes. Under `pytest -n N` (pytest-xdist, the README's test
+command) each worker and the scripts it starts use one thread: N workers share the cores."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,6 +14,10 @@ import pytest
 import torch
 
 from kit import run_kit
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the scripts a test starts
+    torch.set_num_threads(1)
 
 TINY_WORDS = ["a", "red", "blue", "circle", "square", "two"]
 

@@ -115,3 +115,18 @@ def test_the_readme_map_names_code_and_tests_that_exist():
                 missing.append(f"{module}.{name}")
         missing += [t for t in re.findall(r"`(test_\w+)`", row) if not re.search(rf"^def {t}\(", tests, re.M)]
     assert not missing, f"the README's map names what does not exist: {missing}"
+
+
+def test_the_readmes_first_run_numbers_are_first_runs_files():
+    """The README's first-run block is what `experiments/results/first-run/first_run.py table` writes from the
+    committed result files (summary.json, final/*.json, arms.json): no number in it is typed in or stale."""
+    import importlib.util
+
+    path = ROOT / "experiments" / "results" / "first-run" / "first_run.py"
+    spec = importlib.util.spec_from_file_location("first_run", path)
+    first_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(first_run)
+    text = (ROOT / "README.md").read_text()
+    block = text.split(first_run.BEGIN)[1].split(first_run.END)[0]
+    assert block.strip() == first_run.readme_block().strip()
+    assert "| weighted |" in block and block.count("ATEN_CPU_CAPABILITY=") == 2  # both other kernel paths reported

@@ -1222,7 +1222,7 @@ SD35M = "--model stabilityai/stable-diffusion-3.5-medium --resolution 512 --step
 CADENCE = "--iterations 100000 --eval-every 10 --save-every 30 --keep-checkpoints 0"  # DiffusionNFT's
 NFT = (
     f"--credit nft --budgets 1 {SD35M} --max-sequence-length 128 --sampler ode --n-roots 24 --prompts-per-iter 6 --ema "
-    f"--eval-steps 40 --lr 3e-4 --rollout-batch 8 --train-batch 9 --mixed-precision fp16 {CADENCE}"
+    f"--eval-steps 40 --lr 3e-4 --rollout-batch 8 --train-batch 9 --mixed-precision fp16 {CADENCE} --base-reg 1e-4"
 )
 GENEVAL_SERVER = "--geneval-url http://127.0.0.1:18085 --geneval-metadata"
 AESTHETIC = "--aesthetic-mlp reward_ckpts/sac+logos+ava1-l14-linearMSE.pth"
@@ -1241,7 +1241,7 @@ RECIPES = {  # configs/<file>: the SD3.5-M commands as flags (DiffusionNFT's con
     f"0.4,0.3,0.2,0.1 {AESTHETIC} {OWN} --n-roots 3 "
     "--n-branch 8 --branch-steps rotate --prompts-per-iter 6 --updates-per-iter 1 --train-steps-per-leaf 9 "
     "--nft-b 0.1 --ema --eval-steps 40 --lr 3e-4 --rollout-batch 8 --train-batch 9 --mixed-precision fp16 "
-    "--iterations 1000 "
+    "--iterations 1000 --base-reg 1e-4 "
     "--eval-every 10 --save-every 30 --keep-checkpoints 0",
     "rvge-sd35m.yaml": f"{SD35M} --rewards geneval,ocr,pickscore,clipscore,aesthetic --budgets 1,1,1,1,1 "
     f"{GENEVAL_SERVER} geneval_metadata.jsonl {AESTHETIC} {OWN} --n-roots 4 --n-branch 4 --branch-steps 7 "
