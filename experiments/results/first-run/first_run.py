@@ -279,6 +279,13 @@ def readme_block(arm: str = CHOSEN, kernels=("avx2", "default")) -> str:
         )
     fr = summary["frechet_ratio"]
     lines += ["", f"Fréchet distance to the world's images: x{min(fr):.2f}-x{max(fr):.2f} the pretrained model's."]
+    timed = HERE / "main_command_time.txt"  # /usr/bin/time of the main command alone on a 2-core machine
+    if timed.is_file():
+        wall = float(timed.read_text().split("wall ")[1].split(" s")[0])
+        lines.append(
+            f"The command took {int(wall // 60)}:{wall % 60:04.1f} alone on a 2-core machine "
+            "(`experiments/results/first-run/main_command_time.txt`)."
+        )
     p = summary["paired"][f"weighted_{arm}"]
     for cap in kernels:
         path = HERE / "final" / f"kernel-{cap}.json"
