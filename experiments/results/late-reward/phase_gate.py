@@ -103,11 +103,8 @@ def profile(a):
     print(json.dumps({k: v for k, v in res.items() if k not in ("boot",)}, indent=1)[:4000])
 
 
-def shares(n, s1, s2, sigmas):
-    """(share (K, T+1) = D(t) / D(0), area (K,), t_half (K,)) from summed level statistics."""
-    import recast
-
-    D, _ = recast.level_curves(n, s1, s2)
+def shares(D, sigmas):
+    """(share (K, T+1) = D(t) / D(0), area (K,), t_half (K,)) from D (`recast.level_curves`)."""
     share = D / D[:, -1:]
     inner = list(range(1, len(sigmas) - 1))
     area = np.nanmean(share[:, inner], 1)
@@ -128,14 +125,15 @@ def profile_stats(n, s1, sigmas, resamples, seed):
 
     K = s1.shape[1]
     tot = (n.sum(0), s1.sum(0), (s1**2).sum(0))
-    share, area, t_half = shares(*tot, sigmas)
     D, se = recast.level_curves(*tot)
+    share, area, t_half = shares(D, sigmas)
     rho = recast.credit_profiles(D, se, sigmas, tot[0])[3]
     rng = np.random.default_rng(seed)
     boot_area, boot_half = np.empty((resamples, K)), np.empty((resamples, K))
     for b in range(resamples):
         idx = rng.integers(len(n), size=len(n))
-        _, boot_area[b], boot_half[b] = shares(n[idx].sum(0), s1[idx].sum(0), (s1[idx] ** 2).sum(0), sigmas)
+        D_b = recast.level_curves(n[idx].sum(0), s1[idx].sum(0), (s1[idx] ** 2).sum(0))[0]
+        _, boot_area[b], boot_half[b] = shares(D_b, sigmas)
     out = {
         "sigmas": sigmas.tolist(),
         "groups_per_level": n.sum(0).tolist(),
@@ -214,7 +212,6 @@ def splithalf(a):
     work = HERE / "work"
     work.mkdir(exist_ok=True)
     np.savez(work / "phase_splithalf_basis.npz", basis=basis, R=R_all, r=r_all)
-    half = n_groups // 2
     fixed_exact = [
         [float(torch.nn.functional.cosine_similarity(exact[0, k, j], exact[1, k, j], 0)) for j in range(T)]
         for k in range(K)
@@ -234,7 +231,6 @@ def splithalf(a):
     )
     (HERE / "phase_gate_splithalf.json").write_text(json.dumps(res, indent=1))
     print(split_table(res))
-    del half
 
 
 def grams(basis, sigmas):
@@ -291,8 +287,8 @@ def splithalf_stats(basis, r_all, sigmas, a):
         r = r_all[:, :, k]
         entry = {"median": [], "null_q05": [], "null_q95": [], "p": [], "fixed_split": [], "s": [], "s_ci": []}
         entry.update(mu=[])
-        for c in range(len(columns)):
-            G = group_gram(gram[c], r)
+        Gs = [group_gram(gram[c], r) for c in range(len(columns))]  # the groups' Gram per column, for every draw
+        for c, G in enumerate(Gs):
             obs = float(np.median(halving_cosines(G, halves)))
             null = [
                 float(np.median(halving_cosines(group_gram(gram[c], np.take_along_axis(r, p, 1)), halves)))
@@ -313,7 +309,7 @@ def splithalf_stats(basis, r_all, sigmas, a):
         entry["late_share"] = float(mus[late].sum() / max(mus.sum(), 1e-300))
         share_b = []
         for w in boot:
-            m = np.array([np.sqrt(max(signal(group_gram(gram[c], r), w.astype(float))[1], 0.0)) for c in range(T)])
+            m = np.array([np.sqrt(max(signal(Gs[c], w.astype(float))[1], 0.0)) for c in range(T)])
             share_b.append(m[late].sum() / max(m.sum(), 1e-300))
         entry["late_share_ci"] = np.quantile(share_b, [0.025, 0.975]).tolist()
         res["cos"][name] = entry
