@@ -34,15 +34,11 @@ NOISES = 8
 IN_RUN_FLOOR = 0.021  # sd of one in-run held-out weighted (rvge-joint/eval_floor.json, 16 noise sets)
 
 
-def checkpoint(run: Path) -> Path:
-    ckpts = run / "checkpoints"
-    return ckpts / (ckpts / "latest").read_text().strip()
-
-
 def evaluate(runs):
     import torch
 
     import recast
+    from evaluate import read_checkpoint  # the run's newest loadable checkpoint, as evaluate.py and --resume find it
     from kit import run_kit
     from world import shapes_world
 
@@ -52,25 +48,25 @@ def evaluate(runs):
     cache.mkdir(parents=True, exist_ok=True)
     final.mkdir(exist_ok=True)
     pipe = run_kit.load_pipeline(recast.parse_args([]), "cpu", torch.float32)
-    models = {"pretrained": None} | {Path(r).name: checkpoint(Path(r)) for r in runs}
-    for label, ckpt in models.items():
+    models = {"pretrained": None} | {Path(r).name: Path(r) for r in runs}
+    for label, run in models.items():
         path = final / f"{label}.json"
         if path.is_file():
             continue
-        state = None if ckpt is None else torch.load(ckpt / "state.pt", weights_only=False)["lora"]["default"]
+        ckpt, state = (None, None) if run is None else read_checkpoint(run)
+        lora = None if state is None else state["lora"]["default"]
         out = {"checkpoint": str(ckpt), "images_per_seed": len(prompts), "world": shapes_world.world_id()}
         for seed in protocol.EVAL_SEEDS:
-            images = protocol.final_eval_images(pipe, state, prompts, seed)
+            images = protocol.final_eval_images(pipe, lora, prompts, seed)
             scores = protocol.final_scores(images, prompts)
             out[str(seed)] = {k: (float(np.nanmean(v)) if isinstance(v, list) else v) for k, v in scores.items()}
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(out, indent=1))
         tmp.replace(path)
         print(f"evaluated {label}", flush=True)
-        if ckpt is not None:  # the run's metrics beside it, for the in-run columns
-            metrics = Path(runs[[Path(r).name for r in runs].index(label)]) / "metrics.jsonl"
+        if run is not None:  # the run's metrics beside it, for the in-run columns
             (HERE / "runs").mkdir(exist_ok=True)
-            with open(metrics, "rb") as src, gzip.open(HERE / "runs" / f"{label}.jsonl.gz", "wb") as dst:
+            with open(run / "metrics.jsonl", "rb") as src, gzip.open(HERE / "runs" / f"{label}.jsonl.gz", "wb") as dst:
                 shutil.copyfileobj(src, dst)
 
 
@@ -81,6 +77,9 @@ def run_summary(label):
     W = np.asarray(lines[-1]["recast/W"])
     ratio = W / (W.sum(1, keepdims=True) / W.shape[1])
     return {
+        "first": lines[0],  # iteration 0's line: eval_before/* (the pretrained model)
+        "last_eval": next(m for m in reversed(lines) if "eval/weighted" in m),
+        "iterations": len(lines),
         "evals": evals,
         "before": before,
         "best": max(v for _, v in evals),
@@ -92,10 +91,9 @@ def run_summary(label):
     }
 
 
-def pilot_lines(arms) -> list[str]:
+def pilot_lines(arms, conf) -> list[str]:
     """The pilot (seed 0 of every arm) from its in-run evaluations: items 1-5 of the plan as the in-run evaluation
-    reads them (item 1 against two in-run floors; item 2 against one)."""
-    conf = json.loads((HERE / "arms.json").read_text())
+    reads them (item 1 against two in-run floors; item 2 against one). conf: arms.json."""
     lines = [
         "## The pilot: seed 0 of every arm, in-run held-out evaluation (49 captions x 1 noise)",
         "",
@@ -109,13 +107,10 @@ def pilot_lines(arms) -> list[str]:
         "|---|---|---|---|---|---|---|---|",
     ]
     for arm in arms:
-        path = HERE / "runs" / f"pilot-{arm}-0.jsonl.gz"
-        if not path.is_file():
+        if not (HERE / "runs" / f"pilot-{arm}-0.jsonl.gz").is_file():
             continue
-        rows = [json.loads(x) for x in gzip.open(path, "rt") if x.strip()]
         c, s = conf[arm], run_summary(f"pilot-{arm}-0")
-        evals = [m for m in rows if "eval/weighted" in m]
-        first, last = rows[0], evals[-1]
+        first, last = s["first"], s["last_eval"]
         met = []
         if s["last"] - s["before"] >= 2 * IN_RUN_FLOOR:
             met.append(1)
@@ -135,7 +130,7 @@ def pilot_lines(arms) -> list[str]:
         w = ", ".join(f"{k} {d:.2f} ({r:.2f})" for k, d, r in zip(c["rewards"], s["departure"], s["rho"]))
         lines.append(
             f"| {arm} | {c['flags']} | {s['before']:.3f} -> {s['last']:.3f} | {s['best']:.3f} ({s['best_at']}) | "
-            f"{fr0:.0f} -> {fr1:.0f} | {w} | {', '.join(map(str, met)) or 'none'} | {len(rows)} |"
+            f"{fr0:.0f} -> {fr1:.0f} | {w} | {', '.join(map(str, met)) or 'none'} | {s['iterations']} |"
         )
     return lines + [""]
 
@@ -182,22 +177,19 @@ def table(arms):
     base = models["pretrained"]
     floor = {m: max(abs(r[s1][m] - r[s2][m]) for r in models.values()) for m in base[s1]}
     out, lines = {"noise_floor": floor, "arms": {}}, ["# first-run: tables (generated by `first_run.py table`)", ""]
-    lines += pilot_lines(arms)
+    arms_conf = json.loads((HERE / "arms.json").read_text())
+    lines += pilot_lines(arms, arms_conf)
     lines += alone_lines(models, base, floor)
     for arm in arms:
         labels = sorted(k for k in models if k.split("-")[1:2] == [arm])
         if not labels:
             continue
         runs = {lbl: run_summary(lbl) for lbl in labels}
-        conf = json.loads((HERE / "arms.json").read_text())[arm]
+        conf = arms_conf[arm]
         names, budgets = conf["rewards"], conf["budgets"]
-
-        def weighted(r, seed, names=names, budgets=budgets):
-            return float(np.dot(budgets, [r[seed][k] for k in names]) / sum(budgets))
-
         for r in list(models.values()):
             for seed in (s1, s2):
-                r[seed][f"weighted_{arm}"] = weighted(r, seed)
+                r[seed][f"weighted_{arm}"] = weighted_of(r, seed, conf)
         wf = max(abs(r[s1][f"weighted_{arm}"] - r[s2][f"weighted_{arm}"]) for r in models.values())
         metrics = [f"weighted_{arm}", *names] + [m for m in ("judge/cnn", "judge/pref") if m not in names]
         lines += [
@@ -239,7 +231,10 @@ def table(arms):
                 f"{s['last'] - s['best']:+.4f} | {', '.join(f'{x:.2f}' for x in s['departure'])} | "
                 f"{', '.join(f'{x:.2f}' for x in s['rho'])} | {s['minutes']:.1f} |"
             )
-        arm_out["runs"] = runs
+        arm_out["runs"] = {
+            lbl: {k: v for k, v in r.items() if k not in ("first", "last_eval", "iterations")}
+            for lbl, r in runs.items()
+        }
         out["arms"][arm] = arm_out
         lines.append("")
     (HERE / "table.md").write_text("\n".join(lines))
