@@ -49,6 +49,7 @@ Where to change what (nft.x: in nft.py; run_kit.x: in kit/run_kit.py)
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -484,6 +485,7 @@ class CreditSettings(NamedTuple):
     alpha: float = 2.0  # Renyi order (pairs: 2 only)
     column_units: str = "loss"  # W's columns equal in loss units, or in gradient units (c_j propto 1 / s_j)
     reverse_time: bool = False  # --credit recast_reversed: W solved from each profile flipped in time (the control)
+    fixed_W: np.ndarray | None = None  # --credit file: W as given (K, T), held fixed (the control of recast-steps)
 
 
 def credit_settings(args):
@@ -513,6 +515,7 @@ def credit(settings: CreditSettings, stats, r, std, b, budgets, sigmas, reduce):
     D_grid, gains, P, rho = credit_profiles(D, se, sigmas, stats[0], c.evidence)
     P_W, cols = controlled_W_inputs(c, P, sigmas, budgets)  # (P, None) unless a control of the experiments is on
     W = solve_W(budgets, P_W, c.tau, c.eps, col_sums=cols) if c.learn_W else uniform_W(budgets, T, cols)
+    W = W if c.fixed_W is None else c.fixed_W  # --credit file: a control of the experiments
     info = {
         "recast/D": D_grid.tolist(),
         "recast/D_measured": np.where(np.isfinite(D), D, -1.0).tolist(),
@@ -529,10 +532,11 @@ def credit(settings: CreditSettings, stats, r, std, b, budgets, sigmas, reduce):
 def nft_update(run, b, r_mix_table, W, args, gen, on_step):
     """ReCAST's update: `nft.update_loop` with DiffusionNFT's loss (`nft.nft_loss`) on the mixed optimality. The loss at
     t = sigmas[j] (the velocity that moves s_j -> s_{j+1}) uses r~ = sum_k (T / Lam) W_kj r_k (`mix_optimality`).
-    With --column-units gradient W's columns differ: the loss at step j is omega_j L(r~'_j) (`step_weights`).
+    Where W's columns differ (--column-units gradient, --credit file) the loss at step j is omega_j L(r~'_j)
+    (`step_weights`).
     b: the iteration's rollout (leaves, groups, emb, pooled); r_mix_table (N, K) optimality per reward; W (K, T)."""
     r_t = torch.as_tensor(r_mix_table, dtype=torch.float32)
-    omega, W = step_weights(args.column_units, W)  # (None, W) unless --column-units gradient
+    omega, W = step_weights(W)  # (None, W) unless W's columns differ (the controls)
     W_t = torch.as_tensor(W / W.sum(), dtype=torch.float32)  # scale-free before float32 (budgets of 1e-40 or 1e300)
 
     def policy_loss(nb, v_theta, v_old):
@@ -566,6 +570,7 @@ def train(args: Args, extra_rewards=None, judges=None):
     prior = gain_prior(args, run.names)  # --gain-init (a control of the experiments), else None
     start, state = start_or_resume(run, args)
     budgets = run.budgets
+    settings = credit_settings(args)._replace(fixed_W=fixed_W_of(args, run.names, budgets))  # --credit file's W
     if start == 0 and prior is not None:
         state["level_stats"] = prior
 
@@ -595,7 +600,7 @@ def train(args: Args, extra_rewards=None, judges=None):
         r = nft.optimality(b.R, b.groups, std=std)
         sigmas = run.sigmas.double().numpy()
         state["level_stats"], credit_info, W = credit(
-            credit_settings(args), state.get("level_stats"), r, std, b, budgets, sigmas, run.reduce
+            settings, state.get("level_stats"), r, std, b, budgets, sigmas, run.reduce
         )
         if args.credit == "nft":
             r_train, W_train = nft_baseline(b.R, b.groups, budgets, sigmas, run.reduce, args.column_units)
@@ -644,10 +649,14 @@ class Args(NFTArgs):
     run_kit.NFTArgs's, the evaluation, I/O and reward-model flags run_kit.RunArgs's."""
 
     # method
-    credit: str = flag("recast", "method", choices=["recast", "uniform", "nft", "recast_reversed"])
+    credit: str = flag("recast", "method", choices=["recast", "uniform", "nft", "recast_reversed", "file"])
     """recast: W from Renyi gains; uniform: W = lambda / T (per-reward normalisation); nft: DiffusionNFT's raw weighted
     sum; recast_reversed: the control for credit in time, W from each reward's profile flipped in time (the same
-    marginals as recast's W; with equal columns it is recast's W flipped)"""
+    marginals as recast's W; with equal columns it is recast's W flipped); file: the W of --credit-file, held fixed
+    (a control of the experiments)"""
+    credit_file: str = flag("", "method")
+    """--credit file's W: a JSON {"rewards": [names in --rewards order], "W": K x T entries >= 0 summing to the
+    budgets' sum}; its rows need not sum to each budget nor its columns be equal (a column's sum weights its step)"""
     gain_estimator: str = flag("pairs", "method", choices=["pairs", "denoised"])
     """pairs: sibling-leaf pair products (alpha = 2; levels exact as the SDE steps shrink, see --sde-substeps);
     denoised: rewards of decoded x0_hat at the layout's steps (any alpha, plug-in biased)"""
@@ -697,6 +706,7 @@ def validate(args: Args, extra_rewards=None):
         if args.n_roots < 2 or not branch:
             raise SystemExit("--gain-estimator pairs needs --n-roots >= 2 and at least one --branch-steps entry")
     gain_prior(args, names)  # --gain-init: refused here when it does not fit the run
+    fixed_W_of(args, names, budgets)  # --credit file: refused here when its W does not fit the run
     check_files(args, names)
     args.out = run_folder(args, default_name(args))
     return names, budgets, branch
@@ -708,7 +718,7 @@ def default_name(args):
 
 
 # =============================================================================
-# Controls for the experiments: --credit recast_reversed, --column-units gradient, --gain-init
+# Controls for the experiments: --credit recast_reversed, --column-units gradient, --gain-init, --credit file
 # =============================================================================
 # Not ReCAST: each answers a reviewer's question about it (experiments/bench.py: the recast-reversed and recast-units
 # experiments, the protocol's recast_prior arm). Off by default, they leave ReCAST as it is; credit, nft_update,
@@ -738,11 +748,12 @@ def gradient_unit_columns(sigmas, budgets):
     return float(np.sum(budgets)) * inv / inv.sum()
 
 
-def step_weights(column_units, W):
-    """The loss's weight per step and the W that mix_optimality reads: ReCAST's (None, W) in loss units; with
-    --column-units gradient, W's columns differ and `equal_columns` splits them into omega (T,) float32 and the
-    equal-column W'."""
-    if column_units != "gradient":
+def step_weights(W):
+    """The loss's weight per step and the W that mix_optimality reads: ReCAST's (None, W) where W's columns are equal
+    (loss units); where they differ (--column-units gradient, a --credit file W), `equal_columns` splits them into
+    omega (T,) float32 and the equal-column W'. Either way the loss at step j is sum_k (T / Lam) W_kj L(r_k)."""
+    cols = np.asarray(W, dtype=np.float64).sum(0)
+    if np.allclose(cols, cols.mean(), rtol=1e-6, atol=0):
         return None, W
     omega, W = equal_columns(W)
     return torch.as_tensor(omega, dtype=torch.float32), W
@@ -756,6 +767,42 @@ def equal_columns(W):
     W = np.asarray(W, dtype=np.float64)
     Lam, T, c = W.sum(), W.shape[1], W.sum(0)
     return T * c / Lam, W * (Lam / T) / c
+
+
+def fixed_W_of(args, names, budgets):
+    """--credit file, W held fixed (recast-steps: one reward's weight moved between steps at equal measured share):
+    the (K, T) array of --credit-file, None for every other --credit. Refuses a file that does not fit the run: its
+    rewards other than --rewards (in order), its shape other than (K, --steps), a negative or non-finite entry, or a
+    total other than the budgets' sum (the loss is normalised by W's total, so the total fixes nothing but this check:
+    its rows may differ from the budgets and its columns from each other; `step_weights` weights each step by its
+    column sum)."""
+    if args.credit != "file":
+        if args.credit_file:
+            raise SystemExit(f"--credit-file {args.credit_file} is read with --credit file only: add --credit file")
+        return None
+    path = Path(args.credit_file)
+    if not args.credit_file or not path.is_file():
+        raise SystemExit(f"--credit file needs --credit-file, a JSON file with the W to train with; {path} is not one")
+    try:
+        spec = json.loads(path.read_text())
+        W = np.asarray(spec["W"], dtype=np.float64)
+        rewards = list(spec["rewards"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f'--credit-file {path}: not {{"rewards": [...], "W": [[...]]}} JSON ({err}); fix the file')
+    problem = (
+        f"its rewards {rewards} are not --rewards {list(names)} (in that order)"
+        if rewards != list(names)
+        else f"W has shape {W.shape}, not ({len(names)}, {args.steps}) (rewards x --steps)"
+        if W.shape != (len(names), args.steps)
+        else "W has a negative or non-finite entry"
+        if not np.all(np.isfinite(W)) or np.any(W < 0)
+        else f"W sums to {W.sum():.6g}, not the budgets' sum {sum(budgets):.6g}"
+        if not np.isclose(W.sum(), sum(budgets), rtol=1e-6, atol=0)
+        else None
+    )
+    if problem:
+        raise SystemExit(f"--credit-file {path}: {problem}; fix the file or the flags")
+    return W
 
 
 def gain_prior(args, names):

@@ -358,8 +358,9 @@ def test_gradient_unit_W_columns_are_proportional_to_one_over_g_and_equal_column
 
 
 def test_nft_update_weighs_each_step_by_omega_with_gradient_column_units(monkeypatch):
-    """--column-units gradient: the per-sample loss nft_update hands to update_loop at step j is
-    sum_k (T / Lam) W_kj nft_loss(r_k), W's columns unequal (omega_j times the equal-column mixture's loss)."""
+    """For any W (columns unequal: --column-units gradient, --credit file; or equal) the per-sample loss nft_update
+    hands to update_loop at step j is sum_k (T / Lam) W_kj nft_loss(r_k) (omega_j times the equal-column mixture's
+    loss where the columns differ)."""
     rng = np.random.default_rng(4)
     sig, lam, T, N = nft.shifted_sigmas(10, 3.0), np.array([0.7, 0.3]), 10, 12
     W = recast.solve_W(lam, recast.profiles(rng.random((2, T)) ** 3), col_sums=recast.gradient_unit_columns(sig, lam))
@@ -369,19 +370,24 @@ def test_nft_update_weighs_each_step_by_omega_with_gradient_column_units(monkeyp
     nb = SimpleNamespace(i=torch.arange(N), j=j, s=torch.as_tensor(sig[:-1], dtype=torch.float32)[j])
     nb.x0, nb.x_t = torch.randn(N, 3, 2, 2), torch.randn(N, 3, 2, 2)
     v_theta, v_old = torch.randn(N, 3, 2, 2), torch.randn(N, 3, 2, 2)
-    for units in ("gradient", "loss"):
-        args = SimpleNamespace(column_units=units, nft_b=1.0)
-        got = recast.nft_update(None, None, r, W, args, None, None)(nb, v_theta, v_old)
-        Wt = torch.as_tensor(W, dtype=torch.float32)
-        per_reward = [
-            nft.nft_loss(v_theta, v_old, nb.x_t, nb.x0, nb.s, torch.as_tensor(r[:, k], dtype=torch.float32))
-            for k in range(2)
-        ]
-        want = sum(T / lam.sum() * Wt[k, j] * per_reward[k] for k in range(2))
-        if units == "gradient":
-            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-        else:  # loss units read W's columns as equal: the mixture's loss, no step weight; differs here
-            assert not torch.allclose(got, want, rtol=1e-3, atol=1e-4)
+    per_reward = [
+        nft.nft_loss(v_theta, v_old, nb.x_t, nb.x0, nb.s, torch.as_tensor(r[:, k], dtype=torch.float32))
+        for k in range(2)
+    ]
+    for M in (W, recast.solve_W(lam, recast.profiles(rng.random((2, T)) ** 3))):  # unequal columns, then equal
+        got = recast.nft_update(None, None, r, M, SimpleNamespace(nft_b=1.0), None, None)(nb, v_theta, v_old)
+        Mt = torch.as_tensor(M, dtype=torch.float32)
+        want = sum(T / lam.sum() * Mt[k, j] * per_reward[k] for k in range(2))
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    # the same W read with equal columns (its mixture's loss, no step weight) would differ: the check has power
+    r_mix = recast.mix_optimality(torch.as_tensor(r, dtype=torch.float32), torch.as_tensor(W / W.sum()).float(), j)
+    unweighted = nft.nft_loss(v_theta, v_old, nb.x_t, nb.x0, nb.s, r_mix)
+    assert not torch.allclose(
+        unweighted,
+        sum(T / lam.sum() * torch.as_tensor(W).float()[k, j] * per_reward[k] for k in range(2)),
+        rtol=1e-3,
+        atol=1e-4,
+    )
 
 
 @pytest.mark.parametrize("credit", ["recast", "recast_reversed", "uniform", "nft"])
@@ -407,6 +413,68 @@ def test_column_units_gradient_in_a_run(tiny, tmp_path, monkeypatch, credit):
     assert cols[-1] / cols[0] > 50  # the last training step's small t: a real reweighting
     want = cols[None] / 1.0 if credit == "nft" else W
     assert np.abs(np.asarray(got[0]) - want).max() < 1e-9
+
+
+def test_credit_file_trains_with_the_files_W_held_fixed(tiny, tmp_path, monkeypatch):
+    """--credit file: the run logs and trains with the file's W (unequal columns and rows other than the budgets) at
+    every iteration; the file's W equal to uniform W gives --credit uniform's run, metric for metric."""
+    T = recast.parse_args(tiny_argv(tiny, tmp_path / "x")).steps
+    W = np.random.default_rng(0).random((2, T)) ** 2
+    W /= W.sum()  # the budgets' sum, 0.6 + 0.4
+    path = tmp_path / "W.json"
+    path.write_text(json.dumps({"rewards": ["brightness", "redness"], "W": W.tolist()}))
+    got = []
+
+    def record(run, b, r_train, W_train, args, gen, on_step):
+        got.append(np.asarray(W_train))
+        return {"loss/policy": 0.0, "loss/base_reg": 0.0, "train/opt_steps": 0, "train/samples": 0}
+
+    with monkeypatch.context() as m:
+        m.setattr(recast, "nft_update", record)
+        out = tmp_path / "fixed"
+        argv = tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "0", "--credit", "file")
+        recast.train(recast.parse_args([*argv, "--credit-file", str(path)]), extra_rewards=TINY_REWARDS)
+    assert len(got) == 2 and all(np.array_equal(g, W) for g in got)
+    assert all(np.array_equal(np.array(row["recast/W"]), W) for row in read_metrics(out))
+    rows = {}
+    path.write_text(json.dumps({"rewards": ["brightness", "redness"], "W": recast.uniform_W([0.6, 0.4], T).tolist()}))
+    for credit, more in (("uniform", []), ("file", ["--credit-file", str(path)])):
+        argv = tiny_argv(tiny, tmp_path / credit, "--iterations", "1", "--eval-every", "0", "--credit", credit, *more)
+        recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+        rows[credit] = {k: v for k, v in read_metrics(tmp_path / credit)[0].items() if not k.startswith("time/")}
+    assert rows["file"] == rows["uniform"]
+
+
+@pytest.mark.parametrize(
+    "content, more, words",
+    [
+        (None, [], "needs --credit-file, a JSON file"),
+        ("{", [], "not .* JSON"),
+        ({"rewards": ["redness", "brightness"]}, [], "rewards .* are not --rewards"),
+        ({"W": [[0.1] * 3]}, [], r"shape \(1, 3\), not \(2, "),
+        ({"neg": True}, [], "negative or non-finite"),
+        ({"W_scale": 2.0}, [], "sums to 2, not the budgets' sum 1"),
+        ({}, ["--credit", "uniform"], "is read with --credit file only"),
+    ],
+    ids=["missing", "not-json", "rewards", "shape", "negative", "total", "without-file-credit"],
+)
+def test_a_bad_credit_file_is_refused_before_the_model_loads(tiny, tmp_path, monkeypatch, content, more, words):
+    """--credit-file is checked in validate: each problem named with the file, nothing loaded, no run folder."""
+    out, path = tmp_path / "run", tmp_path / "W.json"
+    T = recast.parse_args(tiny_argv(tiny, out)).steps
+    spec = {"rewards": ["brightness", "redness"], "W": recast.uniform_W([0.6, 0.4], T).tolist()}
+    if isinstance(content, dict):
+        spec.update({k: v for k, v in content.items() if k in spec})
+        if content.get("neg"):
+            spec["W"][0][0] = -0.01
+        spec["W"] = (np.asarray(spec["W"]) * content.get("W_scale", 1.0)).tolist()
+    if content is not None:
+        path.write_text(content if isinstance(content, str) else json.dumps(spec))
+    monkeypatch.setattr(run_kit, "load_pipeline", lambda *a: pytest.fail("the model loaded"))
+    argv = tiny_argv(tiny, out, "--credit", "file", "--credit-file", str(path), *more)
+    with pytest.raises(SystemExit, match=words):
+        recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
+    assert not out.exists()
 
 
 def test_time_reversed_W_is_W_flipped_with_the_same_marginals():

@@ -16,6 +16,8 @@
     # and uniform W at the budgets those two W give in effect: timing or budgets?
     python experiments/bench.py recast-matched
     python experiments/bench.py recast-units     # the same two W with columns equal in gradient units
+    # credit where a reward is decided, or where it is learnable? saturation's weight at steps 1-2 vs 3-4
+    python experiments/bench.py recast-steps
     # the embedded default for 100 iterations: DiffusionNFT vs uniform W vs ReCAST
     python experiments/bench.py recast-100
     python experiments/bench.py nft-steps        # DiffusionNFT with 1 vs 8 optimizer steps per iteration
@@ -97,6 +99,7 @@ Sizes (`estimate_minutes`; `test_bench.py` checks each stays under the hour):
     recast-reversed      12      8       24 x 3                  8         96   ~45 min (+ final evaluation; 27 taken)
     recast-matched       12      8       24 x 3                  8         96   ~31 min (+ final evaluation; 48 taken)
     recast-units         12      8       24 x 3                  8         96   ~31 min (+ final evaluation; 48 taken)
+    recast-steps          2     20       24 x 3                  8         40   ~26 min (+ final evaluation)
     recast-100            3      3      100 x 8                 10          9   ~59 min
     nft-steps             2      3      100 x 8                 10          6   ~35 min
 
@@ -284,6 +287,64 @@ def effective_budgets(W, sigmas):
     return share / share.sum()
 
 
+# recast-steps (issue 45): credit where a reward is decided, or where it is learnable? recast_prior's W of setting A's
+# uniform cell (the W of the committed pretrained profiles, held fixed: --credit file) with saturation's weight on steps
+# 1-4 all moved to steps 1-2 (t = 1.0, 0.96, before it is decided: early12) or to steps 3-4 (t = 0.913, 0.858, where it
+# is decided: early34), at the same share of the update under the measured gradient size per unit weight g_j
+# (sum_j W_sj g_j over steps 1-4 kept); every other reward's weights as in that W. The loss is normalised by W's
+# total (`recast.mix_optimality`, `equal_columns`), so each file's W is scaled to the budgets' sum: every reward's
+# share of the update is then the same in both arms, and only where saturation's share acts differs.
+STEPS_CELL, STEPS_REWARD = "A-uniform", "saturation"
+STEPS_ARMS = {"early12": (0, 1), "early34": (2, 3)}  # label -> the W columns (steps) saturation's weight goes to
+SPLIT_HALF = ROOT / "experiments/results/late-reward/splithalf_round1.json"  # the measured gradient sizes
+
+
+def measured_step_sizes(path=SPLIT_HALF):
+    """(sigmas (T+1,), g (T,)): each training step's gradient size per unit weight, the mean over the rewards measured
+    by the split-half runs (not their permuted controls) of `grad_norm_per_group` (the norm of one prompt group's LoRA
+    gradient of NFT's loss at that step, at the pretrained model), each normalised to mean 1."""
+    res = json.loads(Path(path).read_text())
+    norms = [np.asarray(v["grad_norm_per_group"]) for k, v in res["cos"].items() if "permuted" not in k]
+    return np.asarray(res["sigmas"]), np.mean([n / n.mean() for n in norms], 0)
+
+
+def steps_W(profiles: Path) -> dict:
+    """recast-steps' two W (label -> (K, T)) from the pretrained profiles (`protocol.setting_W`) and measured g_j."""
+    rewards, budgets = SETTINGS["A"], [0.25] * len(SETTINGS["A"])
+    W0, _ = protocol.setting_W(json.loads(Path(profiles).read_text()), rewards, budgets)
+    g, k = measured_step_sizes()[1], rewards.index(STEPS_REWARD)
+    moved = sorted(j for steps in STEPS_ARMS.values() for j in steps)
+    share = W0[k, moved] @ g[moved]
+    out = {}
+    for label, steps in STEPS_ARMS.items():
+        W = W0.copy()
+        W[k, moved] = 0.0
+        W[k, list(steps)] = share / g[list(steps)].sum()
+        out[label] = W * (sum(budgets) / W.sum())
+    return out
+
+
+def write_steps_W(exp_dir: Path, profiles: Path):
+    """recast-steps' --credit-file files, exp_dir/W_<label>.json, written before its runs (atomically)."""
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    for label, W in steps_W(profiles).items():
+        path = exp_dir / f"W_{label}.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"rewards": list(SETTINGS["A"]), "W": W.tolist()}) + "\n")
+        os.replace(tmp, path)
+
+
+def _steps_cells():
+    """recast-steps: setting A's uniform cell, --credit file with each of `steps_W`'s two W."""
+    rewards = ("--rewards", ",".join(SETTINGS["A"]), "--budgets", budget_vectors()["uniform"])
+    return tuple(
+        Cell(
+            "recast", (*rewards, "--credit", "file", "--credit-file", f"{{exp_dir}}/W_{label}.json"), label, STEPS_CELL
+        )
+        for label in STEPS_ARMS
+    )
+
+
 def _matched_cells():
     """recast-matched: recast-reversed's recast_prior and reversed arms (taken from it), and uniform W at each one's
     effective budgets (`matched`, `matched_reversed`: no timing, the same share of the update per reward)."""
@@ -462,6 +523,12 @@ EXPERIMENTS = {
             **CONTROL_RUNS,
             reuse="recast-reversed",  # its recast_prior and reversed runs (loss units), final evaluations too
             pairs=(("recast_prior_grad", "recast_prior"), ("recast_prior_grad", "reversed_grad")),
+        ),
+        Experiment(  # credit where decided, or where learnable? (issue 45; results/recast-reversed's plan)
+            "recast-steps",
+            _steps_cells(),
+            **{**CONTROL_RUNS, "seeds": 20},
+            pairs=(("early34", "early12"),),
         ),
         Experiment(
             "recast-100",
@@ -1253,6 +1320,8 @@ def main(argv=None):
                 protocol.measure_profiles(
                     exp_dir.parent / PROFILES_DIR, replace_results=args.replace_results, **profile_sizes
                 )
+            if exp.name == "recast-steps":  # its two W, from the profiles just measured or committed
+                write_steps_W(exp_dir, exp_dir.parent / PROFILES_DIR / "profiles.json")
             failed = execute(planned, args.jobs)
         try:
             text, res = build_report(exp, exp_dir, planned)

@@ -864,7 +864,12 @@ def summary_lines(tally: dict) -> list[str]:
 W_LABELS = ("recast", "recast_prior_grad", "reversed_grad")  # recast-protocol's W; recast-units' new arms
 
 
-W_LABELS_ELSE = ("recast_prior", "reversed")  # where none of those ran (recast-reversed, recast-matched)
+W_LABELS_ELSE = (
+    "recast_prior",
+    "reversed",
+    "early12",
+    "early34",
+)  # where none of those ran (recast-reversed, -matched, -steps)
 
 
 def w_caption(drawn):

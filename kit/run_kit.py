@@ -313,12 +313,12 @@ HELP_EPILOG = "\n".join(  # --help's last lines: the reward names, then examples
 
 # Refused on --resume when they differ from the saved run (those of them a script has): a checkpoint is only valid with
 # the first five; the level statistics it holds were measured with the gain estimator and order; --gain-init only
-# seeds iteration 0; --credit, --column-units and --permute-rewards say what the run is (its method, or a control), and
-# config.json records one value for the whole run. Every other flag applies from the resumed iteration on (the
-# optimizer takes --lr, --weight-decay). A run's config.json that predates a flag ran with its default.
+# seeds iteration 0; --credit, --credit-file, --column-units and --permute-rewards say what the run is (its method, or
+# a control), and config.json records one value for the whole run. Every other flag applies from the resumed iteration
+# on (the optimizer takes --lr, --weight-decay). A run's config.json that predates a flag ran with its default.
 FIXED_ON_RESUME = (
     *("model", "rewards", "steps", "lora_rank", "lora_alpha", "gain_estimator", "alpha", "gain_init"),
-    *("credit", "column_units", "permute_rewards"),
+    *("credit", "credit_file", "column_units", "permute_rewards"),
 )
 
 

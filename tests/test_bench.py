@@ -510,6 +510,7 @@ def test_recast_protocol_quick_reports_paired_differences_and_judge_counts(tmp_p
     )
     check_recast_reversed_quick(tmp_path)
     check_recast_matched_quick(tmp_path)
+    check_recast_steps_quick(tmp_path)
 
 
 def check_recast_matched_quick(tmp_path):
@@ -534,6 +535,41 @@ def check_recast_matched_quick(tmp_path):
     assert "| recast_prior − matched | 1 |" in table and "| reversed − matched_reversed | 1 |" in table
     assert "| recast_prior − reversed" not in table and "(2 tests per metric)" in table
     assert "a row of panels per arm (recast_prior, reversed)" in table
+
+
+def check_recast_steps_quick(tmp_path):
+    """recast-steps --quick after recast-protocol --quick: its two W files are written from the profiles there before
+    the runs, each run trains with its file's W held fixed, and the report tests the one pair."""
+    res = bench.main(["recast-steps", "--quick", "--out", str(tmp_path)])
+    runs, exp_dir = res.runs["A-uniform"], tmp_path / "recast-steps"
+    want = bench.steps_W(tmp_path / "recast-protocol" / "profiles.json")
+    for label in ("early12", "early34"):
+        assert json.loads((exp_dir / f"W_{label}.json").read_text())["W"] == want[label].tolist()
+        assert all(np.array_equal(row["recast/W"], want[label]) for row in runs[label][0])
+    table = (exp_dir / "table.md").read_text()
+    assert "| early34 − early12 | 1 |" in table and "(1 tests per metric)" in table
+
+
+def test_recast_steps_W_moves_saturations_weight_between_steps_at_equal_measured_shares():
+    """The two W of recast-steps, from the committed profiles: saturation's weight on steps 1-4 all on steps 1-2
+    (early12) or all on 3-4 (early34), every other weight that of the profiles' W (up to the common scale that makes
+    the total the budgets' sum), and each reward's share of the update under the measured g_j the same in both arms
+    and in the profiles' W."""
+    profiles = Path(bench.__file__).resolve().parent / "results" / bench.PROFILES_DIR / "profiles.json"
+    Ws = bench.steps_W(profiles)
+    W0 = protocol.setting_W(json.loads(profiles.read_text()), bench.SETTINGS["A"], [0.25] * 4)[0]
+    g, k = bench.measured_step_sizes()[1], bench.SETTINGS["A"].index("saturation")
+    for label, W in Ws.items():
+        assert W.sum() == pytest.approx(1.0, abs=1e-12) and (W >= 0).all()
+        steps = list(bench.STEPS_ARMS[label])
+        others = [j for j in range(4) if j not in steps]
+        assert (W[k, others] == 0).all() and W[k, steps[0]] == W[k, steps[1]] > 0
+        scale = W[0, 0] / W0[0, 0]
+        keep = np.ones_like(W, dtype=bool)
+        keep[k, :4] = False
+        assert np.allclose(W[keep], scale * W0[keep], rtol=1e-12, atol=0)
+        assert np.allclose(W @ g / (W @ g).sum(), W0 @ g / (W0 @ g).sum(), rtol=1e-12, atol=0)
+        assert (W[k, steps] > W0[k, steps]).all()  # moved in: more than the profiles' W there
 
 
 def test_matched_budgets_are_the_effective_budgets_of_recast_reversed_runs():

@@ -1293,7 +1293,11 @@ def test_a_runs_config_json_is_a_config_file_for_a_new_run(finished_run):
         ("c.yaml", "budgets: 1\n", "budgets is 1, not of type str. Fix it in the file (quote a text value"),
         ("c.yaml", "ema: yes please\n", "ema is 'yes please', not of type bool"),
         ("c.yaml", "lr: -1.0\n", "lr -1.0: must be a finite number > 0. Fix it in the file"),
-        ("c.yaml", "credit: grpo\n", "credit 'grpo': choose one of ['recast', 'uniform', 'nft', 'recast_reversed']"),
+        (
+            "c.yaml",
+            "credit: grpo\n",
+            "credit 'grpo': choose one of ['recast', 'uniform', 'nft', 'recast_reversed', 'file']",
+        ),
         ("c.yaml", "- lr\n", "must hold key: value lines (a mapping), not list"),
         ("c.yaml", "lr: [1\n", "cannot read it"),
         ("c.toml", "lr = 1\n", "give a .yaml, .yml or .json file"),
