@@ -1009,7 +1009,7 @@ class OnlineConfig(TrainConfig):
     """Sizes of `python experiments/toy_train.py --online` (QUICK_ONLINE: --online --quick)."""
 
     iterations: int = 40
-    groups: tuple = (8, 32)  # prompt groups per iteration: the estimator's sample size (groups / 8 per level)
+    groups: tuple = (8, 32, 128)  # prompt groups per iteration: the estimator's sample size (groups / 8 per level)
     substeps: int = 2  # the shipped sampler: ODE to the branch step, then 2 SDE sub-steps per interval
     prior_groups: tuple = (192, 1000)  # groups per level of the estimated-prior arms (measured once on the base)
     # the arms above the smallest batch size (the prior arms' W does not depend on the batch): see arms_at
