@@ -3,6 +3,8 @@
     python experiments/toy_train.py                   # 64 paired seeds per arm -> experiments/results/toy-train/
     python experiments/toy_train.py --tables-only     # the analysis, tables and figure again from runs.csv
     python experiments/toy_train.py --quick --out DIR # toy sizes (the tests)
+    python experiments/toy_train.py --online          # online W vs grad_uniform -> .../toy-train/online/
+    python experiments/toy_train.py --online --groups 128  # append a batch size to that run (others not rerun)
 
 The exact velocity of a Gaussian mixture (toy_gaussian.py's MIX7) is the pretrained model; a correction of it is
 fine-tuned with the scripts' own losses and credit (ReCAST arms: nft, uniform, exact-profile, time-reversed, online and
@@ -1007,10 +1009,11 @@ class OnlineConfig(TrainConfig):
     """Sizes of `python experiments/toy_train.py --online` (QUICK_ONLINE: --online --quick)."""
 
     iterations: int = 40
-    groups: tuple = (8, 32)  # prompt groups per iteration: the estimator's sample size (groups / 8 per level)
+    groups: tuple = (8, 32, 128)  # prompt groups per iteration: the estimator's sample size (groups / 8 per level)
     substeps: int = 2  # the shipped sampler: ODE to the branch step, then 2 SDE sub-steps per interval
     prior_groups: tuple = (192, 1000)  # groups per level of the estimated-prior arms (measured once on the base)
-    largest_arms: tuple = ("uniform", "grad_uniform", "exact", "online", "online_noshrink")  # at max(groups)
+    # the arms above the smallest batch size (the prior arms' W does not depend on the batch): see arms_at
+    largest_arms: tuple = ("uniform", "grad_uniform", "exact", "online", "online_noshrink")
 
 
 QUICK_ONLINE = OnlineConfig(
@@ -1022,6 +1025,11 @@ def online_arms(cfg):
     return ("uniform", "grad_uniform", "exact", "online", "online_noshrink") + tuple(
         f"prior{n}" for n in cfg.prior_groups
     )
+
+
+def arms_at(cfg, n_groups):
+    """The arms run at a batch size: every arm at the smallest, cfg.largest_arms at each larger one."""
+    return online_arms(cfg) if n_groups == min(cfg.groups) else cfg.largest_arms
 
 
 def online_comparisons(cfg):
@@ -1245,24 +1253,38 @@ def read_online_run(out):
     return records, credit, cfg, summary["profiles"], summary["seconds"]
 
 
-def online_main(quick, out, cfg=None):
-    """--online: the exact profiles of ONLINE_WORLD, the prior arms' measurements, every arm at every batch size (the
-    largest with cfg.largest_arms only) with the shipped sampler, the analysis. Writes runs.csv and credit.json after
-    each batch size (partial results survive), summary.json and tables.md at the end (and with each batch size)."""
+def online_main(quick, out, cfg=None, add=None):
+    """--online: the exact profiles of ONLINE_WORLD, the prior arms' measurements, every batch size's arms (arms_at)
+    with the shipped sampler, the analysis. Writes runs.csv and credit.json after each batch size (partial results
+    survive), summary.json and tables.md with each. add: one batch size appended to the run already in `out` (its
+    config, seeds and profiles from summary.json; the sizes there are not rerun; seconds add up)."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     start = time.time()
-    cfg = cfg or (QUICK_ONLINE if quick else OnlineConfig())
     os.makedirs(out, exist_ok=True)
+    if add:
+        records, credit, cfg, info, seconds = read_online_run(out)
+        if add in cfg.groups or add < min(cfg.groups):
+            raise SystemExit(f"--groups {add}: {out} has groups {list(cfg.groups)}; add a new size above the smallest")
+        cfg, todo = replace(cfg, groups=tuple(sorted(cfg.groups + (add,)))), (add,)
+        D, g, P = (np.asarray(info[k]) for k in ("D", "gains", "P"))
+    else:
+        cfg = cfg or (QUICK_ONLINE if quick else OnlineConfig())
+        records, credit, seconds, todo = [], [], 0.0, cfg.groups
     sig = nft.shifted_sigmas(cfg.steps, 3.0)
-    D, g, P = exact_profiles(ONLINE_MIX, ONLINE_WORLD.rewards, sig, n_grid=81 if quick else 161)
+    if not add:
+        D, g, P = exact_profiles(ONLINE_MIX, ONLINE_WORLD.rewards, sig, n_grid=81 if quick else 161)
     corr = FourierCorrection(ONLINE_MIX.d, cfg.features, seed=cfg.seed0)
     seeds = tuple(range(cfg.seed0, cfg.seed0 + cfg.seeds))
-    records, credit = [], []
+    needed = {a for n_groups in todo for a in arms_at(cfg, n_groups)}
     try:
-        priors = {n: {s: measured_prior(ONLINE_WORLD, sig, n, s, cfg) for s in seeds} for n in cfg.prior_groups}
+        priors = {
+            n: {s: measured_prior(ONLINE_WORLD, sig, n, s, cfg) for s in seeds}
+            for n in cfg.prior_groups
+            if f"prior{n}" in needed
+        }
         print(f"[prior measurements: {time.time() - start:.0f} s]", flush=True)
         for n, per_seed in priors.items():
             W_ex = recast.solve_W(TRAIN_LAM, P)
@@ -1277,10 +1299,9 @@ def online_main(quick, out, cfg=None):
                 )
                 for s, (W, rho, cnt) in per_seed.items()
             ]
-        for n_groups in cfg.groups:
+        for n_groups in todo:
             t0 = time.time()
-            arms = online_arms(cfg) if n_groups != max(cfg.groups) else cfg.largest_arms
-            plan, Ws = online_plan(arms, seeds, sig, P, priors)
+            plan, Ws = online_plan(arms_at(cfg, n_groups), seeds, sig, P, priors)
             rec, on = train_batch(plan, cfg, n_groups, corr, world=ONLINE_WORLD, substeps=cfg.substeps)
             records += rec
             credit += [dict(r, groups=n_groups) for r in on["runs"]]
@@ -1293,7 +1314,7 @@ def online_main(quick, out, cfg=None):
                 W={k: np.asarray(v).tolist() for k, v in Ws.items()},
             )
             write_online_files(out, records, credit)
-            online_report(out, records, credit, cfg, info, time.time() - start)
+            online_report(out, records, credit, cfg, info, seconds + time.time() - start)
             print(f"[groups {n_groups}: {time.time() - t0:.0f} s]", flush=True)
     finally:
         torch.set_num_threads(threads)
@@ -1324,13 +1345,23 @@ def main(argv=None):
         action="store_true",
         help="the online-W experiment (OnlineConfig; default --out .../toy-train/online)",
     )
+    parser.add_argument(
+        "--groups",
+        type=int,
+        default=None,
+        help="with --online: append this batch size to the run in --out (its seeds and sizes), not rerunning others",
+    )
     args = parser.parse_args(argv)
+    if args.groups and not (args.online and not args.tables_only):
+        parser.error("--groups appends a batch size to an --online run (without --tables-only)")
     if args.online:
         out = args.out if args.out != RESULTS else os.path.join(RESULTS, "online")
         if args.tables_only:
             records, credit, cfg, info, seconds = read_online_run(out)
             online_report(out, records, credit, cfg, info, seconds)
             return 0
+        if args.groups:
+            return online_main(args.quick, out, add=args.groups)
         cfg = QUICK_ONLINE if args.quick else OnlineConfig()
         cfg = replace(cfg, seeds=args.seeds or cfg.seeds, seed0=cfg.seed0 if args.seed0 is None else args.seed0)
         return online_main(args.quick, out, cfg)

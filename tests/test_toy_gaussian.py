@@ -180,7 +180,8 @@ def test_online_quick_runs_every_arm_paired_and_regenerates(tmp_path):
     assert cfg == tt.QUICK_ONLINE
     seeds = set(range(cfg.seed0, cfg.seed0 + cfg.seeds))
     for P in cfg.groups:
-        arms = tt.online_arms(cfg) if P != max(cfg.groups) else cfg.largest_arms
+        arms = tt.arms_at(cfg, P)
+        assert (arms == cfg.largest_arms) == (P != min(cfg.groups))  # every arm at the smallest size only
         got = {(r["arm"], r["seed"]) for r in records if r["groups"] == P}
         assert got == {(a, s) for a in arms for s in seeds}
         first = {r["arm"]: r for r in records if r["groups"] == P and r["iteration"] == 0 and r["seed"] == cfg.seed0}
@@ -196,6 +197,37 @@ def test_online_quick_runs_every_arm_paired_and_regenerates(tmp_path):
     tables = (tmp_path / "tables.md").read_text()
     assert tt.main(["--online", "--tables-only", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "tables.md").read_text() == tables
+
+
+def test_online_groups_appends_a_batch_size_without_rerunning_the_others(tmp_path, monkeypatch):
+    """--online --groups N appends N to the run in --out: only N is trained (largest_arms), the files are what one
+    run of all three sizes writes, and the Holm family grows to every size's comparisons."""
+    import json
+    from dataclasses import replace
+
+    import pytest
+
+    from experiments import toy_train as tt
+
+    three = replace(tt.QUICK_ONLINE, groups=tt.QUICK_ONLINE.groups + (4,))
+    assert tt.online_main(True, str(tmp_path / "once"), three) == 0
+    assert tt.main(["--online", "--quick", "--out", str(tmp_path / "added")]) == 0
+    trained, train_batch = [], tt.train_batch
+    monkeypatch.setattr(
+        tt,
+        "train_batch",
+        lambda plan, cfg, P, *a, **k: trained.append((P, plan.arms)) or train_batch(plan, cfg, P, *a, **k),
+    )
+    monkeypatch.setattr(tt, "measured_prior", lambda *a: pytest.fail("a prior measured again"))
+    assert tt.main(["--online", "--groups", "4", "--out", str(tmp_path / "added")]) == 0
+    assert trained == [(4, tt.QUICK_ONLINE.largest_arms)]  # 2 and 3 not rerun
+    for name in ("runs.csv", "credit.json"):
+        assert (tmp_path / "added" / name).read_text() == (tmp_path / "once" / name).read_text()
+    once, added = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("once", "added"))
+    assert {k: v for k, v in added.items() if k != "seconds"} == {k: v for k, v in once.items() if k != "seconds"}
+    assert sum("p_holm" in r for r in added["recast"]) == 20  # one family over the three sizes
+    with pytest.raises(SystemExit, match="add a new size"):
+        tt.main(["--online", "--groups", "3", "--out", str(tmp_path / "added")])
 
 
 def test_tree_sampler_keeps_children_equal_until_the_branch():
