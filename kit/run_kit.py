@@ -771,7 +771,10 @@ def parse_branch_steps(text, T):
 
 
 def is_embedded(model):
-    return Path(model).resolve() == (Path(__file__).parent / EMBEDDED_MODEL).resolve()
+    """The embedded model, or a world variant built from it (`shapes_world.py build --variant NAME`: its pipeline
+    folder holds shapes_world.VARIANT_FILE), which is run the same way: its world's rewards, text length, size."""
+    path = Path(model).resolve()
+    return path == (Path(__file__).parent / EMBEDDED_MODEL).resolve() or (path / shapes_world.VARIANT_FILE).is_file()
 
 
 def read_prompts(path, flag="prompts"):

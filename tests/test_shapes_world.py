@@ -263,6 +263,210 @@ def test_line_texture_rewards_by_hand():
     assert phase([barred], caps[1:2])[0] == pytest.approx(-e, abs=0.01)
 
 
+SHIPPED_RENDER_DIGEST = "dc7c04cac691de47b4307a7df8b452649c3c501ff9a39101bf9dfb0f997ed2d6"
+
+
+def test_the_shipped_world_renders_bit_identically():
+    """The world variants leave the shipped world as it was: 96 ground-truth images (train and held-out prompts,
+    plain and textured) hash to the digest the renderer gave before the variants existed (commit 58b3e4c)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for split, seed in (("train", 21), ("heldout", 22)):
+        for i, p in enumerate(sw.sample_prompts(48, split, seed)):
+            h.update(np.asarray(sw.render(p, 500 + i)).tobytes())
+    assert h.hexdigest() == SHIPPED_RENDER_DIGEST
+
+
+def test_the_signed_variant_changes_only_the_texture_phase_and_the_background():
+    """The ``signed`` variant draws the shipped world's image for the same seed, with the texture at its fixed phase
+    (dark rows / columns 0, 1 mod 4) and the background's signed lines: with sign 0 a plain caption's image is the
+    shipped one byte for byte and a textured one differs only inside the objects; sign +1 darkens background pixels
+    of rows 2, 3 mod 4 only, -1 those of rows 0, 1; the sign is ~50/50 over seeds and not the caption's."""
+    from scipy import ndimage
+
+    for i, p in enumerate(["two red circles", "a blue striped square on the left", "three green barred triangles"]):
+        seed = 300 + i
+        shipped = np.asarray(sw.render(p, seed), np.int64)
+        zero = np.asarray(sw.render_spec(sw.parse_prompt(p), seed, "signed", sign=0), np.int64)
+        fg = np.asarray(sw.render_spec(dict(sw.parse_prompt(p), texture=None), seed), np.int64)
+        inside = ndimage.binary_dilation((fg.max(-1) - fg.min(-1)) > 30, iterations=2)
+        if "texture" not in sw.parse_prompt(p):
+            assert np.array_equal(shipped, zero)
+        else:
+            assert not np.array_equal(shipped[inside], zero[inside])
+            assert np.array_equal(shipped[~inside], zero[~inside])
+            tex = sw.parse_prompt(p)["texture"]
+            yy, xx = np.mgrid[:32, :32]
+            dark = ((yy if tex == "striped" else xx) % 4) < 2
+            core = ndimage.binary_erosion((fg.max(-1) - fg.min(-1)) > 60, iterations=1)
+            assert (zero.sum(-1)[core & dark] < fg.sum(-1)[core & dark]).all()  # the fixed phase is the dark one
+            assert np.array_equal(zero[core & ~dark], fg[core & ~dark])
+        rows = np.arange(32)[:, None] % 4
+        for sign, darkened in ((1, rows >= 2), (-1, rows < 2)):
+            lined = np.asarray(sw.render_spec(sw.parse_prompt(p), seed, "signed", sign=sign), np.int64)
+            diff = (lined - zero).sum(-1)
+            assert (diff <= 0).all() and (diff[~inside] < 0).any()
+            assert not diff[np.broadcast_to(~darkened, diff.shape)].any()
+        drawn = sw.variant_sign(seed)
+        assert np.array_equal(
+            np.asarray(sw.render(p, seed, "signed")),
+            np.asarray(sw.render_spec(sw.parse_prompt(p), seed, "signed", drawn)),
+        )
+    signs = np.array([sw.variant_sign(s) for s in range(4000)])
+    assert set(signs.tolist()) == {-1, 1} and abs(signs.mean()) < 0.05
+    with pytest.raises(ValueError, match="unknown world variant"):
+        sw.render("a red circle", 0, "nope")
+
+
+def test_the_signed_reward_by_hand():
+    """reward_signed reads the background's period-4 rows at the variant's + phase in units of ground truth's (2-pixel
+    lines ``depth`` grey levels deep): lines 8 depths deep give 8, the opposite phase -8, a quarter period off 0, a
+    flat background 0; ground truth of both signs +1 / -1 and the shipped world's 0; the caption is not read."""
+    depth = sw.VARIANTS["signed"]["depth"]
+    light = 235.0
+    dark = light - 8 * depth  # 8x the variant's lines: 8 in its units
+    e = 8.0
+    yy = np.mgrid[:32, :32][0]
+    flat = np.full((32, 32, 3), light)
+
+    def lines(offset):
+        a = flat.copy()
+        a[((yy + offset) % 4) >= 2] = dark
+        return Image.fromarray(a.astype(np.uint8))
+
+    signed = sw.REWARDS["signed"]
+    raw = [sw.signed_amplitude(im) for im in (lines(0), lines(2), lines(1), Image.fromarray(flat.astype(np.uint8)))]
+    assert raw == pytest.approx([e, -e, 0.0, 0.0], abs=0.02 * e)
+    assert signed([lines(0), lines(2)], ["a red circle"] * 2).tolist() == [1.0, -1.0]  # clipped
+    caps = sw.sample_prompts(24, "heldout", 5)
+    plus = [sw.render_spec(sw.parse_prompt(p), 60 + i, "signed", 1) for i, p in enumerate(caps)]
+    minus = [sw.render_spec(sw.parse_prompt(p), 60 + i, "signed", -1) for i, p in enumerate(caps)]
+    assert signed(plus, caps).min() > 0.9 and signed(minus, caps).max() < -0.9
+    assert abs(signed(plus, caps).mean() - 1) < 0.02 and abs(signed(minus, caps).mean() + 1) < 0.02
+    shipped = [sw.render(p, 60 + i) for i, p in enumerate(caps)]
+    assert np.abs(signed(shipped, caps)).max() < 1e-9
+    assert signed(plus, caps).tolist() == signed(plus, caps[::-1]).tolist() == signed(plus, None).tolist()
+    assert signed([Image.new("RGB", (32, 32), (215, 45, 45))], None).tolist() == [0.0]  # no background at all
+
+
+def test_the_signs_ideal_observer_against_monte_carlo():
+    """NOTES.md, "A late reward by design: the sign's ideal observer". A sign s = +-1 of a pattern of latent norm a,
+    other data n ~ N(0, v) along it, x_t = (1 - t) x0 + t eps seen along the pattern: y = (1 - t)(s a + n) + t eps.
+    The posterior mean is tanh((1 - t) a y / ((1 - t)^2 v + t^2)) (binned Monte Carlo), the share of the sign's D(0)
+    decided, Var(E[s | y]) = E[tanh^2], is sign_share_decided(kappa) with kappa = sign_kappa(t, a, noise), and
+    sign_amplitude_for puts it at 1/2 at t_half. Dropping the data's own variance v from the noise fails."""
+    rng = np.random.default_rng(0)
+    M = 400_000
+    for t, amp, v in ((0.3, 0.5, 0.15), (0.5, 1.0, 0.3), (0.8, 4.0, 8.0)):
+        s = rng.choice([-1.0, 1.0], M)
+        y = (1 - t) * (s * amp + np.sqrt(v) * rng.standard_normal(M)) + t * rng.standard_normal(M)
+        noise = (1 - t) ** 2 * v + t**2
+        post = np.tanh((1 - t) * amp * y / noise)
+        edges = np.quantile(y, np.linspace(0, 1, 21))
+        which = np.clip(np.searchsorted(edges, y) - 1, 0, 19)
+        for b in range(20):
+            sel = which == b
+            se = s[sel].std() / np.sqrt(sel.sum())
+            assert abs(s[sel].mean() - post[sel].mean()) < 4 * se + 1e-3, (t, b)
+        share = float(sw.sign_share_decided(sw.sign_kappa(t, amp, noise)))
+        assert abs((post**2).mean() - share) < 0.005 and abs((s * post).mean() - share) < 0.006
+        wrong = float(sw.sign_share_decided(sw.sign_kappa(t, amp, t**2)))  # the data's own variance left out
+        assert abs(wrong - (post**2).mean()) > 0.02
+    for t_half, noise in ((0.3, 0.09), (0.45, 0.2)):
+        a = sw.sign_amplitude_for(t_half, noise)
+        assert float(sw.sign_share_decided(sw.sign_kappa(t_half, a, noise))) == pytest.approx(0.5, abs=1e-6)
+        assert float(sw.sign_share_decided(sw.sign_kappa(t_half, a, noise) * 2)) > 0.5
+
+
+def test_per_group_signal_to_noise_of_a_signed_reward_follows_the_law():
+    """NOTES.md, "A late reward by design": with nft.optimality's r on a group of n leaves whose reward is the sign s
+    (50/50), x0 = s a u + rest, x0_hat = a E[s | y] u (rest unknown: error -rest, d numbers of variance sigma^2), the
+    groups' moves sum_i (2 r_i - 1)(x0_i - x0_hat_i) have the per-group signal to noise
+    s = (n - 1) a^2 (1 - m)^2 / (d sigma^2 + a^2 (1 - m)), m the share of the sign decided (E[s E[s | y]] = m);
+    it grows with n - 1 and with the pattern's share of the x0 error. Measured with phase_gate's statistic."""
+    import importlib.util
+    from pathlib import Path
+
+    import nft
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "results" / "late-reward" / "phase_gate.py"
+    spec = importlib.util.spec_from_file_location("phase_gate_for_test", path)
+    gate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gate)
+    rng = np.random.default_rng(3)
+    G, d, sigma2, amp, kappa = 3000, 48, 0.02, 0.5, 0.85
+    for n in (4, 8, 16):
+        s = rng.choice([-1.0, 1.0], (G, n))
+        y = np.sqrt(kappa) * s + rng.standard_normal((G, n))  # the sign seen at kappa (m ~ 1/2)
+        post = np.tanh(np.sqrt(kappa) * y)
+        m = float(sw.sign_share_decided(kappa))
+        rest = np.sqrt(sigma2) * rng.standard_normal((G, n, d))
+        err = np.concatenate([(amp * (s - post))[..., None], rest], -1)  # x0 - x0_hat: u first, then the rest
+        r = nft.optimality(s.reshape(-1), np.repeat(np.arange(G), n), std=np.ones(1)).reshape(G, n)
+        moves = ((2 * r - 1)[..., None] * err).sum(1)
+        got = gate.signal(moves @ moves.T)[0]
+        law = (n - 1) * amp**2 * (1 - m) ** 2 / (d * sigma2 + amp**2 * (1 - m))
+        assert got == pytest.approx(law, rel=0.15), (n, got, law)
+
+
+def test_a_world_variant_builds_at_toy_size_into_its_own_folder(tmp_path):
+    """`shapes_world.py build --variant signed` at toy sizes: the pipeline goes to its own folder with the variant's
+    marker and its own world id, the scripts take it as the embedded model (run_kit.is_embedded), the shipped VAE's
+    encoder is kept exactly (only the decoder learns: every latent of the shipped world stays what the transformer
+    learned), and the shipped assets are untouched; the shipped folder is refused as --out."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from kit import run_kit
+
+    shipped = sw.world_id()
+    out = tmp_path / "assets-signed"
+    m = sw.build_variant("signed", out, n_images=16, vae_steps=2, transformer_steps=2, eval_n=4)
+    path = out / "shapes-sd3"
+    marker = json.loads((path / sw.VARIANT_FILE).read_text())
+    assert marker["variant"] == "signed" and marker["base_world"] == shipped == m["base_world"]
+    assert marker["depth"] == sw.VARIANTS["signed"]["depth"]
+    assert sw.world_id() == shipped and m["world"] == sw.world_id(path) != shipped
+    assert run_kit.is_embedded(str(path)) and run_kit.is_embedded(run_kit.EMBEDDED_MODEL)
+    assert not run_kit.is_embedded(str(tmp_path))
+    old = load_file(str(sw.PIPELINE_DIR / "vae" / "diffusion_pytorch_model.safetensors"))
+    new = load_file(str(path / "vae" / "diffusion_pytorch_model.safetensors"))
+    enc = [k for k in old if k.startswith(("encoder.", "quant_conv."))]
+    assert enc and all(np.array_equal(old[k].numpy(), new[k].numpy()) for k in enc)
+    assert any(not np.array_equal(old[k].numpy(), new[k].numpy()) for k in old if k.startswith("decoder."))
+    assert (out / "build_metrics.json").is_file() and "gen_positive_share_of_decided" in m
+    with pytest.raises(SystemExit, match="its own folder"):
+        sw.build_variant("signed", sw.ASSETS)
+
+
+def test_phase_gate_reads_another_candidate_on_another_world(monkeypatch):
+    """phase_gate.py --candidate signed --model FOLDER --prefix NAME [--n-roots N]: the candidate is row 0 of both
+    parts (the comparisons saturation, geneval, grain, texture_lines stay), the runs load FOLDER with N roots per
+    prompt, and the result files are named NAME_*; the defaults are candidate (a)'s."""
+    import importlib.util
+    from pathlib import Path
+
+    import recast
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "results" / "late-reward" / "phase_gate.py"
+    spec = importlib.util.spec_from_file_location("phase_gate_for_test2", path)
+    gate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gate)
+    assert gate.PROFILE_REWARDS[0] == gate.SPLIT_REWARDS[0] == "lines_phase" and gate.MODEL is None
+    monkeypatch.setattr(recast, "setup_run", lambda args: "run")
+    folder = str(sw.PIPELINE_DIR)
+    gate.use_candidate("signed", folder, "signed_gate")
+    assert gate.PROFILE_REWARDS == ("signed", "saturation", "geneval", "grain", "texture_lines")
+    assert gate.SPLIT_REWARDS == ("signed", "saturation", "grain", "texture_lines") and gate.PREFIX == "signed_gate"
+    args, run = gate.setup(gate.SPLIT_REWARDS, 0, 8, "/tmp/unused")
+    assert run == "run" and args.model == folder and args.rewards == "signed,saturation,grain,texture_lines"
+    assert args.n_roots * args.n_branch == 8
+    gate.use_candidate("signed", folder, "signed_gate16", n_roots=4)
+    assert gate.setup(gate.SPLIT_REWARDS, 0, 8, "/tmp/unused")[0].n_roots == 4
+
+
 def test_split_checker_rewards_and_detail_by_hand():
     # ground truth: every attribute right; position applies only to "on the ..." prompts (1 otherwise)
     prompts = ["two blue squares", "a red circle on the left"]

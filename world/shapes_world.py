@@ -217,12 +217,15 @@ def _layout(spec: dict, rng: np.random.Generator) -> list[tuple[float, float, fl
     raise RuntimeError("layout failed")
 
 
-def _texture_pattern(texture: str, rng: np.random.Generator, kind: str | None = None) -> np.ndarray:
-    """(32, 32) 0/1 mask of the pixels a texture darkens, its phase drawn from rng (see TEXTURE)."""
+def _texture_pattern(
+    texture: str, rng: np.random.Generator | None, kind: str | None = None, phase: int | None = None
+) -> np.ndarray:
+    """(32, 32) 0/1 mask of the pixels a texture darkens, its phase drawn from rng (see TEXTURE); kind C with
+    ``phase`` given (rng unused): that phase (0: dark rows / columns at 0, 1 mod 4)."""
     kind = kind or TEXTURE["kind"]
     yy, xx = np.mgrid[:RES, :RES]
     if kind == "C":  # 2-pixel horizontal lines every 4 rows (striped) / vertical ones every 4 columns (barred)
-        py, px = int(rng.integers(4)), int(rng.integers(4))
+        py, px = (int(rng.integers(4)), int(rng.integers(4))) if phase is None else (phase, phase)
         return ((yy + py) % 4 < 2 if texture == "striped" else (xx + px) % 4 < 2).astype(np.float64)
     py, px = int(rng.integers(2)), int(rng.integers(2))
     if texture == "striped":
@@ -232,12 +235,67 @@ def _texture_pattern(texture: str, rng: np.random.Generator, kind: str | None = 
     return (rng.random((RES, RES)) < 0.3).astype(np.float64)
 
 
-def render_spec(spec: dict, seed: int) -> Image.Image:
+VARIANTS = {"signed": dict(depth=1)}
+"""World variants (issue 44 section 1, candidate (b); experiments/results/late-reward/README.md section 8). Each
+renders the shipped world's images (the same layouts, fills and colours for the same seed) with one change, builds
+into its own asset folder (``build --variant NAME``) and so has its own world id. ``signed``: the texture's phase is
+fixed (dark rows / columns at 0, 1 mod 4: no random phase left to decide late), and the background carries faint
+horizontal 2-pixel lines every 4 rows at one fixed phase of the image grid whose sign is random per image (+1: dark
+rows at 2, 3 mod 4; -1: at 0, 1 mod 4; both the same energy), never named in a caption: ``depth`` grey levels (of
+255) darker, weighted by the pixel's background coverage. Read by the reward ``signed`` (:func:`reward_signed`).
+depth 1 (the smallest 8-bit step; a latent norm of 0.34 through the shipped encoder) is the ideal observer's choice
+for t_half ~ 0.3 (README section 8)."""
+
+
+def variant_sign(seed: int) -> int:
+    """The ``signed`` variant's sign for the image of ``seed``: +1 or -1 with probability 1/2, from a stream of its
+    own (the image's other draws are the shipped world's)."""
+    return 1 if np.random.default_rng([seed, 44]).random() < 0.5 else -1
+
+
+def signed_rows(sign: int) -> np.ndarray:
+    """(32, 32) 0/1 mask of the rows the ``signed`` variant darkens: rows 2, 3 mod 4 for +1, 0, 1 mod 4 for -1."""
+    yy = np.mgrid[:RES, :RES][0]
+    return ((yy % 4 >= 2) if sign > 0 else (yy % 4 < 2)).astype(np.float64)
+
+
+def sign_share_decided(kappa) -> np.ndarray:
+    """The ideal observer of a sign (NOTES.md, "A late reward by design: the sign's ideal observer"): s = +-1 seen as
+    y = s mu + w, w ~ N(0, var), kappa = mu^2 / var. E[s | y] = tanh(mu y / var), and the share of the sign's D(0)
+    decided, Var(E[s | y]) / Var(s) = E[tanh^2(kappa + sqrt(kappa) Z)], Z ~ N(0, 1) (Gauss-Hermite, 80 nodes)."""
+    z, w = np.polynomial.hermite_e.hermegauss(80)
+    k = np.asarray(kappa, np.float64)[..., None]
+    return (np.tanh(k + np.sqrt(k) * z) ** 2 * w).sum(-1) / w.sum()
+
+
+def sign_kappa(t, amp: float, noise_var) -> np.ndarray:
+    """kappa of the sign of a pattern of latent norm ``amp`` in x_t = (1 - t) x0 + t eps, read along its unit
+    direction u against noise of variance ``noise_var`` (in x_t units: t^2 + (1 - t)^2 v for data whose other
+    variance along u, given everything else x_t shows, is v): (1 - t)^2 amp^2 / noise_var."""
+    t = np.asarray(t, np.float64)
+    return (1 - t) ** 2 * amp**2 / np.asarray(noise_var, np.float64)
+
+
+def sign_amplitude_for(t_half: float, noise_var: float) -> float:
+    """The latent norm at which the sign's ideal observer has half of its D(0) decided at t_half (bisection on
+    :func:`sign_share_decided`; kappa* = 0.851 there)."""
+    lo, hi = 1e-6, 1e3
+    for _ in range(200):
+        mid = np.sqrt(lo * hi)
+        lo, hi = (mid, hi) if sign_share_decided(sign_kappa(t_half, mid, noise_var)) < 0.5 else (lo, mid)
+    return float(np.sqrt(lo * hi))
+
+
+def render_spec(spec: dict, seed: int, variant: str | None = None, sign: int | None = None) -> Image.Image:
     """Draw a spec deterministically from ``seed``: light tinted background; each shape
     drawn at 4x and box-downsampled (anti-aliased). Squares are axis-aligned with half-side
     0.85 r; triangles point up, apex at the top of their bounding box. A textured spec then
     darkens, inside each object (weighted by its pixel coverage), the pixels of the texture's
-    pattern by the factor 1 - TEXTURE["amp"] (all three channels: hue unchanged)."""
+    pattern by the factor 1 - TEXTURE["amp"] (all three channels: hue unchanged).
+    variant: None (the shipped world) or a key of VARIANTS (``signed``: the texture at its fixed phase and the
+    background's signed lines, ``sign`` +-1, default :func:`variant_sign` of ``seed``; sign 0: no lines)."""
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"unknown world variant {variant!r}; known: {sorted(VARIANTS)}")
     rng = np.random.default_rng(seed)
     ss = 4
     base = rng.uniform(222, 248)
@@ -249,7 +307,7 @@ def render_spec(spec: dict, seed: int) -> Image.Image:
     for (colour, shape), (cx, cy, r) in zip(spec["objects"], _layout(spec, rng)):
         fill = tuple(int(np.clip(v + rng.uniform(-12, 12), 0, 255)) for v in COLORS[colour])
         cx, cy, r = cx * ss, cy * ss, r * ss
-        m = Image.new("L", im.size, 0) if texture else None
+        m = Image.new("L", im.size, 0) if texture or variant else None
         for dd, f in ((d, fill),) + (((ImageDraw.Draw(m), 255),) if m is not None else ()):
             if shape == "circle":
                 dd.ellipse((cx - r, cy - r, cx + r, cy + r), fill=f)
@@ -261,19 +319,26 @@ def render_spec(spec: dict, seed: int) -> Image.Image:
         if m is not None:
             masks.append(np.asarray(m.resize((RES, RES), Image.BOX), np.float64) / 255.0)
     out = im.resize((RES, RES), Image.BOX)
-    if not texture:
+    if not texture and variant is None:
         return out
     a = np.asarray(out, np.float64)
-    dark = np.zeros((RES, RES))
-    for cov in masks:
-        dark += cov * _texture_pattern(texture, rng)
-    a = a * (1.0 - TEXTURE["amp"] * np.clip(dark, 0, 1))[..., None]
+    if texture:
+        dark = np.zeros((RES, RES))
+        for cov in masks:
+            pattern = _texture_pattern(texture, rng)  # drawn in every case: the rest of the stream stays the same
+            dark += cov * (pattern if variant is None else _texture_pattern(texture, None, phase=0))
+        a = a * (1.0 - TEXTURE["amp"] * np.clip(dark, 0, 1))[..., None]
+    if variant == "signed":
+        sign = variant_sign(seed) if sign is None else int(sign)
+        if sign:
+            background = 1.0 - np.clip(sum(masks, np.zeros((RES, RES))), 0, 1)
+            a = a - (VARIANTS["signed"]["depth"] * background * signed_rows(sign))[..., None]
     return Image.fromarray(np.clip(np.round(a), 0, 255).astype(np.uint8))
 
 
-def render(prompt: str, seed: int) -> Image.Image:
-    """Ground-truth image for ``prompt`` (deterministic in ``seed``)."""
-    return render_spec(parse_prompt(prompt), seed)
+def render(prompt: str, seed: int, variant: str | None = None) -> Image.Image:
+    """Ground-truth image for ``prompt`` (deterministic in ``seed``); ``variant``: a world variant's (VARIANTS)."""
+    return render_spec(parse_prompt(prompt), seed, variant)
 
 
 # ========================================================== checker ====
@@ -775,6 +840,36 @@ def reward_lines_phase(images: list, prompts: list[str]) -> np.ndarray:
     return np.where(named & (n > 0), np.clip(locked, -1.0, 1.0), 0.0)
 
 
+def signed_amplitude(img: Image.Image) -> float:
+    """The ``signed`` variant's background lines, read from the pixels: over the background (the pixels detect() does
+    not call foreground, eroded by 2 pixels so that anti-aliased edges never count), each row's mean brightness, and
+    its period-4 Fourier coefficient projected on the variant's + phase (dark rows at 2, 3 mod 4)
+    (:func:`_line_features` with phase=True), in grey levels and in units of ground truth's (2-pixel lines ``depth``
+    levels deep: sqrt(2) depth / 2): +1 / -1 for ground truth's two signs, 0 on a flat background or lines a quarter
+    period off. 0 when fewer than 2 rows have background."""
+    from scipy import ndimage
+
+    a = _as_array(img)
+    chroma = a.max(-1) - a.min(-1)
+    dist = np.stack([np.abs((_hue_deg(a) - HUE[c] + 180) % 360 - 180) for c in COLORS], -1)
+    fg = (chroma > 30) & (chroma > 0.5 * CHROMA[dist.argmin(-1)])
+    background = ndimage.binary_erosion(~fg, iterations=1, border_value=1)
+    v = a.max(-1) / 255.0
+    _, py, n = _line_features(v, background, phase=True)
+    if not n:
+        return 0.0
+    level = 255.0 * float(v[ndimage.binary_erosion(background)].mean())  # the mean _line_features divided by
+    return float(py * level / (np.sqrt(2) * VARIANTS["signed"]["depth"] / 2))
+
+
+def reward_signed(images: list, prompts: list[str] | None = None) -> np.ndarray:
+    """The ``signed`` world variant's late reward (issue 44 section 1, candidate (b)): clip(signed_amplitude, -1, 1),
+    the background's faint fixed-phase lines read with their sign. Linear in one fixed pattern, the same sign for
+    every caption (the caption is not read), both signs of equal energy, and ~50/50 in the variant's data, so that
+    DiffusionNFT's groups add (NOTES.md, "A learnable late reward"). Range [-1, 1]; ~0 on the shipped world."""
+    return np.array([np.clip(signed_amplitude(img), -1.0, 1.0) for img in images], np.float64)
+
+
 REWARDS = {
     "geneval": reward_geneval,
     "geneval_strict": reward_geneval_strict,
@@ -797,6 +892,7 @@ REWARDS = {
     "lines_along": reward_lines_along,
     "lines_locked": reward_lines_locked,
     "lines_phase": reward_lines_phase,
+    "signed": reward_signed,
 }
 """name -> callable (images: list[PIL.Image], prompts: list[str]) -> np.ndarray (N,) float64."""
 
@@ -1330,10 +1426,10 @@ def generate(pipe, prompts: list[str], seed: int = 0, batch: int = 64, **overrid
 
 
 # ============================================================ build ====
-def _world_dataset(n: int, split: str, seed: int):
+def _world_dataset(n: int, split: str, seed: int, variant: str | None = None):
     """n (prompt, image) ground-truth pairs: prompts from sample_prompts, image seeds seed*10^6+i."""
     prompts = sample_prompts(n, split, seed)
-    return prompts, [render(p, seed * 1_000_000 + i) for i, p in enumerate(prompts)]
+    return prompts, [render(p, seed * 1_000_000 + i, variant) for i, p in enumerate(prompts)]
 
 
 def _psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -1367,10 +1463,20 @@ none); trained on 0.3 it carries 0.1 as well (100% of named and of plain reconst
 results/world-design/candidates/candidates.md."""
 
 
-def train_vae(vae, images: list, steps: int, batch: int = 64, seed: int = 0, hf_weight: float | None = None):
+def train_vae(
+    vae,
+    images: list,
+    steps: int,
+    batch: int = 64,
+    seed: int = 0,
+    hf_weight: float | None = None,
+    decoder_only: bool = False,
+    lr: float = 2e-3,
+):
     """Reconstruction training: loss = mean(w |x - x'|) + mean(w (x - x')^2) + hf mean(w |lap x - lap x'|)
     + 1e-6 KL, w = 1 + 3 * foreground (shapes matter more than flat background), lap the 4-neighbour
-    Laplacian (fine detail: the texture inside the shapes), hf = VAE_HF_WEIGHT; AdamW 2e-3, warm-up + cosine."""
+    Laplacian (fine detail: the texture inside the shapes), hf = VAE_HF_WEIGHT; AdamW lr (2e-3), warm-up + cosine.
+    decoder_only: the encoder (and quant_conv) frozen, so that the latents of every image stay what they were."""
     hf_weight = VAE_HF_WEIGHT if hf_weight is None else hf_weight
     import torch
     from tqdm import tqdm
@@ -1380,7 +1486,13 @@ def train_vae(vae, images: list, steps: int, batch: int = 64, seed: int = 0, hf_
     a = np.stack([_as_array(i) for i in images])
     mx, mn = a.max(-1), a.min(-1)
     w_all = torch.from_numpy(1 + 3 * ((mx - mn) / np.maximum(mx, 1e-6) > 0.15)).float()[:, None]
-    opt = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
+    params = list(vae.parameters())
+    if decoder_only:
+        vae.requires_grad_(False)
+        for m in (vae.decoder, vae.post_quant_conv):
+            m.requires_grad_(True)
+        params = [p for p in vae.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     sched = _warmup_cosine(opt, steps, warm=max(1, steps // 20))
     g = torch.Generator().manual_seed(seed)
     vae.train()
@@ -1395,7 +1507,7 @@ def train_vae(vae, images: list, steps: int, batch: int = 64, seed: int = 0, hf_
             loss = loss + hf_weight * (w[..., 1:-1, 1:-1] * (_laplacian(rec) - _laplacian(x)).abs()).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         if step % 50 == 0:
@@ -1594,6 +1706,94 @@ def build(out_dir: Path = ASSETS, **overrides) -> dict:
     return metrics
 
 
+VARIANT_FILE = "world_variant.json"
+"""A world variant's pipeline folder holds this file ({variant, amp, base_world, config}): what makes the scripts
+treat the folder as the embedded model (run_kit.is_embedded) and names what it was built from."""
+VARIANT_BUILD = dict(n_images=8_000, vae_steps=600, vae_lr=1e-3, transformer_steps=800, lr=3e-4, eval_n=256, threads=1)
+"""A variant is a fine-tune of the shipped world, not a build from scratch (README of results/late-reward, section 8):
+the shipped encoder is kept frozen, so every latent the shipped transformer learned stays the same, and only the
+decoder learns to draw what the variant adds (the shipped decoder draws back 4% of the signed lines' amplitude,
+300 decoder-only steps at 1e-3 already 45% with 98% of the signs right: signed_decoder.json); the transformer starts
+from the shipped weights (lr 3e-4, 800 steps: the shipped build's loop, 1/4 of its steps) and learns the variant's one
+change. ~10 min on one thread instead of 30-47."""
+
+
+def build_variant(variant: str, out_dir: Path, base: Path = PIPELINE_DIR, **overrides) -> dict:
+    """A world variant (VARIANTS) built from the shipped world into out_dir/shapes-sd3 (its own world id), the
+    shipped assets untouched: ground truth of the variant; the shipped VAE's decoder fine-tuned on it (encoder
+    frozen); the shipped transformer fine-tuned on its latents (train_transformer); then its metrics
+    (variant_metrics) in out_dir/build_metrics.json. Returns the metrics."""
+    import torch
+
+    if variant not in VARIANTS:
+        raise SystemExit(f"--variant {variant}: unknown; known: {sorted(VARIANTS)}")
+    out_dir = Path(out_dir)
+    if out_dir.resolve() == ASSETS.resolve() or Path(base).resolve().is_relative_to(out_dir.resolve()):
+        raise SystemExit(f"--out {out_dir}: a variant is built into its own folder, never the shipped assets")
+    cfg = {**VARIANT_BUILD, **{k: v for k, v in overrides.items() if v is not None}}
+    torch.set_num_threads(cfg["threads"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    metrics, t_start = (
+        {"variant": variant, **VARIANTS[variant], "config": cfg, "base_world": world_id(base)},
+        time.time(),
+    )
+    print(f"[1/4] world variant {variant}: rendering ground truth")
+    prompts, images = _world_dataset(cfg["n_images"], "train", seed=1, variant=variant)
+    print("[2/4] VAE decoder (encoder frozen)")
+    pipe = load_pipeline(base)
+    vae = pipe.vae
+    with texture_amplitude(max(TEXTURE["amp"], VAE_TEXTURE_AMP)):  # as the shipped VAE: textures at 0.3
+        vae_images = [render(p, 1_000_000 + i, variant) for i, p in enumerate(prompts)]
+    train_vae(vae, vae_images, cfg["vae_steps"], batch=32, decoder_only=True, lr=cfg["vae_lr"])
+    latents = (vae_encode(vae, images) - vae.config.shift_factor) * vae.config.scaling_factor
+    print("[3/4] transformer (flow matching, from the shipped weights)")
+    caps = SPLITS["train"]
+    pe, pooled = encode_prompts(pipe, caps + [""])
+    cap_idx = torch.tensor([caps.index(p) for p in prompts])
+    tr = pipe.transformer
+    tr.requires_grad_(True)
+    ema_sd = train_transformer(tr, latents, cap_idx, pe, pooled, cfg["transformer_steps"], lr=cfg["lr"])
+    tr.load_state_dict(ema_sd)
+    tr.eval().requires_grad_(False)
+    path = out_dir / "shapes-sd3"
+    pipe.save_pretrained(str(path), safe_serialization=True)
+    marker = {"variant": variant, **VARIANTS[variant], "base_world": metrics["base_world"], "config": cfg}
+    (path / VARIANT_FILE).write_text(json.dumps(marker, indent=1) + "\n")
+    print("[4/4] evaluation")
+    metrics.update(variant_metrics(load_pipeline(path), variant, cfg["eval_n"]))
+    metrics["world"] = world_id(path)
+    metrics["build_minutes"] = (time.time() - t_start) / 60
+    (out_dir / "build_metrics.json").write_text(json.dumps(metrics, indent=1))
+    print(json.dumps(metrics, indent=1))
+    return metrics
+
+
+def variant_metrics(pipe, variant: str, n: int = 256, seed: int = 0) -> dict:
+    """What a variant must show before its gate runs: its reward on ground truth, on the VAE's reconstructions (does
+    the round trip carry it?) and on n samples of held-out prompts (the pretrained variant's choice: the share of
+    samples with reward > 0 among those with |reward| >= 0.5, and the mean |reward|: ~1 if it draws the pattern,
+    ~0 if not), and the checker on the samples (the rest of the world kept)."""
+    prompts = sample_prompts(n, "heldout", seed)
+    gt = [render(p, 9_000_000 + i, variant) for i, p in enumerate(prompts)]
+    signs = np.array([variant_sign(9_000_000 + i) for i in range(n)])
+    rec = vae_decode(pipe.vae, vae_encode(pipe.vae, gt))
+    gen = generate(pipe, prompts, seed=seed)
+    r_gt, r_rec, r_gen = (REWARDS[variant](ims, prompts) for ims in (gt, rec, gen))
+    decided = np.abs(r_gen) >= 0.5
+    return {
+        "reward_gt_times_sign": float((r_gt * signs).mean()),
+        "reward_vae_times_sign": float((r_rec * signs).mean()),
+        "vae_sign_read_back": float((np.sign(r_rec) == signs).mean()),
+        "gen_reward_mean": float(r_gen.mean()),
+        "gen_reward_abs_mean": float(np.abs(r_gen).mean()),
+        "gen_decided_share": float(decided.mean()),
+        "gen_positive_share_of_decided": float((r_gen[decided] > 0).mean()) if decided.any() else None,
+        "gen_strict": float(reward_geneval_strict(gen, prompts).mean()),
+        "gen_texture": float(REWARDS["texture"](gen, prompts).mean()),
+        "vae_strict": float(reward_geneval_strict(rec, prompts).mean()),
+    }
+
+
 # ===================================================== eval, bench ====
 def world_metrics(vae, n: int = 500) -> dict:
     """Checker, rewards and judges on n train + n held-out ground-truth images (seeds 7, 8),
@@ -1724,10 +1924,16 @@ def bench(pipe) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="regenerate assets/ from scratch")
-    b.add_argument("--out", default=str(ASSETS))
-    for k, v in BUILD.items():
-        b.add_argument(f"--{k}", type=int, default=v)
+    b = sub.add_parser(
+        "build", help="regenerate assets/ from scratch (--variant NAME: a world variant, its own folder)"
+    )
+    b.add_argument("--out", default=None, help="default: assets/ (a variant: assets-NAME/)")
+    b.add_argument("--variant", default=None, choices=sorted(VARIANTS), help="a world variant (VARIANTS), fine-tuned")
+    for k in {**BUILD, **VARIANT_BUILD}:
+        kind = float if k.endswith("lr") else int
+        b.add_argument(
+            f"--{k}", type=kind, default=None, help=f"default {BUILD.get(k)} (variant {VARIANT_BUILD.get(k)})"
+        )
     e = sub.add_parser(
         "eval", help="checker accuracy on held-out prompts + sample grid (+ eval_metrics.json next to it)"
     )
@@ -1737,8 +1943,15 @@ def main(argv=None):
     sub.add_parser("bench", help="rollout and LoRA-step timings")
     sub.add_parser("pref-judge", help="retrain assets/pref_judge.safetensors (the pairwise preference judge, ~2 min)")
     a = ap.parse_args(argv)
-    if a.cmd == "build":
-        build(Path(a.out), **{k: getattr(a, k) for k in BUILD})
+    if a.cmd == "build" and a.variant:
+        out = Path(a.out) if a.out else ROOT / f"assets-{a.variant}"
+        build_variant(a.variant, out, **{k: getattr(a, k) for k in VARIANT_BUILD})
+    elif a.cmd == "build":
+        extra = [f"--{k}" for k in VARIANT_BUILD if k not in BUILD and getattr(a, k) is not None]
+        if extra:
+            raise SystemExit(f"{', '.join(extra)}: only for a variant's build (--variant NAME)")
+        given = {k: getattr(a, k) for k in BUILD if getattr(a, k) is not None}
+        build(Path(a.out or ASSETS), **given)
     elif a.cmd == "pref-judge":
         print(json.dumps(build_pref_judge(), indent=1))
     elif a.cmd == "eval":

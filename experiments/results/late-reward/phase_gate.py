@@ -5,6 +5,12 @@ grid, textured captions only), parts 1 and 2 as written in README.md "Candidate 
     OMP_NUM_THREADS=1 python experiments/results/late-reward/phase_gate.py splithalf [--groups 128]
     python experiments/results/late-reward/phase_gate.py tables      # gate.md from the two result files
 
+Another candidate on another world (candidate (b), README.md section 8): --model PIPELINE_FOLDER (a world variant,
+`python world/shapes_world.py build --variant signed`), --candidate REWARD (row 0 of both parts, in place of
+lines_phase), --prefix NAME (the result files NAME_profile.json, NAME_splithalf.json, NAME.md) and --n-roots N
+(N x 4 leaves per prompt group; the per-group signal to noise grows with leaves - 1: NOTES.md, "A late reward by
+design").
+
 profile (part 1): recast.py's own rotated-tree rollouts of the pretrained model, no update (the code path of
 protocol.measure_profiles), ITERATIONS x 8 prompt groups; every group's `level_observations` is kept on its own,
 so that groups can be resampled: a paired bootstrap (the same resampled groups for every reward) of each reward's
@@ -44,6 +50,26 @@ SPLIT_REWARDS = ("lines_phase", "saturation", "grain", "texture_lines")
 LATE_T = 0.47  # the gate's "late": t <= 0.47 (the 10-step grid's 0.465, 0.278, 0.009)
 
 
+MODEL = None  # --model: the pipeline folder (None: the shipped embedded model)
+PREFIX = "phase_gate"  # --prefix: the result files' names
+N_ROOTS = None  # --n-roots: roots per prompt (recast.py's; None: its default, 2, i.e. 8 leaves per group)
+
+
+def use_candidate(candidate, model=None, prefix="phase_gate", n_roots=None):
+    """Row 0 of both parts (the candidate the gate reads), the pipeline folder, the result files' prefix and the
+    roots per prompt group (leaves per group = n_roots x 4)."""
+    global PROFILE_REWARDS, SPLIT_REWARDS, MODEL, PREFIX, N_ROOTS
+    PROFILE_REWARDS = (candidate,) + tuple(r for r in PROFILE_REWARDS[1:] if r != candidate)
+    SPLIT_REWARDS = (candidate,) + tuple(r for r in SPLIT_REWARDS[1:] if r != candidate)
+    MODEL, PREFIX, N_ROOTS = model, prefix, n_roots
+
+
+def world_of_run():
+    from world import shapes_world
+
+    return shapes_world.world_id(MODEL) if MODEL else shapes_world.world_id()
+
+
 def setup(rewards, seed, prompts, out):
     import nft  # noqa: F401  (the scripts' own modules)
     import recast
@@ -51,6 +77,8 @@ def setup(rewards, seed, prompts, out):
     args = recast.parse_args(
         ["--rewards", ",".join(rewards), "--budgets", ",".join(["1"] * len(rewards)), "--seed", str(seed)]
         + ["--prompts-per-iter", str(prompts), "--eval-every", "0", "--overwrite", "--out", str(out)]
+        + (["--model", str(MODEL)] if MODEL else [])
+        + (["--n-roots", str(N_ROOTS)] if N_ROOTS else [])
     )
     return args, recast.setup_run(args)
 
@@ -64,7 +92,7 @@ def profile(a):
     from kit import run_kit
 
     torch.set_num_threads(1)
-    args, run = setup(PROFILE_REWARDS, a.seed, 8, HERE / "work" / "phase-profile")
+    args, run = setup(PROFILE_REWARDS, a.seed, 8, HERE / "work" / f"{PREFIX}-profile")
     T = args.steps
     obs_n, obs_s1, choice, t0 = [], [], [], time.time()
     for it in range(a.iterations):
@@ -79,7 +107,8 @@ def profile(a):
             choice.append([b.prompts[g], b.R[rows, 0].tolist()])
         if (it + 1) % 16 == 0:
             print(f"iteration {it + 1}/{a.iterations}: {time.time() - t0:.0f} s", flush=True)
-    np.savez_compressed(HERE / "work" / "phase_profile_groups.npz", n=np.array(obs_n), s1=np.array(obs_s1))
+    (HERE / "work").mkdir(exist_ok=True)
+    np.savez_compressed(HERE / "work" / f"{PREFIX}_profile_groups.npz", n=np.array(obs_n), s1=np.array(obs_s1))
     res = profile_stats(np.array(obs_n), np.array(obs_s1), run.sigmas.double().numpy(), a.resamples, a.seed)
     values = np.array([v for _, vals in choice for v in vals])
     ties = sum(np.ptp(vals) == 0 for _, vals in choice)
@@ -89,7 +118,7 @@ def profile(a):
         rewards=list(PROFILE_REWARDS),
         iterations=a.iterations,
         seconds=time.time() - t0,
-        world=__import__("world.shapes_world", fromlist=["world_id"]).world_id(),
+        world=world_of_run(),
         choice={
             "samples": int(len(values)),
             "nonzero": int(len(named)),
@@ -99,7 +128,7 @@ def profile(a):
             "tied_groups": int(ties),
         },
     )
-    (HERE / "phase_gate_profile.json").write_text(json.dumps(res, indent=1))
+    (HERE / f"{PREFIX}_profile.json").write_text(json.dumps(res, indent=1))
     print(json.dumps({k: v for k, v in res.items() if k not in ("boot",)}, indent=1)[:4000])
 
 
@@ -146,7 +175,7 @@ def profile_stats(n, s1, sigmas, resamples, seed):
         "resamples": resamples,
         "diff": {},
     }
-    for k in range(1, K):  # lines_phase (row 0) minus each other reward, paired
+    for k in range(1, K):  # the candidate (row 0) minus each other reward, paired
         da, dh = boot_area[:, 0] - boot_area[:, k], boot_half[:, 0] - boot_half[:, k]
         dh = dh[np.isfinite(dh)]
         out["diff"][PROFILE_REWARDS[k]] = {
@@ -165,7 +194,7 @@ def splithalf(a):
     from kit import run_kit
 
     torch.set_num_threads(1)
-    args, run = setup(SPLIT_REWARDS, a.seed, 8, HERE / "work" / "phase-splithalf")
+    args, run = setup(SPLIT_REWARDS, a.seed, 8, HERE / "work" / f"{PREFIX}-splithalf")
     tr, sigmas, T, K = run.transformer, run.sigmas, args.steps, len(SPLIT_REWARDS)
     params = nft.lora_params(tr, "default")
     D = sum(p.numel() for p in params)
@@ -211,7 +240,7 @@ def splithalf(a):
         print(f"iteration {it + 1}/{iterations}: {time.time() - t0:.0f} s", flush=True)
     work = HERE / "work"
     work.mkdir(exist_ok=True)
-    np.savez(work / "phase_splithalf_basis.npz", basis=basis, R=R_all, r=r_all)
+    np.savez(work / f"{PREFIX}_splithalf_basis.npz", basis=basis, R=R_all, r=r_all)
     fixed_exact = [
         [float(torch.nn.functional.cosine_similarity(exact[0, k, j], exact[1, k, j], 0)) for j in range(T)]
         for k in range(K)
@@ -227,9 +256,9 @@ def splithalf(a):
         fixed_split_exact=fixed_exact,
         sketch_error=float(np.abs(sk - np.array(fixed_exact)).max()),
         train_reward_mean=R_all.reshape(-1, K).mean(0).tolist(),
-        world=__import__("world.shapes_world", fromlist=["world_id"]).world_id(),
+        world=world_of_run(),
     )
-    (HERE / "phase_gate_splithalf.json").write_text(json.dumps(res, indent=1))
+    (HERE / f"{PREFIX}_splithalf.json").write_text(json.dumps(res, indent=1))
     print(split_table(res))
 
 
@@ -357,7 +386,12 @@ def main(argv=None):
     ap.add_argument("--sketch", type=int, default=16384, help="splithalf: count-sketch buckets")
     ap.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples over groups")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None, help="pipeline folder (default: the shipped embedded model)")
+    ap.add_argument("--candidate", default="lines_phase", help="the reward the gate reads (row 0)")
+    ap.add_argument("--prefix", default="phase_gate", help="result files: PREFIX_profile.json, _splithalf.json, .md")
+    ap.add_argument("--n-roots", type=int, default=None, help="roots per prompt group (recast.py's; default 2)")
     a = ap.parse_args(argv)
+    use_candidate(a.candidate, a.model, a.prefix, a.n_roots)
     {"profile": profile, "splithalf": splithalf, "tables": tables}[a.part](a)
 
 
@@ -381,14 +415,14 @@ def profile_table(res) -> str:
             f"| {name} | {res['D0'][k]:.4f} | " + " | ".join(cells) + f" | {res['area'][k]:.3f} | "
             f"{'—' if th is None else f'{th:.3f}'} | {res['rho'][k]:.2f} |"
         )
-    lines += ["", "| lines_phase minus | area [95%] | t_half [95%] |", "|---|---|---|"]
+    lines += ["", f"| {res['rewards'][0]} minus | area [95%] | t_half [95%] |", "|---|---|---|"]
     for name, d in res["diff"].items():
         area, th = d["area"], d["t_half"]
         t_cell = f"{th[0]:+.3f} [{th[1]:+.3f}, {th[2]:+.3f}]" if len(th) == 3 else "—"
         lines.append(f"| {name} | {area[0]:+.3f} [{area[1]:+.3f}, {area[2]:+.3f}] | {t_cell} |")
     lines += [
         "",
-        f"The pretrained model's choice: {ch['nonzero']} of {ch['samples']} samples with lines_phase != 0, "
+        f"The pretrained model's choice: {ch['nonzero']} of {ch['samples']} samples with {res['rewards'][0]} != 0, "
         f"{ch['positive_share_of_nonzero']:.3f} of them positive; {ch['tied_groups']} of {ch['groups']} groups tie "
         "(plain captions score 0).",
     ]
@@ -398,12 +432,11 @@ def profile_table(res) -> str:
 def tables(a):
     """phase_gate.md from the result files that exist."""
     parts = []
-    for name, fn in (("phase_gate_profile.json", profile_table), ("phase_gate_splithalf.json", split_table)):
+    for name, fn in ((f"{PREFIX}_profile.json", profile_table), (f"{PREFIX}_splithalf.json", split_table)):
         if (HERE / name).is_file():
             parts.append(fn(json.loads((HERE / name).read_text())))
-    (HERE / "phase_gate.md").write_text(
-        "# Candidate (a), lines_phase: the gate's parts 1 and 2\n\n" + "\n\n".join(parts) + "\n"
-    )
+    title = "Candidate (a), lines_phase" if PREFIX == "phase_gate" else f"{PREFIX}: {SPLIT_REWARDS[0]}"
+    (HERE / f"{PREFIX}.md").write_text(f"# {title}: the gate's parts 1 and 2\n\n" + "\n\n".join(parts) + "\n")
     print("\n\n".join(parts))
 
 
