@@ -24,13 +24,17 @@ from pathlib import Path
 import numpy as np
 
 from experiments.reports import (
+    ALONG,
     Results,
     better_sign,
+    cell_iterations,
     curve_figure,
     distance_curve,
     distance_to_base,
+    elapsed,
     eval_curve,
     flag_value,
+    non_inferiority_table,
     read_json,
     set_aside,
     verdict,
@@ -414,18 +418,33 @@ class CellTables:
     raw: dict
 
 
+def finished_final_evals(res: Results) -> dict:
+    """`final_evals` of every finished run of `res` and the pretrained model; a result whose final evaluation is gone
+    (and its checkpoint too) is named in `res.incomplete` (marked PARTIAL), not dropped silently."""
+    finals = final_evals(res.finished, res.exp_dir, res.exp.final_noises)
+    read = {r["run_id"] for r in res.records}
+    for run in res.finished:
+        if run.run_id in read and run.run_id not in finals:
+            res.incomplete[run.run_id] = (
+                f"no final evaluation ({run.run_id}.final.json missing, no checkpoint to redo it)"
+            )
+    return finals
+
+
+def cell_rewards(cell) -> tuple[list, list]:
+    """A cell's training rewards (--rewards) and their budgets (--budgets, floats)."""
+    return (
+        flag_value(cell.flags, "--rewards").split(","),
+        [float(b) for b in flag_value(cell.flags, "--budgets").split(",")],
+    )
+
+
 def report_protocol(res: Results, out: Path):
     """Issue 11: per (setting, budget) cell, recast minus each other method, paired by seed, on every
     training reward and judge of the large final evaluation, raw and scale-free, plus the preference
     judge's share (mean sigmoid of the score difference); Holm per metric over cells x comparisons; the noise floor
     of one evaluation; then how often ReCAST improves each judge."""
-    finals = final_evals(res.finished, res.exp_dir, res.exp.final_noises)
-    read = {r["run_id"] for r in res.records}
-    for run in res.finished:  # a result whose final evaluation is gone (and its checkpoint too): named, not dropped
-        if run.run_id in read and run.run_id not in finals:
-            res.incomplete[run.run_id] = (
-                f"no final evaluation ({run.run_id}.final.json missing, no checkpoint to redo it)"
-            )
+    finals = finished_final_evals(res)
     lines = res.banner()
     seed_a, seed_b = (str(s) for s in EVAL_SEEDS)
     base = finals.get("pretrained", {})
@@ -433,10 +452,7 @@ def report_protocol(res: Results, out: Path):
     cells, floors = {}, {}  # group -> what its tables need; metric -> same weights' differences between noise sets
     for group, by_label in res.runs.items():
         cell = next(c for c in res.exp.cells if c.group == group)
-        names, budgets = (
-            flag_value(cell.flags, "--rewards").split(","),
-            [float(b) for b in flag_value(cell.flags, "--budgets").split(",")],
-        )
+        names, budgets = cell_rewards(cell)
         metrics = names + ["weighted", "scale_free", "judge/cnn", "judge/frechet"]
         ids = {label: dict(res.ids.get(group, {}).get(label, {})) for label in by_label}
 
@@ -649,6 +665,80 @@ def report_protocol(res: Results, out: Path):
         "",
         *([w_caption(drawn), ""] if drawn else []),
     ]
+
+
+def report_final_non_inferiority(res: Results, out: Path):
+    """rvge-joint-fifth (issue 45): "matches the baseline" decided on the large final evaluation (`final_evals`: every
+    held-out caption x final_noises noises, the same images for every model). Per group: each method's and the
+    pretrained model's final metrics (the training rewards, `weighted`, the CNN judge, the Fréchet distance); each
+    method − baseline, paired by seed; the non-inferiority test (`reports.non_inferiority_table`) at half the lower
+    95% bound of the baseline's own gain over the pretrained model, Holm per method over the metrics on which that
+    gain is resolved, with the pretrained model as the control; the noise floor of one final evaluation."""
+    finals = finished_final_evals(res)
+    lines = res.banner()
+    seed_a, seed_b = (str(s) for s in EVAL_SEEDS)
+    pre = finals.get("pretrained", {})
+    base = res.exp.baseline
+    for group, by_label in res.runs.items():
+        names, budgets = cell_rewards(next(c for c in res.exp.cells if c.group == group))
+        metrics = names + ["weighted", "judge/cnn", "judge/frechet"]
+        ids = {label: dict(res.ids.get(group, {}).get(label, {})) for label in by_label}
+
+        def value(label, m, key=seed_a, ids=ids, names=names, budgets=budgets):
+            return {s: final_value(finals[i][key], m, names, budgets) for s, i in ids[label].items() if i in finals}
+
+        if not pre or not any(value(label, metrics[0]) for label in ids):
+            lines += [f"## {group}: no final evaluation yet", ""]
+            continue
+        n_img = len(pre[seed_a]["judge/cnn"])
+        before = {m: final_value(pre[seed_a], m, names, budgets) for m in metrics}
+        lines += [
+            f"## {group}: the final evaluation (mean ± sd over seeds; frechet: lower is better)",
+            "",
+            f"Every held-out caption x {res.exp.final_noises} noises ({n_img} images, Euler ODE, 10 steps) from each "
+            f"run's last checkpoint and from the pretrained model, the same images (prompt and noise) for every model, "
+            f"noise seed {seed_a} (seed {seed_b}: the noise floor below); `weighted`: the budget-weighted mean of the "
+            "training rewards; Fréchet distances over the same N images.",
+            "",
+            "| method | n | iterations | training seconds | " + " | ".join(metrics) + " |",
+            "|---" * (4 + len(metrics)) + "|",
+            "| pretrained | | 0 | 0 | " + " | ".join(f"{before[m]:.4f}" for m in metrics) + " |",
+        ]
+        for label, runs in by_label.items():
+            lines.append(
+                f"| {label} | {len(value(label, metrics[0]))} | {cell_iterations(res.exp, res.cells[(group, label)])} "
+                f"| {mean_std([elapsed(r)[-1] for r in runs.values()], 1)} | "
+                + " | ".join(mean_std(list(value(label, m).values())) for m in metrics)
+                + " |"
+            )
+        diffs = {
+            label: {m: paired(value(label, m), value(base, m)) for m in metrics} for label in by_label if label != base
+        }
+        lines += [
+            "",
+            f"Paired differences method − {base} [95% t], two-sided paired t p and exact sign-flip p, no correction "
+            "(the decision is the non-inferiority table below):",
+            "",
+            "| method | " + " | ".join(metrics) + " |",
+            "|---" * (1 + len(metrics)) + "|",
+        ]
+        for label, d in diffs.items():
+            cells = [fmt_ci(*mean_ci(d[m]), exact=sign_flip_p(d[m]), power=False) for m in metrics]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        gains = {m: [v - before[m] for v in value(base, m).values()] for m in metrics}
+        lines += [""] + non_inferiority_table(base, metrics, diffs, gains, family="metrics")
+        floors = {  # the same weights on the second noise set
+            m: [v - value(label, m, seed_b)[s] for label in ids for s, v in value(label, m).items()] for m in metrics
+        }
+        lines += [
+            f"Noise floor of one final evaluation: the same weights on noise seeds {seed_a} and {seed_b}, sd of the "
+            "difference / sqrt(2) over every run: "
+            + ", ".join(f"{m} {np.std(v, ddof=1) / np.sqrt(2):.4g}" for m, v in floors.items() if len(v) > 1)
+            + ".",
+            "",
+        ]
+    curve_figure(res, out / "reward_vs_time.png", metric=ALONG)
+    return lines + ["![](reward_vs_time.png)", ""]
 
 
 def at_distance(rows, metric, d):

@@ -731,14 +731,11 @@ NI_FRACTION = 0.5  # the non-inferiority margin: this fraction of the lower 95% 
 
 
 def non_inferiority_lines(res: Results, group, floor, metrics, values, rows) -> list[str]:
-    """Markdown: "matches" as a test. Each method − baseline against a non-inferiority margin set by the effect that
-    matters: NI_FRACTION of the lower 95% bound of the baseline's own gain over the pretrained model on that metric
-    (`gain_margin`; no margin, and no test, where that gain is not resolved); one-sided paired t and one-sided exact
-    sign-flip test, Holm per metric over the methods. Beside it, for comparison, the earlier rule's margin (two noise
-    floors of one in-run evaluation, `floor`, which mostly cancels in paired differences); the pretrained model as
-    the control. Nothing when the run has no pretrained evaluation to measure the gain from."""
+    """Markdown: "matches" as a test, on the runs' own last held-out evaluation (`non_inferiority_table`): each method −
+    baseline against the margin from the baseline's gain over the pretrained model (iteration 0's evaluation), Holm
+    per metric over the methods. Beside it, for comparison, the earlier rule's margin (two noise floors of one in-run
+    evaluation, `floor`, which mostly cancels in paired differences)."""
     base = res.exp.baseline
-    mine = [r for r in rows if r[1] == base]
     befores = {
         m: paired(
             res.values(group, base, lambda r, m=m: final(r, m)),
@@ -746,15 +743,30 @@ def non_inferiority_lines(res: Results, group, floor, metrics, values, rows) -> 
         )
         for m in metrics
     }
-    gains = {m: mean_ci([better_sign(m) * v for v in befores[m]]) for m in metrics}
-    if not any(g[3] > 1 for g in gains.values()):
+    old_rule = {m: 2 * floor["sd"][m] for m in metrics if floor and m in floor.get("sd", {})}
+    diffs = {r[0]: values[r] for r in rows if r[1] == base}
+    return non_inferiority_table(base, metrics, diffs, befores, old_rule)
+
+
+def non_inferiority_table(base, metrics, diffs, gains, old_rule=None, family="methods") -> list[str]:
+    """Markdown: "matches" as a test. Each method − baseline (`diffs`: {method: {metric: per-seed differences}})
+    against a non-inferiority margin set by the effect that matters: NI_FRACTION of the lower 95% bound of the
+    baseline's own gain over the pretrained model on that metric (`gains`: {metric: per-seed baseline − pretrained};
+    `gain_margin`; no margin, and no test, where that gain is not resolved); one-sided paired t and one-sided exact
+    sign-flip test, Holm per metric over the methods (`family` "methods") or per method over the testable metrics
+    ("metrics"). `old_rule`: an earlier margin per metric, shown in brackets; the pretrained model as the control.
+    Nothing testable with fewer than 2 paired seeds."""
+    mine, old_rule = list(diffs), old_rule or {}
+    gain = {m: mean_ci([better_sign(m) * v for v in gains[m]]) for m in metrics}
+    if not any(g[3] > 1 for g in gain.values()):
         return [
             f'Non-inferiority to {base} ("matches or beats"): not testable here, fewer than 2 paired seeds (no '
             f"interval of {base}'s gain to set a margin from).",
             "",
         ]
-    margins = {m: gain_margin(gains[m], NI_FRACTION) for m in metrics}
+    margins = {m: gain_margin(gain[m], NI_FRACTION) for m in metrics}
     testable = [m for m in metrics if np.isfinite(margins[m])]
+    old_rule = {m: v for m, v in old_rule.items() if m in testable}
 
     def tests(diff_values, m):
         shifted = [better_sign(m) * v + margins[m] for v in diff_values]
@@ -762,16 +774,25 @@ def non_inferiority_lines(res: Results, group, floor, metrics, values, rows) -> 
             shifted, alternative="greater"
         )
 
-    p = {m: {r: tests(values[r][m], m) if m in values[r] else (np.nan, np.nan) for r in mine} for m in testable}
-    t_holm = {m: dict(zip(mine, holm([p[m][r][0] for r in mine]))) for m in testable}
-    e_holm = {m: dict(zip(mine, holm([p[m][r][1] for r in mine]))) for m in testable}
-    old_rule = {m: 2 * floor["sd"][m] for m in testable if floor and m in floor.get("sd", {})}
+    p = {m: {r: tests(diffs[r][m], m) if m in diffs[r] else (np.nan, np.nan) for r in mine} for m in testable}
+    t_holm, e_holm = {m: {} for m in testable}, {m: {} for m in testable}
+    if family == "metrics":  # one family per method: its testable metrics
+        for r in mine:
+            for k, adjusted in ((0, t_holm), (1, e_holm)):
+                for m, q in zip(testable, holm([p[m][r][k] for m in testable])):
+                    adjusted[m][r] = q
+        correction = f"Holm per method over the {len(testable)} metrics on which {base}'s gain is resolved"
+    else:
+        for m in testable:
+            t_holm[m] = dict(zip(mine, holm([p[m][r][0] for r in mine])))
+            e_holm[m] = dict(zip(mine, holm([p[m][r][1] for r in mine])))
+        correction = f"Holm per metric over these {len(mine)} methods"
     lines = [
         f'Non-inferiority to {base} ("matches or beats"), the margin from the effect that matters: '
         f"{NI_FRACTION:g} x the lower 95% bound of {base}'s own gain over the pretrained model on that metric "
         f"(paired over seeds; `gain_margin`); a metric on which {base}'s gain is not resolved has no margin and is not "
         f'testable ("matches" means nothing there). One-sided paired t of H0 "worse by the margin or more" (and the '
-        f"exact one-sided sign-flip test of the same), Holm per metric over these {len(mine)} methods; ✓ "
+        f"exact one-sided sign-flip test of the same), {correction}; ✓ "
         "non-inferior (t Holm p < 0.05; `exact` says whether that rests on the normal model)."
         + (
             " In brackets, the earlier rule's margin, two noise floors of one in-run evaluation "
@@ -781,17 +802,17 @@ def non_inferiority_lines(res: Results, group, floor, metrics, values, rows) -> 
         ),
         "",
         f"| metric | {base}'s gain over the pretrained model (better > 0) [95%] | margin | "
-        + " | ".join(r[0] for r in mine)
+        + " | ".join(mine)
         + " | pretrained (control: no training) |",
         "|---" * (3 + len(mine) + 1) + "|",
     ]
     for m in metrics:
-        g = gains[m]
-        gain = f"{g[0]:+.4g} [{g[1]:+.4g}, {g[2]:+.4g}]" if g[3] > 1 else "n/a"
+        g, name = gain[m], m.removeprefix("eval/")
+        shown = f"{g[0]:+.4g} [{g[1]:+.4g}, {g[2]:+.4g}]" if g[3] > 1 else "n/a"
         margin = f"{margins[m]:.4g}" if m in testable else "none (gain not resolved)"
         margin += f" [{old_rule[m]:.4g}]" if m in old_rule else ""
         if m not in testable:
-            lines.append(f"| {m[5:]} | {gain} | {margin} | " + " | ".join("—" for _ in mine) + " | — |")
+            lines.append(f"| {name} | {shown} | {margin} | " + " | ".join("—" for _ in mine) + " | — |")
             continue
         cells = [
             f"{'✓ ' if t_holm[m][r] < ALPHA else ''}Holm {t_holm[m][r]:.2g}{fmt_exact(p[m][r][1], e_holm[m][r])}"
@@ -799,9 +820,9 @@ def non_inferiority_lines(res: Results, group, floor, metrics, values, rows) -> 
             else "n/a"
             for r in mine
         ]
-        control = non_inferiority(mean_ci([-v for v in befores[m]]), margins[m], better_sign(m))
+        control = non_inferiority(mean_ci([-v for v in gains[m]]), margins[m], better_sign(m))
         lines.append(
-            f"| {m[5:]} | {gain} | {margin} | "
+            f"| {name} | {shown} | {margin} | "
             + " | ".join(cells)
             + f" | {'✓ ' if control < ALPHA else ''}p {control:.2g} |"
         )
@@ -810,7 +831,8 @@ def non_inferiority_lines(res: Results, group, floor, metrics, values, rows) -> 
         "",
         "Non-inferior on: "
         + "; ".join(
-            f"{r[0]} {len(ok[r])} of {len(testable)} testable ({', '.join(x[5:] for x in ok[r]) or 'none'})"
+            f"{r} {len(ok[r])} of {len(testable)} testable "
+            f"({', '.join(x.removeprefix('eval/') for x in ok[r]) or 'none'})"
             for r in mine
         )
         + f"; {len(metrics) - len(testable)} of {len(metrics)} metrics not testable. The control row tests the "

@@ -82,6 +82,11 @@ def test_experiment_contents():
         "recast",
         ("--credit", "recast"),
     )
+    fifth = bench.EXPERIMENTS["rvge-joint-fifth"]  # issue 45: rvge-joint's nft and rvge_fifth, the same runs per seed
+    assert [c for c in joint.cells if c.label in ("nft", "rvge_fifth")] == list(fifth.cells)
+    assert fifth.seeds == 13 and fifth.final_noises == 4 and not fifth.reuse  # rvge-joint keeps no checkpoint
+    theirs = {r.run_id: r.settings for r in bench.plan_runs(joint, Path("x"))}
+    assert all(theirs[r.run_id] == r.settings for r in bench.plan_runs(fifth, Path("x")) if r.seed < joint.seeds)
     why = bench.EXPERIMENTS["rvge-joint-why"]
     assert why.reuse == "rvge-joint" and {c.label for c in why.cells} == {"nft", "rvge", "rvge_broad", "rvge_half_lr"}
     assert why.iterations == joint.iterations  # so its nft and rvge runs are rvge-joint's
@@ -462,6 +467,49 @@ def test_rvge_joint_quick_in_parallel_processes_resumes_and_marks_partial(tmp_pa
         SystemExit, match="1 run\\(s\\) failed"
     ):  # a failing run is reported; the others' tables still come
         bench.main(["rvge-joint", "--quick", "--jobs", "2", "--out", str(tmp_path)])
+
+
+def test_non_inferiority_holm_over_the_metrics_of_one_method():
+    """rvge-joint-fifth's family: one method, Holm over the metrics on which the baseline's gain is resolved (a metric
+    without one has no margin and no test); lower-is-better metrics count a negative difference as better; the
+    untrained model fails the margin its baseline's gain sets."""
+    gains = {"a": [0.10, 0.12, 0.11, 0.09, 0.10], "b": [0.05, -0.04, 0.01, -0.02, 0.0], "judge/frechet": [-5, -6, -4]}
+    diffs = {"m": {"a": [0.0, 0.002, -0.001, 0.001, 0.0], "b": [0.1, 0.2, 0.0, 0.1, 0.0], "judge/frechet": [1, 0, 2]}}
+    lines = reports.non_inferiority_table("nft", list(gains), diffs, gains, family="metrics")
+    rows = {line.split(" | ")[0][2:]: line for line in lines if line.startswith("| ")}
+    assert "none (gain not resolved)" in rows["b"] and "Holm" not in rows["b"]
+    p = {}
+    for m, sign in (("a", 1), ("judge/frechet", -1)):
+        margin = reports.NI_FRACTION * stats.mean_ci([sign * v for v in gains[m]])[1]
+        assert f"| {margin:.4g} |" in rows[m]
+        p[m] = stats.non_inferiority(stats.mean_ci(diffs["m"][m]), margin, sign)
+    holm = dict(zip(p, stats.holm(list(p.values()))))
+    assert holm["a"] < 0.05 < holm["judge/frechet"]
+    assert f"| ✓ Holm {holm['a']:.2g}" in rows["a"] and f"| Holm {holm['judge/frechet']:.2g}" in rows["judge/frechet"]
+    assert all(" | p " in rows[m] and "✓ p" not in rows[m] for m in p)  # the control fails
+    text = "\n".join(lines)
+    assert (
+        "Holm per method over the 2 metrics on which nft's gain is resolved" in text and "m 1 of 2 testable (a)" in text
+    )
+
+
+def test_rvge_joint_fifth_quick_decides_on_the_final_evaluation(tmp_path):
+    """rvge-joint-fifth --quick: both cells, each run's last checkpoint and the pretrained model on the final
+    evaluation (cached as <run>.final.json), the non-inferiority table over the metrics, and the same table rebuilt
+    from the results alone (no run folder)."""
+    res = bench.main(["rvge-joint-fifth", "--quick", "--out", str(tmp_path)])
+    out = tmp_path / "rvge-joint-fifth"
+    assert {label: sorted(runs) for label, runs in res.runs["joint"].items()} == {"nft": [0, 1], "rvge_fifth": [0, 1]}
+    assert not res.incomplete and (out / "runs" / "pretrained.final.json").is_file()
+    final = json.loads((out / "runs" / "joint_rvge_fifth-seed1.final.json").read_text())
+    assert final["n"] == len(shapes_world.splits()["heldout"]) and set(final["scores"]) == {"1", "2"}
+    table = (out / "table.md").read_text()
+    assert "| pretrained | | 0 | 0 |" in table and "| rvge_fifth | 2 | 1 |" in table
+    assert "Holm per method over the" in table and "| judge/frechet |" in table.split("Non-inferiority to nft")[1]
+    assert "Noise floor of one final evaluation" in table
+    shutil.rmtree(out / "work")
+    bench.main(["rvge-joint-fifth", "--quick", "--tables-only", "--out", str(tmp_path)])
+    assert (out / "table.md").read_text() == table
 
 
 def test_recast_protocol_quick_reports_paired_differences_and_judge_counts(tmp_path):
