@@ -330,12 +330,11 @@ def steps_W(profiles: Path) -> dict:
 
 def write_steps_W(exp_dir: Path, profiles: Path):
     """recast-steps' --credit-file files, exp_dir/W_<label>.json, written before its runs (atomically)."""
+    from kit.run_kit import write_atomic
+
     exp_dir.mkdir(parents=True, exist_ok=True)
     for label, W in steps_W(profiles).items():
-        path = exp_dir / f"W_{label}.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"rewards": list(SETTINGS["A"]), "W": W.tolist()}) + "\n")
-        os.replace(tmp, path)
+        write_atomic(exp_dir / f"W_{label}.json", json.dumps({"rewards": list(SETTINGS["A"]), "W": W.tolist()}) + "\n")
 
 
 def _steps_cells():

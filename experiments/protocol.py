@@ -439,6 +439,17 @@ def cell_rewards(cell) -> tuple[list, list]:
     )
 
 
+def noise_set_differences(value, labels, metrics, seed_b) -> dict:
+    """{metric: per run, the same weights' final value on the first noise set minus on the second (seed_b)}, over the
+    runs of `labels`: the noise floor's data. value(label, metric[, noise seed]) -> {training seed: value}."""
+    out = {m: [] for m in metrics}
+    for label in labels:
+        for m in metrics:
+            a, b = value(label, m), value(label, m, seed_b)
+            out[m].extend(a[s] - b[s] for s in a if s in b)
+    return out
+
+
 def report_protocol(res: Results, out: Path):
     """Issue 11: per (setting, budget) cell, recast minus each other method, paired by seed, on every
     training reward and judge of the large final evaluation, raw and scale-free, plus the preference
@@ -472,10 +483,8 @@ def report_protocol(res: Results, out: Path):
                 if s in ids[other] and ids[mine][s] in finals and ids[other][s] in finals
             }
 
-        for label in ids:  # noise floor: the same weights, evaluated on the second noise set
-            for m in metrics:
-                a, b = value(label, m), value(label, m, seed_b)
-                floors.setdefault(m, []).extend(a[s] - b[s] for s in a if s in b)
+        for m, d in noise_set_differences(value, ids, metrics, seed_b).items():  # noise floor
+            floors.setdefault(m, []).extend(d)
         comparisons = (  # the experiment's own pairs, else every ReCAST arm against every other arm
             [(r, o) for r, o in res.exp.pairs if r in ids and o in ids]
             if res.exp.pairs
@@ -727,9 +736,7 @@ def report_final_non_inferiority(res: Results, out: Path):
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         gains = {m: [v - before[m] for v in value(base, m).values()] for m in metrics}
         lines += [""] + non_inferiority_table(base, metrics, diffs, gains, family="metrics")
-        floors = {  # the same weights on the second noise set
-            m: [v - value(label, m, seed_b)[s] for label in ids for s, v in value(label, m).items()] for m in metrics
-        }
+        floors = noise_set_differences(value, ids, metrics, seed_b)
         lines += [
             f"Noise floor of one final evaluation: the same weights on noise seeds {seed_a} and {seed_b}, sd of the "
             "difference / sqrt(2) over every run: "
@@ -954,12 +961,8 @@ def summary_lines(tally: dict) -> list[str]:
 W_LABELS = ("recast", "recast_prior_grad", "reversed_grad")  # recast-protocol's W; recast-units' new arms
 
 
-W_LABELS_ELSE = (
-    "recast_prior",
-    "reversed",
-    "early12",
-    "early34",
-)  # where none of those ran (recast-reversed, -matched, -steps)
+# where none of those ran (recast-reversed, recast-matched, recast-steps)
+W_LABELS_ELSE = ("recast_prior", "reversed", "early12", "early34")
 
 
 def w_caption(drawn):

@@ -83,6 +83,30 @@ def setup(rewards, seed, prompts, out):
     return args, recast.setup_run(args)
 
 
+def gate_draws(run, args, iterations, seed, gen, t0):
+    """The split-half's draws, in its order (signed_design.py repeats them): per iteration of 8 prompt groups the
+    rollout (`iteration_generator(seed, it)`) and each reward's optimality r; per group and training timestep j the
+    noised batch of the group's leaves at t_j (`gen`) and the old policy's velocity there. Yields (group index, the
+    group's leaf indices, rollout, r, j, noised batch, v_old); prints each iteration's time since t0."""
+    import torch
+
+    import nft
+    from kit import run_kit
+
+    for it in range(iterations):
+        b = nft.rollout_and_score(run, args, it, run_kit.iteration_generator(seed, it))
+        r = nft.optimality(b.R, b.groups, std=nft.global_stats(b.R, run.reduce)[2])
+        groups_t = torch.as_tensor(b.groups)
+        for g in range(8):
+            idx = torch.as_tensor(np.flatnonzero(np.asarray(b.groups) == g))
+            for j in range(args.steps):
+                pairs = torch.stack([idx, torch.full_like(idx, j)], 1)
+                nb = nft.noised_batch(pairs, b.leaves, groups_t, b.emb, b.pooled, run.sigmas, gen)
+                v_old, _ = nft.frozen_velocities(run.transformer, nb.x_t, nb.s, nb.cond, False)
+                yield it * 8 + g, idx, b, r, j, nb, v_old
+        print(f"iteration {it + 1}/{iterations}: {time.time() - t0:.0f} s", flush=True)
+
+
 # ------------------------------------------------------------------ part 1: profiles
 def profile(a):
     import torch
@@ -191,7 +215,6 @@ def splithalf(a):
     import torch
 
     import nft
-    from kit import run_kit
 
     torch.set_num_threads(1)
     args, run = setup(SPLIT_REWARDS, a.seed, 8, HERE / "work" / f"{PREFIX}-splithalf")
@@ -213,31 +236,21 @@ def splithalf(a):
     def sketch(flat):  # (m, D) -> (m, sketch)
         return torch.zeros(flat.shape[0], a.sketch).index_add_(1, bucket, sign * flat).numpy()
 
-    for it in range(iterations):
-        b = nft.rollout_and_score(run, args, it, run_kit.iteration_generator(a.seed, it))
-        r = nft.optimality(b.R, b.groups, std=nft.global_stats(b.R, run.reduce)[2])
-        groups_t = torch.as_tensor(b.groups)
-        for g in range(8):
-            gi = it * 8 + g
-            idx = torch.as_tensor(np.flatnonzero(np.asarray(b.groups) == g))
+    for gi, idx, b, r, j, nb, v_old in gate_draws(run, args, iterations, a.seed, gen, t0):
+        if j == 0:
             R_all[gi], r_all[gi] = b.R[idx.numpy()], r[idx.numpy()]
-            for j in range(T):
-                pairs = torch.stack([idx, torch.full_like(idx, j)], 1)
-                nb = nft.noised_batch(pairs, b.leaves, groups_t, b.emb, b.pooled, sigmas, gen)
-                v_old, _ = nft.frozen_velocities(tr, nb.x_t, nb.s, nb.cond, False)
-                v_theta = nft.velocity(tr, nb.x_t, nb.s, *nb.cond)
-                ones = torch.ones(len(idx))
-                l1 = nft.nft_loss(v_theta, v_old, nb.x_t, nb.x0, nb.s, ones, b=args.nft_b)
-                l0 = nft.nft_loss(v_theta, v_old, nb.x_t, nb.x0, nb.s, 0 * ones, b=args.nft_b)
-                rows = [torch.cat([x.reshape(-1) for x in torch.autograd.grad(l0.sum(), params, retain_graph=True)])]
-                for i in range(len(idx)):
-                    grads = torch.autograd.grad(l1[i] - l0[i], params, retain_graph=i < len(idx) - 1)
-                    rows.append(torch.cat([x.reshape(-1) for x in grads]))
-                flat = torch.stack(rows)
-                basis[gi, j] = sketch(flat)
-                rr = torch.as_tensor(r_all[gi], dtype=torch.float32)  # (leaves, K)
-                exact[int(gi >= n_groups // 2), :, j] += flat[0] + rr.T @ flat[1:]
-        print(f"iteration {it + 1}/{iterations}: {time.time() - t0:.0f} s", flush=True)
+        v_theta = nft.velocity(tr, nb.x_t, nb.s, *nb.cond)
+        ones = torch.ones(len(idx))
+        l1 = nft.nft_loss(v_theta, v_old, nb.x_t, nb.x0, nb.s, ones, b=args.nft_b)
+        l0 = nft.nft_loss(v_theta, v_old, nb.x_t, nb.x0, nb.s, 0 * ones, b=args.nft_b)
+        rows = [torch.cat([x.reshape(-1) for x in torch.autograd.grad(l0.sum(), params, retain_graph=True)])]
+        for i in range(len(idx)):
+            grads = torch.autograd.grad(l1[i] - l0[i], params, retain_graph=i < len(idx) - 1)
+            rows.append(torch.cat([x.reshape(-1) for x in grads]))
+        flat = torch.stack(rows)
+        basis[gi, j] = sketch(flat)
+        rr = torch.as_tensor(r_all[gi], dtype=torch.float32)  # (leaves, K)
+        exact[int(gi >= n_groups // 2), :, j] += flat[0] + rr.T @ flat[1:]
     work = HERE / "work"
     work.mkdir(exist_ok=True)
     np.savez(work / f"{PREFIX}_splithalf_basis.npz", basis=basis, R=R_all, r=r_all)

@@ -214,18 +214,23 @@ def nft_dv(e, t, r, c=5.0):
     return (2 * c * t / (e.shape[1] * S) * (1 - 2 * r))[:, None] * e
 
 
+def load_gate():
+    """phase_gate.py of this folder, as a module (its setup, draws and statistics)."""
+    spec = importlib.util.spec_from_file_location("phase_gate", HERE / "phase_gate.py")
+    gate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gate)
+    return gate
+
+
 def errors_part(a):
     import torch
 
     import nft
-    from kit import run_kit
 
-    spec = importlib.util.spec_from_file_location("phase_gate", HERE / "phase_gate.py")
-    gate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gate)
+    gate = load_gate()
     torch.set_num_threads(1)
     args, run = gate.setup(gate.SPLIT_REWARDS, 0, 8, HERE / "work" / "signed-errors")
-    tr, sigmas, T, K = run.transformer, run.sigmas, args.steps, len(gate.SPLIT_REWARDS)
+    sigmas, T, K = run.sigmas, args.steps, len(gate.SPLIT_REWARDS)
     u = np.load(HERE / "signed_u.npy").astype(np.float64)  # (1024,): the design's latent direction (pixel part)
     amps = [float(x) for x in a.amps.split(",")]
     iterations = -(-a.groups // 8)
@@ -236,32 +241,22 @@ def errors_part(a):
     r_all = np.zeros((N, K))
     gen, t0 = torch.Generator().manual_seed(2), time.time()
     checked = False
-    for it in range(iterations):
-        b = nft.rollout_and_score(run, args, it, run_kit.iteration_generator(0, it))
-        r = nft.optimality(b.R, b.groups, std=nft.global_stats(b.R, run.reduce)[2])
-        groups_t = torch.as_tensor(b.groups)
-        for g in range(8):
-            gi = it * 8 + g
-            idx = torch.as_tensor(np.flatnonzero(np.asarray(b.groups) == g))
-            rows = slice(gi * leaves, (gi + 1) * leaves)
+    for gi, idx, b, r, j, nb, v_old in gate.gate_draws(run, args, iterations, 0, gen, t0):  # the gate's draws
+        rows = slice(gi * leaves, (gi + 1) * leaves)
+        if j == 0:
             r_all[rows] = r[idx.numpy()]
-            for j in range(T):
-                pairs = torch.stack([idx, torch.full_like(idx, j)], 1)
-                nb = nft.noised_batch(pairs, b.leaves, groups_t, b.emb, b.pooled, sigmas, gen)  # the gate's draws
-                v_old, _ = nft.frozen_velocities(tr, nb.x_t, nb.s, nb.cond, False)
-                s = nb.s.view(-1, 1, 1, 1)
-                e = nb.x_t - s * v_old - nb.x0
-                E[j, rows] = e.reshape(len(idx), -1).numpy()
-                eps = (nb.x_t - (1 - s) * nb.x0) / s.clamp_min(1e-6)
-                eps_u[j, rows] = eps.reshape(len(idx), -1).double().numpy() @ u
-                if not checked:  # the analytic gradient is nft_loss's
-                    v = v_old.clone().requires_grad_(True)
-                    rr = torch.as_tensor(r[idx.numpy(), 0], dtype=torch.float32)
-                    (gv,) = torch.autograd.grad(nft.nft_loss(v, v_old, nb.x_t, nb.x0, nb.s, rr, b=args.nft_b).sum(), v)
-                    want = nft_dv(E[j, rows].astype(np.float64), nb.s.double().numpy(), r_all[rows, 0])
-                    assert np.allclose(gv.reshape(len(idx), -1).numpy(), want, rtol=1e-3, atol=1e-7)
-                    checked = True
-        print(f"iteration {it + 1}/{iterations}: {time.time() - t0:.0f} s", flush=True)
+        s = nb.s.view(-1, 1, 1, 1)
+        e = nb.x_t - s * v_old - nb.x0
+        E[j, rows] = e.reshape(len(idx), -1).numpy()
+        eps = (nb.x_t - (1 - s) * nb.x0) / s.clamp_min(1e-6)
+        eps_u[j, rows] = eps.reshape(len(idx), -1).double().numpy() @ u
+        if not checked:  # the analytic gradient is nft_loss's
+            v = v_old.clone().requires_grad_(True)
+            rr = torch.as_tensor(r[idx.numpy(), 0], dtype=torch.float32)
+            (gv,) = torch.autograd.grad(nft.nft_loss(v, v_old, nb.x_t, nb.x0, nb.s, rr, b=args.nft_b).sum(), v)
+            want = nft_dv(E[j, rows].astype(np.float64), nb.s.double().numpy(), r_all[rows, 0])
+            assert np.allclose(gv.reshape(len(idx), -1).numpy(), want, rtol=1e-3, atol=1e-7)
+            checked = True
     sig = sigmas[:T].double().numpy()
     e_u = E.astype(np.float64) @ u  # (T, N): the shipped model's x0 error along u
     # the sign's observer on top of what the shipped model knows: y' = <u, x_t> - (1 - t) <u, x0_hat_shipped>
@@ -390,11 +385,8 @@ def lora_part(a):
     import torch
 
     import nft
-    from kit import run_kit
 
-    spec = importlib.util.spec_from_file_location("phase_gate", HERE / "phase_gate.py")
-    gate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gate)
+    gate = load_gate()
     torch.set_num_threads(1)
     real = ("saturation", "lines_phase")
     args, run = gate.setup(real, 0, 8, HERE / "work" / "signed-lora")
@@ -413,35 +405,25 @@ def lora_part(a):
     sk = np.zeros((len(names), T, n_groups, a.sketch), np.float32)
     gen, srng, t0 = torch.Generator().manual_seed(2), np.random.default_rng(a.seed), time.time()
     sig = sigmas[:T].double().numpy()
-    for it in range(iterations):
-        b = nft.rollout_and_score(run, args, it, run_kit.iteration_generator(0, it))
-        r = nft.optimality(b.R, b.groups, std=nft.global_stats(b.R, run.reduce)[2])
-        groups_t = torch.as_tensor(b.groups)
-        for g in range(8):
-            gi = it * 8 + g
-            idx = torch.as_tensor(np.flatnonzero(np.asarray(b.groups) == g))
+    for gi, idx, _, r, j, nb, v_old in gate.gate_draws(run, args, iterations, 0, gen, t0):  # the gate's draws
+        if j == 0:  # the group's simulated signs
             signs = srng.choice([-1.0, 1.0], size=len(idx))
             r_sign = nft.optimality(signs, np.zeros(len(idx)), std=np.ones(1))
-            for j in range(T):
-                pairs = torch.stack([idx, torch.full_like(idx, j)], 1)
-                nb = nft.noised_batch(pairs, b.leaves, groups_t, b.emb, b.pooled, sigmas, gen)  # the gate's draws
-                v_old, _ = nft.frozen_velocities(tr, nb.x_t, nb.s, nb.cond, False)
-                v_theta = nft.velocity(tr, nb.x_t, nb.s, *nb.cond)
-                s_ = nb.s.view(-1, 1, 1, 1)
-                e = (nb.x_t - s_ * v_old - nb.x0).reshape(len(idx), -1).double().numpy()
-                eps = ((nb.x_t - (1 - s_) * nb.x0) / s_.clamp_min(1e-6)).reshape(len(idx), -1).double().numpy()
-                w = -(1 - sig[j]) * (e @ u) + sig[j] * (eps @ u)
-                tt = np.full(len(idx), sig[j])
-                cots = [nft_dv(e, tt, r[idx.numpy(), k]) for k in range(len(real))]
-                for amp in amps:
-                    post = np.tanh((1 - sig[j]) * amp * ((1 - sig[j]) * signs * amp + w) / var_w[j])
-                    cots.append(nft_dv(e + amp * (post - signs)[:, None] * u[None], tt, r_sign))
-                for k, cot in enumerate(cots):
-                    ct = torch.as_tensor(cot.reshape(v_theta.shape), dtype=v_theta.dtype)
-                    grads = torch.autograd.grad(v_theta, params, grad_outputs=ct, retain_graph=k < len(cots) - 1)
-                    flat = torch.cat([x.reshape(-1) for x in grads])
-                    sk[k, j, gi] = torch.zeros(a.sketch).index_add_(0, bucket, sign * flat).numpy()
-        print(f"iteration {it + 1}/{iterations}: {time.time() - t0:.0f} s", flush=True)
+        v_theta = nft.velocity(tr, nb.x_t, nb.s, *nb.cond)
+        s_ = nb.s.view(-1, 1, 1, 1)
+        e = (nb.x_t - s_ * v_old - nb.x0).reshape(len(idx), -1).double().numpy()
+        eps = ((nb.x_t - (1 - s_) * nb.x0) / s_.clamp_min(1e-6)).reshape(len(idx), -1).double().numpy()
+        w = -(1 - sig[j]) * (e @ u) + sig[j] * (eps @ u)
+        tt = np.full(len(idx), sig[j])
+        cots = [nft_dv(e, tt, r[idx.numpy(), k]) for k in range(len(real))]
+        for amp in amps:
+            post = np.tanh((1 - sig[j]) * amp * ((1 - sig[j]) * signs * amp + w) / var_w[j])
+            cots.append(nft_dv(e + amp * (post - signs)[:, None] * u[None], tt, r_sign))
+        for k, cot in enumerate(cots):
+            ct = torch.as_tensor(cot.reshape(v_theta.shape), dtype=v_theta.dtype)
+            grads = torch.autograd.grad(v_theta, params, grad_outputs=ct, retain_graph=k < len(cots) - 1)
+            flat = torch.cat([x.reshape(-1) for x in grads])
+            sk[k, j, gi] = torch.zeros(a.sketch).index_add_(0, bucket, sign * flat).numpy()
     late = sig <= gate.LATE_T
     omega = (1 / sig) / (1 / sig).sum()
     rng = np.random.default_rng(0)
