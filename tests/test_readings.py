@@ -37,6 +37,17 @@ def rows_of(table_md, first_cell):
     return out
 
 
+def non_inferiority_rows(table_md, width):
+    """A non-inferiority table's rows of `width` cells ({metric: cells}, the header and its margin row left out) and
+    the metrics it tests (those with a margin: the baseline's gain resolved)."""
+    rows = {
+        cells[0]: cells
+        for _, cells in rows_of(table_md, "")
+        if len(cells) == width and "margin" not in cells[2] and cells[0] != "---"
+    }
+    return rows, [m for m, cells in rows.items() if not cells[2].startswith("none")]
+
+
 def test_late_reward_split_half_above_the_band_only_at_the_last_timestep():
     """summarize.py's rule (a design's 5% quantile above the permuted band's 95%) gives t = 0.009 alone for both line
     designs in round 2 (at t = 0.278 only their medians are above), and nothing for grain; the README says so."""
@@ -122,13 +133,7 @@ def test_the_cnn_judge_cell_resolved_for_recast():
 def test_rvge_joint_at_a_fifth_is_not_shown_non_inferior_on_its_one_testable_metric():
     """rvge-joint's non-inferiority table: NFT's gain is resolved on saturation alone, and rvge_fifth's Holm p there
     is 0.056, the number RESULTS.md's claim 6 quotes."""
-    table = RESULTS / "rvge-joint" / "table.md"
-    rows = {
-        cells[0]: cells
-        for _, cells in rows_of(table, "")
-        if len(cells) == 9 and "margin" not in cells[2] and cells[0] != "---"
-    }
-    testable = [m for m, cells in rows.items() if not cells[2].startswith("none")]
+    rows, testable = non_inferiority_rows(RESULTS / "rvge-joint" / "table.md", 9)
     assert testable == ["saturation"]
     assert rows["saturation"][4].startswith("Holm 0.056")
     assert "not non-inferior (one-sided Holm 0.056" in text(ROOT / "experiments" / "RESULTS.md")
@@ -140,12 +145,7 @@ def test_rvge_joint_fifth_decides_matches_at_a_fifth_as_the_readings_quote():
     below minus the margin on `weighted` and the CNN judge; the control fails everywhere. rvge-joint's reading and
     RESULTS.md's claim 6 quote these."""
     table = RESULTS / "rvge-joint-fifth" / "table.md"
-    rows = {
-        cells[0]: cells
-        for _, cells in rows_of(table, "")
-        if len(cells) == 5 and "margin" not in cells[2] and cells[0] != "---"
-    }
-    testable = [m for m, cells in rows.items() if not cells[2].startswith("none")]
+    rows, testable = non_inferiority_rows(table, 5)
     assert testable == ["geneval", "saturation", "weighted", "judge/cnn"]
     assert rows["saturation"][3].startswith("✓ Holm 0.043") and "exact p 0.012 Holm 0.047" in rows["saturation"][3]
     assert [rows[m][3].startswith("Holm 1,") for m in ("geneval", "weighted", "judge/cnn")] == [True] * 3
@@ -194,21 +194,11 @@ def test_recast_steps_holm_over_its_three_primary_metrics_quoted():
     table = RESULTS / "recast-steps" / "table.md"
     row = rows_of(table, "early34 − early12")[0][1]
     adj = rows_of(table, "A-uniform: early34 − early12")
-    header = [
-        c.strip()
-        for c in next(ln for ln in table.read_text().splitlines() if ln.startswith("| difference | n |"))
-        .strip("|")
-        .split("|")
-    ]
+    header = next(cells for _, cells in rows_of(table, "difference") if cells[1] == "n")
     p_of = lambda cell: float(re.search(r"\bp ([0-9.e+-]+)", cell).group(1))  # noqa: E731
     equal = [p_of(row[header.index(m)]) for m in ("saturation", "grain")] + [p_of(row[-1])]
     cov_row = next(cells for _, cells in adj if "[" in cells[1] and cells[1].startswith("["))
-    cov_header = [
-        c.strip()
-        for c in next(ln for ln in table.read_text().splitlines() if ln.startswith("| difference at equal distance"))
-        .strip("|")
-        .split("|")
-    ]
+    cov_header = rows_of(table, "difference at equal distance")[0][1]
     cov = [p_of(cov_row[cov_header.index(m)]) for m in ("saturation", "grain", "pref")]
     readme = text(RESULTS / "recast-steps" / "README.md")
     h_eq, h_cov = stats.holm(equal), stats.holm(cov)
