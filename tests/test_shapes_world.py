@@ -467,6 +467,39 @@ def test_phase_gate_reads_another_candidate_on_another_world(monkeypatch):
     assert gate.setup(gate.SPLIT_REWARDS, 0, 8, "/tmp/unused")[0].n_roots == 4
 
 
+def test_phase_gate_part3_step_arms_fit_recast(tmp_path, monkeypatch):
+    """Part 3's two W rows (phase_gate.py weights): weight only at t >= 0.7 (steps 0-5 of the 10-step grid) or only
+    at t <= 0.47 (steps 7-9), equal within the arm, each summing to 1; the files it writes pass recast.py's own
+    --credit-file check for a one-reward run of the candidate, and a file naming another reward is refused."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    import recast
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "results" / "late-reward" / "phase_gate.py"
+    spec = importlib.util.spec_from_file_location("phase_gate_for_test3", path)
+    gate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gate)
+    t = np.array([1.0, 0.96, 0.913, 0.858, 0.79, 0.707, 0.602, 0.465, 0.278, 0.009])
+    arms = gate.step_arms(t)
+    assert np.flatnonzero(arms["early"]).tolist() == [0, 1, 2, 3, 4, 5]
+    assert np.flatnonzero(arms["late"]).tolist() == [7, 8, 9]
+    assert arms["early"][0] == pytest.approx(1 / 6) and arms["late"][9] == pytest.approx(1 / 3)
+    assert all(w.sum() == pytest.approx(1.0) for w in arms.values())
+    gate.use_candidate("signed", None, "test_gate")
+    monkeypatch.setattr(gate, "HERE", tmp_path)
+    gate.weights(None)
+    for label in ("early", "late"):
+        f = tmp_path / f"test_gate_W_{label}.json"
+        args = recast.parse_args(["--rewards", "signed", "--budgets", "1", "--credit", "file", "--credit-file", str(f)])
+        W = recast.fixed_W_of(args, ["signed"], [1.0])
+        assert W.shape == (1, 10) and np.array_equal(W[0] > 0, arms[label] > 0)
+    f.write_text(json.dumps({"rewards": ["grain"], "W": json.loads(f.read_text())["W"]}))
+    with pytest.raises(SystemExit, match="not --rewards"):
+        recast.fixed_W_of(args, ["signed"], [1.0])
+
+
 def test_split_checker_rewards_and_detail_by_hand():
     # ground truth: every attribute right; position applies only to "on the ..." prompts (1 otherwise)
     prompts = ["two blue squares", "a red circle on the left"]

@@ -78,6 +78,7 @@ def main(argv=None):
     ap.add_argument("--scores", default=",".join(SCORES))
     ap.add_argument("--cache", default=str(HERE / "work" / "final"))
     ap.add_argument("--out", default="")
+    ap.add_argument("--model", default=None, help="pipeline folder of the runs (default: the shipped embedded model)")
     a = ap.parse_args(argv)
     import torch
 
@@ -89,11 +90,12 @@ def main(argv=None):
     prompts = [c for c in shapes_world.splits()["heldout"] for _ in range(a.noises)]
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
-    pipe = run_kit.load_pipeline(recast.parse_args([]), "cpu", torch.float32)
+    pipe = run_kit.load_pipeline(recast.parse_args(["--model", a.model] if a.model else []), "cpu", torch.float32)
+    base = "pretrained" if a.model is None else f"pretrained-{shapes_world.world_id(a.model)}"
     models = {"pretrained": None} | {Path(r).name: checkpoint(r, a.iteration) for r in a.runs}
     results = {}
     for label, ckpt in models.items():
-        key = "pretrained" if ckpt is None else f"{Path(ckpt).parents[1].name}-{ckpt.name}"
+        key = base if ckpt is None else f"{Path(ckpt).parents[1].name}-{ckpt.name}"
         path = cache / f"{key}-n{a.noises}.json"
         cached = json.loads(path.read_text()) if path.is_file() else {}
         if all(k in cached.get(str(s), {}) for s in protocol.EVAL_SEEDS for k in names + ["judge/cnn"]):
@@ -112,6 +114,7 @@ def main(argv=None):
     runs = [lbl for lbl in results if lbl != "pretrained"]
     out = {
         "reward": a.reward,
+        "model": a.model,
         "runs": [str(r) for r in a.runs],
         "command": " ".join(sys.argv),
         "checkpoints": {lbl: str(c) for lbl, c in models.items() if c is not None},

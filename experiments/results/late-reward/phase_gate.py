@@ -48,6 +48,7 @@ sys.path.insert(0, str(HERE.parents[2]))
 PROFILE_REWARDS = ("lines_phase", "saturation", "geneval", "grain", "texture_lines")
 SPLIT_REWARDS = ("lines_phase", "saturation", "grain", "texture_lines")
 LATE_T = 0.47  # the gate's "late": t <= 0.47 (the 10-step grid's 0.465, 0.278, 0.009)
+EARLY_T = 0.7  # part 3's "early": t >= 0.7 (the grid's 1.0 to 0.707)
 
 
 MODEL = None  # --model: the pipeline folder (None: the shipped embedded model)
@@ -391,7 +392,7 @@ def split_table(res):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=["profile", "splithalf", "tables"])
+    ap.add_argument("part", choices=["profile", "splithalf", "weights", "tables"])
     ap.add_argument("--iterations", type=int, default=192, help="profile: iterations of 8 prompt groups")
     ap.add_argument("--groups", type=int, default=128, help="splithalf: prompt groups")
     ap.add_argument("--permutations", type=int, default=100, help="splithalf: within-group permutations (null)")
@@ -405,7 +406,30 @@ def main(argv=None):
     ap.add_argument("--n-roots", type=int, default=None, help="roots per prompt group (recast.py's; default 2)")
     a = ap.parse_args(argv)
     use_candidate(a.candidate, a.model, a.prefix, a.n_roots)
-    {"profile": profile, "splithalf": splithalf, "tables": tables}[a.part](a)
+    {"profile": profile, "splithalf": splithalf, "weights": weights, "tables": tables}[a.part](a)
+
+
+def step_arms(t):
+    """Part 3's two step-weight rows (label -> (T,)): weight only at t >= EARLY_T or only at t <= LATE_T, equal in
+    loss units over the arm's steps, summing to 1 (one reward at budget 1). With one reward there is no share between
+    rewards to equalise: recast.py's loss is sum_j T W_j L_j over a total that is always T, and AdamW divides each
+    parameter's step by its own gradient scale, so the two arms take updates of the same size whatever the loss's
+    scale at their steps (`weights` prints the arms' measured gradient sizes sum_j W_j g_j for the record)."""
+    t = np.asarray(t)  # each training step's t_j (bench.measured_step_sizes' grid)
+    rows = {"early": (t >= EARLY_T).astype(float), "late": (t <= LATE_T).astype(float)}
+    return {k: v / v.sum() for k, v in rows.items()}
+
+
+def weights(a):
+    """Part 3's --credit-file files, PREFIX_W_early.json and PREFIX_W_late.json (one reward: the candidate)."""
+    from experiments import bench
+    from kit.run_kit import write_atomic
+
+    t, g = bench.measured_step_sizes()
+    for label, w in step_arms(t).items():
+        path = HERE / f"{PREFIX}_W_{label}.json"
+        write_atomic(path, json.dumps({"rewards": [SPLIT_REWARDS[0]], "W": [w.tolist()]}) + "\n")
+        print(f"{path.name}: steps {np.flatnonzero(w).tolist()}, sum_j W_j g_j = {w @ g:.3f} (uniform W: {g.mean():.3f})")
 
 
 def profile_table(res) -> str:
