@@ -429,7 +429,9 @@ def weights(a):
     for label, w in step_arms(t).items():
         path = HERE / f"{PREFIX}_W_{label}.json"
         write_atomic(path, json.dumps({"rewards": [SPLIT_REWARDS[0]], "W": [w.tolist()]}) + "\n")
-        print(f"{path.name}: steps {np.flatnonzero(w).tolist()}, sum_j W_j g_j = {w @ g:.3f} (uniform W: {g.mean():.3f})")
+        print(
+            f"{path.name}: steps {np.flatnonzero(w).tolist()}, sum_j W_j g_j = {w @ g:.3f} (uniform W: {g.mean():.3f})"
+        )
 
 
 def profile_table(res) -> str:
