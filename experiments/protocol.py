@@ -16,7 +16,6 @@ evaluation, and its report.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,9 +165,7 @@ def measure_profiles(exp_dir: Path, names=PROFILE_CANDIDATES, iterations=48, pro
         "rho": rho.tolist(),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(out))
-    os.replace(tmp, path)  # atomic: a kill leaves no torn file
+    run_kit.write_atomic(path, json.dumps(out))  # a kill leaves no torn file
     return out
 
 
@@ -371,9 +368,9 @@ def final_evals(runs: list, exp_dir: Path, noises: int):
         if problem:  # the damaged file is kept, never overwritten
             where = set_aside({path: problem}, exp_dir, "damaged")
             print(f"{path}: moved to {where / path.name}; evaluated anew", flush=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"checkpoint": key, "n": len(prompts), "prompts": prompts, "scores": scores}))
-        os.replace(tmp, path)
+        run_kit.write_atomic(
+            path, json.dumps({"checkpoint": key, "n": len(prompts), "prompts": prompts, "scores": scores})
+        )
         out[run_id] = scores
     if pipe is not None:
         torch.set_num_threads(threads)
