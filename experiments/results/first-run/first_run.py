@@ -1,7 +1,7 @@
 """The main command's candidate defaults, measured (README.md here holds the plan and the reading).
 
     OMP_NUM_THREADS=1 python experiments/results/first-run/first_run.py eval RUN [RUN ...]   # full held-out eval
-    python experiments/results/first-run/first_run.py table [--arms A,B,C,D]               # table.md, summary.json
+    python experiments/results/first-run/first_run.py table [--arms A,B,E]                  # table.md, summary.json
 
 eval: each run's newest checkpoint and the pretrained model on every held-out caption x 8 noises at each of
 protocol.EVAL_SEEDS (the same images for every model: paired), protocol.final_scores (every candidate reward, the CNN
@@ -305,12 +305,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("part", choices=["eval", "table"])
     ap.add_argument("runs", nargs="*")
-    ap.add_argument("--arms", default="A,B,C,D,E")
+    ap.add_argument("--arms", help="comma-separated arms.json keys (default: every arm; arms never run are skipped)")
     a = ap.parse_args(argv)
     if a.part == "eval":
         evaluate(a.runs)
     else:
-        table(a.arms.split(","))
+        table(a.arms.split(",") if a.arms else list(json.loads((HERE / "arms.json").read_text())))
         write_readme_block()
 
 
