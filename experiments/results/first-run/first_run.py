@@ -144,8 +144,9 @@ def alone_lines(models, base, floor) -> list[str]:
     lines = [
         "## Item 6: each default reward trained alone (DiffusionNFT, --base-reg 1e-4, 40 iterations)",
         "",
-        "| reward | pretrained | run − pretrained on it, mean [95% t over seeds] | noise floor | learnable alone |",
-        "|---|---|---|---|---|",
+        "| reward | pretrained | run − pretrained on it, mean [95% t over seeds] | noise floor | learnable alone | "
+        "Fréchet: x the pretrained model's (seeds) |",
+        "|---|---|---|---|---|---|",
     ]
     for name in ALONE:
         labels = sorted(k for k in models if k.startswith(f"alone-{name}-"))
@@ -154,8 +155,10 @@ def alone_lines(models, base, floor) -> list[str]:
         d = [models[lbl][s1][name] - base[s1][name] for lbl in labels]
         m, lo, hi, n = stats.mean_ci(d)
         verdict = "yes (resolved)" if lo > 0 else "not shown"
+        fr = [models[lbl][s1]["judge/frechet"] / base[s1]["judge/frechet"] for lbl in labels]
         lines.append(
-            f"| {name} | {base[s1][name]:.4f} | {stats.fmt_ci(m, lo, hi, n)} | {floor[name]:.4f} | {verdict} |"
+            f"| {name} | {base[s1][name]:.4f} | {stats.fmt_ci(m, lo, hi, n)} | {floor[name]:.4f} | {verdict} | "
+            f"x{min(fr):.1f}-x{max(fr):.1f} |"
         )
     grain = []  # rvge-single's DiffusionNFT runs on grain alone: last in-run evaluation minus the pretrained model's
     for path in sorted((HERE.parent / "rvge-single" / "runs").glob("grain_nft-seed*.json.gz")):
@@ -165,7 +168,7 @@ def alone_lines(models, base, floor) -> list[str]:
     m, lo, hi, n = stats.mean_ci(grain)
     lines += [
         f"| grain | | {stats.fmt_ci(m, lo, hi, n)}: DiffusionNFT alone, 60 iterations x 4 groups, in-run evaluation "
-        f"([rvge-single](../rvge-single/README.md) `runs/grain_nft-*`) | | {'yes (resolved)' if lo > 0 else 'not shown'} |",
+        f"([rvge-single](../rvge-single/README.md) `runs/grain_nft-*`) | | {'yes (resolved)' if lo > 0 else 'not shown'} | |",
         "",
     ]
     return lines
