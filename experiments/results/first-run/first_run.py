@@ -136,6 +136,7 @@ def pilot_lines(arms, conf) -> list[str]:
 
 
 ALONE = ("geneval", "saturation", "shape")  # item 6: each trained alone by DiffusionNFT (work/alone-<reward>-<seed>)
+CANDIDATES = ("sharpness",)  # screened the same way as a reward to take saturation's place (README.md here)
 
 
 def alone_lines(models, base, floor) -> list[str]:
@@ -148,7 +149,7 @@ def alone_lines(models, base, floor) -> list[str]:
         "Fréchet: x the pretrained model's (seeds) |",
         "|---|---|---|---|---|---|",
     ]
-    for name in ALONE:
+    for name in ALONE + CANDIDATES:
         labels = sorted(k for k in models if k.startswith(f"alone-{name}-"))
         if not labels:
             continue
@@ -157,7 +158,8 @@ def alone_lines(models, base, floor) -> list[str]:
         verdict = "yes (resolved)" if lo > 0 else "not shown"
         fr = [models[lbl][s1]["judge/frechet"] / base[s1]["judge/frechet"] for lbl in labels]
         lines.append(
-            f"| {name} | {base[s1][name]:.4f} | {stats.fmt_ci(m, lo, hi, n)} | {floor[name]:.4f} | {verdict} | "
+            f"| {name}{' (a candidate, not a default)' if name in CANDIDATES else ''} | {base[s1][name]:.4f} | "
+            f"{stats.fmt_ci(m, lo, hi, n)} | {floor[name]:.4f} | {verdict} | "
             f"x{min(fr):.1f}-x{max(fr):.1f} |"
         )
     grain = []  # rvge-single's DiffusionNFT runs on grain alone: last in-run evaluation minus the pretrained model's
