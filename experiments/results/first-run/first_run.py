@@ -136,7 +136,7 @@ def pilot_lines(arms, conf) -> list[str]:
 
 
 ALONE = ("geneval", "saturation", "shape")  # item 6: each trained alone by DiffusionNFT (work/alone-<reward>-<seed>)
-CANDIDATES = ("sharpness", "jpeg")  # screened the same way as a reward to take saturation's place (README.md here)
+CANDIDATES = ("sharpness", "jpeg", "detail")  # screened the same way as a reward to take saturation's place (README.md here)
 
 
 def alone_lines(models, base, floor) -> list[str]:
