@@ -1,6 +1,7 @@
 """The main command's candidate defaults, measured (README.md here holds the plan and the reading).
 
     OMP_NUM_THREADS=1 python experiments/results/first-run/first_run.py eval RUN [RUN ...]   # full held-out eval
+    python experiments/results/first-run/first_run.py pulls RUN [RUN ...]  # keep item 6's pull checks' metrics
     python experiments/results/first-run/first_run.py table [--arms A,B,E]                  # table.md, summary.json
 
 eval: each run's newest checkpoint and the pretrained model on every held-out caption x 8 noises at each of
@@ -52,10 +53,12 @@ def evaluate(runs):
     for label, run in models.items():
         path = final / f"{label}.json"
         if path.is_file():
+            record_settings(path, run)  # an evaluation made before settings were recorded gains them, unchanged else
             continue
         ckpt, state = (None, None) if run is None else read_checkpoint(run)
         lora = None if state is None else state["lora"]["default"]
         out = {"checkpoint": str(ckpt), "images_per_seed": len(prompts), "world": shapes_world.world_id()}
+        out |= {"settings": run_settings(run)} if run is not None and run_settings(run) else {}
         for seed in protocol.EVAL_SEEDS:
             images = protocol.final_eval_images(pipe, lora, prompts, seed)
             scores = protocol.final_scores(images, prompts)
@@ -68,6 +71,30 @@ def evaluate(runs):
             (HERE / "runs").mkdir(exist_ok=True)
             with open(run / "metrics.jsonl", "rb") as src, gzip.open(HERE / "runs" / f"{label}.jsonl.gz", "wb") as dst:
                 shutil.copyfileobj(src, dst)
+
+
+SETTINGS = ("credit", "rewards", "budgets", "base_reg", "lr", "iterations", "seed")  # what a reading needs to name
+
+
+def run_settings(run) -> dict:
+    """The run's own flags (its config.json, as recast.py wrote it) that a reading names; {} when the folder has none."""
+    config = Path(run) / "config.json"
+    if not config.is_file():
+        return {}
+    args = json.loads(config.read_text())["args"]
+    return {k: args[k] for k in SETTINGS if k in args}
+
+
+def record_settings(path, run):
+    """Adds the run's settings to an evaluation written before they were recorded (its scores unchanged)."""
+    result = json.loads(path.read_text())
+    if run is None or "settings" in result or not run_settings(run):
+        return
+    result["settings"] = run_settings(run)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
+    print(f"recorded the settings of {path.stem}", flush=True)
 
 
 def run_summary(label):
@@ -136,18 +163,39 @@ def pilot_lines(arms, conf) -> list[str]:
 
 
 ALONE = ("geneval", "saturation", "shape")  # item 6: each trained alone by DiffusionNFT (work/alone-<reward>-<seed>)
-CANDIDATES = ("sharpness", "jpeg", "detail")  # screened the same way as a reward to take saturation's place (README.md here)
+CANDIDATES = (
+    "sharpness",
+    "jpeg",
+    "detail",
+)  # screened the same way as a reward to take saturation's place (README.md here)
 
 
-def alone_lines(models, base, floor) -> list[str]:
+def by_seed(labels, values, notes) -> str:
+    """One value for every run, or each value with its seeds and their notes ("0.3: seeds 1, 2 (x21.0, x20.8)")."""
+    if len(set(values)) == 1:
+        return values[0]
+    parts = []
+    for v in dict.fromkeys(values):
+        idx = [i for i, w in enumerate(values) if w == v]
+        seeds = ", ".join(labels[i].rsplit("-", 1)[1] for i in idx)
+        parts.append(f"{v}: seed{'s' * (len(idx) > 1)} {seeds} ({', '.join(notes[i] for i in idx)})")
+    return "; ".join(parts)
+
+
+def alone_lines(models, base, floor, checks) -> list[str]:
     """Item 6: each default reward trained alone by DiffusionNFT, read on the full held-out evaluation."""
     s1 = str(protocol.EVAL_SEEDS[0])
     lines = [
-        "## Item 6: each default reward trained alone (DiffusionNFT, --base-reg 1e-4, 40 iterations)",
+        "## Item 6: each default reward trained alone (DiffusionNFT, 40 iterations)",
+        "",
+        "The pull (`--base-reg`) as each run's config.json recorded it (`settings` in final/<run>.json), or, for runs "
+        "evaluated after their folders were gone, as a rerun of their first iterations reproduced it (the next table); "
+        '"not recorded": neither. Where the runs of one reward ran at more than one pull, each pull lists its seeds with '
+        "their Fréchet ratios.",
         "",
         "| reward | pretrained | run − pretrained on it, mean [95% t over seeds] | noise floor | learnable alone | "
-        "Fréchet: x the pretrained model's (seeds) |",
-        "|---|---|---|---|---|---|",
+        "Fréchet: x the pretrained model's (seeds) | pull |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in ALONE + CANDIDATES:
         labels = sorted(k for k in models if k.startswith(f"alone-{name}-"))
@@ -157,10 +205,14 @@ def alone_lines(models, base, floor) -> list[str]:
         m, lo, hi, n = stats.mean_ci(d)
         verdict = "yes (resolved)" if lo > 0 else "not shown"
         fr = [models[lbl][s1]["judge/frechet"] / base[s1]["judge/frechet"] for lbl in labels]
+        pulls = [
+            str(models[lbl]["settings"]["base_reg"]) if "settings" in models[lbl] else reproduced_pull(lbl, checks)
+            for lbl in labels
+        ]
         lines.append(
             f"| {name}{' (a candidate, not a default)' if name in CANDIDATES else ''} | {base[s1][name]:.4f} | "
             f"{stats.fmt_ci(m, lo, hi, n)} | {floor[name]:.4f} | {verdict} | "
-            f"x{min(fr):.1f}-x{max(fr):.1f} |"
+            f"x{min(fr):.1f}-x{max(fr):.1f} | {by_seed(labels, pulls, [f'x{x:.1f}' for x in fr])} |"
         )
     grain = []  # rvge-single's DiffusionNFT runs on grain alone: last in-run evaluation minus the pretrained model's
     for path in sorted((HERE.parent / "rvge-single" / "runs").glob("grain_nft-seed*.json.gz")):
@@ -170,10 +222,62 @@ def alone_lines(models, base, floor) -> list[str]:
     m, lo, hi, n = stats.mean_ci(grain)
     lines += [
         f"| grain | | {stats.fmt_ci(m, lo, hi, n)}: DiffusionNFT alone, 60 iterations x 4 groups, in-run evaluation "
-        f"([rvge-single](../rvge-single/README.md) `runs/grain_nft-*`) | | {'yes (resolved)' if lo > 0 else 'not shown'} | |",
+        f"([rvge-single](../rvge-single/README.md) `runs/grain_nft-*`) | | {'yes (resolved)' if lo > 0 else 'not shown'} | | "
+        "1e-4 (recast.py's default at the runs' commit, 1c047e8) |",
         "",
     ]
     return lines
+
+
+def keep_metrics(runs):
+    """`pulls`: each check run's metrics.jsonl copied to runs/<run>.jsonl.gz (committed), for `pull_lines`."""
+    (HERE / "runs").mkdir(exist_ok=True)
+    for run in map(Path, runs):
+        with open(run / "metrics.jsonl", "rb") as src, gzip.open(HERE / "runs" / f"{run.name}.jsonl.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+
+
+MATCH = (
+    1e-3  # a rerun at the run's own pull agrees to ~1e-5 (float paths of another CPU); another pull is off by >= 2e-2
+)
+
+
+def pull_checks() -> dict:
+    """Item 6's runs were evaluated after their folders (and config.json) were gone. Which pull each ran at is found by
+    rerunning its first iterations at a given pull (runs/pullcheck-<reward>-<seed>-<pull>.jsonl.gz): the run's own
+    pull reproduces the logged `loss/base_reg` of every iteration rerun, another does not. Returns {(run, pull):
+    (iterations rerun, largest relative difference)}."""
+    out = {}
+    for path in sorted((HERE / "runs").glob("pullcheck-*.jsonl.gz")):
+        _, reward, seed, pull = path.name.removesuffix(".jsonl.gz").split("-", 3)
+        rerun = [json.loads(x)["loss/base_reg"] for x in gzip.open(path, "rt") if x.strip()]
+        label = f"alone-{reward}-{seed}"
+        logged = [json.loads(x)["loss/base_reg"] for x in gzip.open(HERE / "runs" / f"{label}.jsonl.gz", "rt")]
+        out[label, pull] = (len(rerun), max(abs(a - b) / abs(b) for a, b in zip(rerun, logged)))
+    return out
+
+
+def reproduced_pull(label, checks) -> str:
+    """The pull whose rerun matched the run's log, or "not recorded"."""
+    found = [pull for (lbl, pull), (_, diff) in checks.items() if lbl == label and diff < MATCH]
+    return f"{found[0]} (reproduced)" if len(found) == 1 else "not recorded"
+
+
+def pull_lines(checks) -> list[str]:
+    if not checks:
+        return []
+    lines = [
+        "## Item 6's pulls, reproduced",
+        "",
+        "Each check reruns an item-6 run's first iterations at one `--base-reg` and compares each iteration's "
+        f"`loss/base_reg` with the logged one: the same pull when the largest relative difference is below {MATCH:g}.",
+        "",
+        "| run | pull tried | iterations rerun | largest relative difference | the run's pull |",
+        "|---|---|---|---|---|",
+    ]
+    for (label, pull), (n, diff) in checks.items():
+        lines.append(f"| {label} | {pull} | {n} | {diff:.1e} | {'yes' if diff < MATCH else 'no'} |")
+    return lines + [""]
 
 
 def table(arms):
@@ -186,7 +290,9 @@ def table(arms):
     out, lines = {"noise_floor": floor, "arms": {}}, ["# first-run: tables (generated by `first_run.py table`)", ""]
     arms_conf = json.loads((HERE / "arms.json").read_text())
     lines += pilot_lines(arms, arms_conf)
-    lines += alone_lines(models, base, floor)
+    checks = pull_checks()
+    lines += alone_lines(models, base, floor, checks)
+    lines += pull_lines(checks)
     for arm in arms:
         labels = sorted(k for k in models if k.split("-")[1:2] == [arm])
         if not labels:
@@ -310,12 +416,14 @@ def write_readme_block():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=["eval", "table"])
+    ap.add_argument("part", choices=["eval", "pulls", "table"])
     ap.add_argument("runs", nargs="*")
     ap.add_argument("--arms", help="comma-separated arms.json keys (default: every arm; arms never run are skipped)")
     a = ap.parse_args(argv)
     if a.part == "eval":
         evaluate(a.runs)
+    elif a.part == "pulls":
+        keep_metrics(a.runs)
     else:
         table(a.arms.split(",") if a.arms else list(json.loads((HERE / "arms.json").read_text())))
         write_readme_block()
