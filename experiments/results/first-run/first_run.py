@@ -58,19 +58,23 @@ def evaluate(runs):
         ckpt, state = (None, None) if run is None else read_checkpoint(run)
         lora = None if state is None else state["lora"]["default"]
         out = {"checkpoint": str(ckpt), "images_per_seed": len(prompts), "world": shapes_world.world_id()}
-        out |= {"settings": run_settings(run)} if run is not None and run_settings(run) else {}
+        settings = {} if run is None else run_settings(run)
+        out |= {"settings": settings} if settings else {}
         for seed in protocol.EVAL_SEEDS:
             images = protocol.final_eval_images(pipe, lora, prompts, seed)
             scores = protocol.final_scores(images, prompts)
             out[str(seed)] = {k: (float(np.nanmean(v)) if isinstance(v, list) else v) for k, v in scores.items()}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(out, indent=1))
-        tmp.replace(path)
+        write_json(path, out)
         print(f"evaluated {label}", flush=True)
         if run is not None:  # the run's metrics beside it, for the in-run columns
-            (HERE / "runs").mkdir(exist_ok=True)
-            with open(run / "metrics.jsonl", "rb") as src, gzip.open(HERE / "runs" / f"{label}.jsonl.gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
+            keep_metrics([run])
+
+
+def write_json(path, obj):
+    """Atomically: a stopped evaluation leaves the old file or the new one, never half of one."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
 
 
 SETTINGS = ("credit", "rewards", "budgets", "base_reg", "lr", "iterations", "seed")  # what a reading needs to name
@@ -88,12 +92,10 @@ def run_settings(run) -> dict:
 def record_settings(path, run):
     """Adds the run's settings to an evaluation written before they were recorded (its scores unchanged)."""
     result = json.loads(path.read_text())
-    if run is None or "settings" in result or not run_settings(run):
+    settings = {} if run is None or "settings" in result else run_settings(run)
+    if not settings:
         return
-    result["settings"] = run_settings(run)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(path)
+    write_json(path, result | {"settings": settings})
     print(f"recorded the settings of {path.stem}", flush=True)
 
 
@@ -163,11 +165,8 @@ def pilot_lines(arms, conf) -> list[str]:
 
 
 ALONE = ("geneval", "saturation", "shape")  # item 6: each trained alone by DiffusionNFT (work/alone-<reward>-<seed>)
-CANDIDATES = (
-    "sharpness",
-    "jpeg",
-    "detail",
-)  # screened the same way as a reward to take saturation's place (README.md here)
+# screened the same way as a reward to take saturation's place (README.md here)
+CANDIDATES = ("sharpness", "jpeg", "detail")
 
 
 def by_seed(labels, values, notes) -> str:
@@ -230,16 +229,16 @@ def alone_lines(models, base, floor, checks) -> list[str]:
 
 
 def keep_metrics(runs):
-    """`pulls`: each check run's metrics.jsonl copied to runs/<run>.jsonl.gz (committed), for `pull_lines`."""
+    """Each run's metrics.jsonl copied to runs/<run>.jsonl.gz (committed): evaluated runs' for the in-run columns,
+    `pulls`' check runs' for `pull_checks`."""
     (HERE / "runs").mkdir(exist_ok=True)
     for run in map(Path, runs):
         with open(run / "metrics.jsonl", "rb") as src, gzip.open(HERE / "runs" / f"{run.name}.jsonl.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
 
 
-MATCH = (
-    1e-3  # a rerun at the run's own pull agrees to ~1e-5 (float paths of another CPU); another pull is off by >= 2e-2
-)
+# a rerun at the run's own pull agrees to ~1e-5 (float paths of another CPU); another pull is off by >= 2e-2
+MATCH = 1e-3
 
 
 def pull_checks() -> dict:
