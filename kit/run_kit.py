@@ -209,8 +209,8 @@ class NFTArgs(RunArgs):
     # optimisation
     iterations: int = flag(100, "optimisation", min=1)
     """training iterations (rollout + update)"""
-    base_reg: float = flag(0.3, "optimisation", min=0)
-    """weight of the velocity MSE to the frozen base model (a pull towards the pretrained model): 0.3 keeps the
+    base_reg: float = flag(0.1, "optimisation", min=0)
+    """weight of the velocity MSE to the frozen base model (a pull towards the pretrained model): 0.1 keeps the
     embedded model's ReCAST runs near their data with a steady gain (results/first-run); DiffusionNFT uses 1e-4, as
     every SD3.5-M recipe and rvge.py do"""
     train_steps_per_leaf: int = flag(4, "optimisation", min=1)

@@ -720,7 +720,8 @@ def reward_grain(images: list, prompts: list[str] | None = None) -> np.ndarray:
 def reward_detail(images: list, prompts: list[str] | None = None) -> np.ndarray:
     """Colour-edge crispness (fine detail): ``mean |lap(c)| / 0.05`` with c = (max - min) / 255 of RGB
     per pixel (the chroma) at 32x32, over the 30x30 interior. Flat or grey image 0. Like sharpness but
-    on colour rather than grey edges: decided by the last denoising steps."""
+    on colour rather than grey edges; decided early, with the shapes' outlines (0.68 of its D(0) by t = 0.79,
+    experiments/results/world-design/profiles192/profiles.md)."""
     out = []
     for img in images:
         a = _as_array(img)
@@ -896,14 +897,15 @@ REWARDS = {
 }
 """name -> callable (images: list[PIL.Image], prompts: list[str]) -> np.ndarray (N,) float64."""
 
-DEFAULT_REWARDS = ["geneval", "grain", "saturation", "shape"]
-"""Used with budgets 0.4, 0.3, 0.2, 0.1 (and recast.py's --base-reg 0.3), chosen by measurement
-(experiments/results/first-run/README.md): geneval (the composition the caption asks for: count, colour, shape,
+DEFAULT_REWARDS = ["geneval", "grain", "detail", "shape"]
+"""Used with budgets 0.4, 0.3, 0.2, 0.1 (and recast.py's --base-reg 0.1), chosen by measurement
+(experiments/results/first-run/README.md, arm L): geneval (the composition the caption asks for: count, colour, shape,
 position; decided early-mid; the largest budget), grain (fine contrast inside the shapes, smooth: decided late),
-saturation (colourful coloured area: decided early) and shape (the caption's shapes: decided mid-late); whether
-each is learnable alone by DiffusionNFT: first-run's item 6. The caption's texture (`texture`, 0/1) is not learnable
-here and left the defaults (experiments/results/late-reward/README.md). The experiments' setting A is the earlier
-default set, geneval, saturation, texture, grain (experiments/bench.py SETTINGS)."""
+detail (crisp colour edges: decided early) and shape (the caption's shapes: decided mid-late); each is learnable
+alone by DiffusionNFT (first-run's item 6). detail took saturation's place: saturation is learned by growing the
+shapes, which pulled the samples away from the world's images. The caption's texture (`texture`, 0/1) is not
+learnable here and left the defaults (experiments/results/late-reward/README.md). The experiments' setting A is the
+earlier default set, geneval, saturation, texture, grain (experiments/bench.py SETTINGS)."""
 DEFAULT_BUDGETS = [0.4, 0.3, 0.2, 0.1]
 
 
