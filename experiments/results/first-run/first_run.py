@@ -426,6 +426,8 @@ def readme_block(arm: str = CHOSEN, kernels=("avx2", "default")) -> str:
                 f"Seed 0 with `ATEN_CPU_CAPABILITY={cap}` (other CPU kernels: the float path of another CPU): "
                 f"weighted {d:+.3f}, {'inside' if p['lo'] <= d <= p['hi'] else 'outside'} the seeds' interval."
             )
+        else:
+            lines.append(f"Seed 0 with `ATEN_CPU_CAPABILITY={cap}`: not measured for these defaults.")
     return "\n".join(lines)
 
 
