@@ -912,8 +912,8 @@ def write_result(run: Run, wall_s: float):
 
 PINNED = ("--base-reg", "0.0001")
 """Flags every run gets before its settings (a cell's own flags override them), outside a result's identity: the
-experiments ran at DiffusionNFT's --base-reg 1e-4, the scripts' default until first-run chose 0.3 for recast.py's main
-command (results/first-run); pinned so that a rerun repeats them."""
+experiments ran at DiffusionNFT's --base-reg 1e-4, the scripts' default until first-run chose a stronger pull for
+recast.py's main command (results/first-run); pinned so that a rerun repeats them."""
 
 
 def argv_of(run: Run):
