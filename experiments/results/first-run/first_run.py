@@ -99,8 +99,18 @@ def record_settings(path, run):
     print(f"recorded the settings of {path.stem}", flush=True)
 
 
+def run_log(label) -> list[dict]:
+    """runs/<label>.jsonl.gz, the run's metrics.jsonl as kept by `keep_metrics`: one dict per iteration."""
+    return [json.loads(x) for x in gzip.open(HERE / "runs" / f"{label}.jsonl.gz", "rt") if x.strip()]
+
+
+def seed_runs(arm: str, labels) -> list[str]:
+    """The labels that are training seeds of the arm (main-<arm>-<seed>, pilot-<arm>-<seed>), not its kernel runs."""
+    return sorted(k for k in labels if k.split("-")[0] in ("main", "pilot") and k.split("-")[1:2] == [arm])
+
+
 def run_summary(label):
-    lines = [json.loads(x) for x in gzip.open(HERE / "runs" / f"{label}.jsonl.gz", "rt") if x.strip()]
+    lines = run_log(label)
     evals = [(m["iteration"], m["eval/weighted"]) for m in lines if "eval/weighted" in m]
     before = lines[0].get("eval_before/weighted")
     W = np.asarray(lines[-1]["recast/W"])
@@ -249,9 +259,9 @@ def pull_checks() -> dict:
     out = {}
     for path in sorted((HERE / "runs").glob("pullcheck-*.jsonl.gz")):
         _, reward, seed, pull = path.name.removesuffix(".jsonl.gz").split("-", 3)
-        rerun = [json.loads(x)["loss/base_reg"] for x in gzip.open(path, "rt") if x.strip()]
         label = f"alone-{reward}-{seed}"
-        logged = [json.loads(x)["loss/base_reg"] for x in gzip.open(HERE / "runs" / f"{label}.jsonl.gz", "rt")]
+        rerun = [m["loss/base_reg"] for m in run_log(path.name.removesuffix(".jsonl.gz"))]
+        logged = [m["loss/base_reg"] for m in run_log(label)]
         out[label, pull] = (len(rerun), max(abs(a - b) / abs(b) for a, b in zip(rerun, logged)))
     return out
 
@@ -293,7 +303,7 @@ def table(arms):
     lines += alone_lines(models, base, floor, checks)
     lines += pull_lines(checks)
     for arm in arms:
-        labels = sorted(k for k in models if k.split("-")[0] in ("main", "pilot") and k.split("-")[1:2] == [arm])
+        labels = seed_runs(arm, models)
         if not labels:
             continue
         runs = {lbl: run_summary(lbl) for lbl in labels}
@@ -368,13 +378,9 @@ def minutes(seconds: float) -> str:
 
 def reward_share(arm: str) -> float:
     """The rewards' share of the training time (time/reward over every time/* key) over the arm's seeds' runs."""
-    total = reward = 0.0
-    for path in sorted((HERE / "runs").glob(f"*-{arm}-*.jsonl.gz")):
-        if path.name.split("-")[0] in ("main", "pilot"):
-            for m in (json.loads(x) for x in gzip.open(path, "rt") if x.strip()):
-                total += sum(v for k, v in m.items() if k.startswith("time/"))
-                reward += m["time/reward"]
-    return reward / total
+    logs = [run_log(k) for k in seed_runs(arm, (p.name.removesuffix(".jsonl.gz") for p in (HERE / "runs").iterdir()))]
+    total = sum(v for log in logs for m in log for k, v in m.items() if k.startswith("time/"))
+    return sum(m["time/reward"] for log in logs for m in log) / total
 
 
 def weighted_of(result: dict, seed: str, conf: dict) -> float:
@@ -383,8 +389,8 @@ def weighted_of(result: dict, seed: str, conf: dict) -> float:
 
 def readme_block(arm: str = CHOSEN, kernels=("avx2", "default")) -> str:
     """The README's first-run table, from summary.json and final/*.json: the chosen arm's full held-out evaluation
-    over its seeds, and seed 0 of the same arm under other CPU kernels (ATEN_CPU_CAPABILITY; final/kernel-<arm>-<cap>.json)
-    against the seeds' interval."""
+    over its seeds, and seed 0 of the same arm under other CPU kernels (ATEN_CPU_CAPABILITY;
+    final/kernel-<arm>-<cap>.json) against the seeds' interval."""
     s1 = str(protocol.EVAL_SEEDS[0])
     summary = json.loads((HERE / "summary.json").read_text())["arms"][arm]
     base = json.loads((HERE / "final" / "pretrained.json").read_text())
@@ -411,11 +417,11 @@ def readme_block(arm: str = CHOSEN, kernels=("avx2", "default")) -> str:
             lines.append(f"The command took {minutes(wall)} alone on a 2-core machine ({TIMED_FILE}).")
         else:  # the same transformer work (model, samples, steps); only the rewards' share of the time differs
             s_t, s_a = reward_share(TIMED), reward_share(arm)
+            estimate = minutes(wall * (1 - s_t) / (1 - s_a))
             lines.append(
                 f"The command does the same transformer work as the one timed at {minutes(wall)} alone on a 2-core "
                 f"machine ({TIMED_FILE}, the earlier defaults); its rewards take {s_a:.1%} of its runs' training time "
-                f"against {s_t:.1%} in the earlier defaults' (`time/*` in their logs): about {minutes(wall * (1 - s_t) / (1 - s_a))} on "
-                "that machine."
+                f"against {s_t:.1%} in the earlier defaults' (`time/*` in their logs): about {estimate} on that machine."
             )
     p = summary["paired"][f"weighted_{arm}"]
     for cap in kernels:
