@@ -418,6 +418,7 @@ def train(args: Args, extra_rewards=None, judges=None):
         total=args.iterations,
         disable=not run.acc.is_main_process,
     )
+    drawn = False  # whether the last iteration run drew the figures (it evaluated)
     for it in bar:
         gen, before = iteration_generator(args.seed, it), None
         if it == 0 and args.eval_every and run.eval_prompts:  # the pretrained model, every process its share
@@ -458,10 +459,11 @@ def train(args: Args, extra_rewards=None, judges=None):
             "time/regression": t3 - t2,
             "time/update": t4 - t3,
         }
-        finish_iteration(run, args, it, metrics, state, before, nft.ode_sample)
+        drawn = finish_iteration(run, args, it, metrics, state, before, nft.ode_sample)
         bar.set_postfix({"reward": f"{metrics['reward/weighted']:.3f}", "loss": f"{metrics['loss/policy']:.4g}"})
     if run.acc.is_main_process:
-        plot_run(run.out, run.names)
+        if not drawn:  # else the last evaluation drew them from the same metrics
+            plot_run(run.out, run.names)
         print_summary(run.out)  # before -> after, W's departure (ReCAST), the checkpoint to load
     run.acc.end_training()  # closes the --report-to tracker
     return run.out

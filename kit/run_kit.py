@@ -1241,7 +1241,7 @@ def finish_iteration(run: Run, args, it, metrics, state, before, sample):
     """Step 4: evaluate (`evaluate` with the held-out sampler `sample`, nft.ode_sample, every eval_every iterations
     and at the end; every process takes its share), append the metrics line, draw the figures and log them (at each
     evaluation), checkpoint (every save_every iterations and at the end). `before` the first evaluation's metrics (or
-    None)."""
+    None). Returns whether it drew the figures (it evaluated)."""
     last = it == args.iterations - 1
     evaluated = None
     if args.eval_every and run.eval_prompts and ((it + 1) % args.eval_every == 0 or last):
@@ -1259,6 +1259,7 @@ def finish_iteration(run: Run, args, it, metrics, state, before, sample):
         if (it + 1) % args.save_every == 0 or last:
             save_checkpoint(run.out, it, run.transformer, run.opt, state, run.keep_checkpoints, run.scaler)
     run.acc.wait_for_everyone()
+    return evaluated is not None
 
 
 EVAL_SEED = 12345  # the held-out noise of every evaluation of every run and method, and of evaluate.py

@@ -150,14 +150,25 @@ def seeds_for_power(effect, sd, alpha=ALPHA, power=POWER, most=10_000):
         return None
     if sd == 0:
         return 2
-    for n in range(2, most + 1):
+
+    def enough(n):
         crit, nc = stats.t.ppf(1 - alpha / 2, n - 1), abs(effect) * np.sqrt(n) / sd
         # the far tail: scipy's nct.cdf returns NaN there on some CPUs at large noncentrality (seen at nc ~ 27, 4
         # seeds), where it is below 1e-16; read as 0, else a NaN power would skip N and move N80 up by several seeds
         far = np.nan_to_num(stats.nct.cdf(-crit, n - 1, nc), nan=0.0)
-        if stats.nct.sf(crit, n - 1, nc) + far >= power:
-            return n
-    return None
+        return stats.nct.sf(crit, n - 1, nc) + far >= power
+
+    # the power rises with n (the critical value falls, the noncentrality grows), so the fewest n is found by doubling
+    # then bisecting: ~2 log2(N) evaluations instead of N (a search to 10,000 took ~16 s)
+    low, high = 1, 2  # enough(low) is False (no test at one seed); enough(high) is tested
+    while not enough(high):
+        if high >= most:
+            return None
+        low, high = high, min(2 * high, most)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if enough(mid) else (mid, high)
+    return high
 
 
 def seeds_for_power_range(effect, sd, n, alpha=ALPHA, power=POWER):
