@@ -562,7 +562,7 @@ def check_sde(quick, out=None):
 
 class ExactVelocity:
     """Stand-in for the SD3 transformer inside run_kit.velocity: the exact velocity of a mixture, so the
-    shipped nft.tree_rollout runs on the toy. Counts the states it evaluates (rollout cost)."""
+    shipped nft.tree_rollout runs on the toy. Counts the states it evaluates (rollout cost). gm None: zero velocity."""
 
     def __init__(self, gm):
         self.gm, self.evaluations = gm, 0
@@ -571,6 +571,8 @@ class ExactVelocity:
         import torch
 
         self.evaluations += len(hidden_states)
+        if self.gm is None:  # pure-noise rewards (credit_iteration): only the tree's layout matters, not its states
+            return (torch.zeros_like(hidden_states),)
         x = hidden_states.reshape(len(hidden_states), -1).double().numpy()
         return (torch.as_tensor(self.gm.velocity(x, float(timestep[0]) / 1000)).reshape(hidden_states.shape),)
 
@@ -592,7 +594,7 @@ def credit_iteration(gm, rewards, spec, n_prompts, offset, substeps, gen, estima
 
     sig = torch.as_tensor(nft.shifted_sigmas(T))
     layouts = nft.branch_layout(n_prompts, T, spec, offset)
-    model = ExactVelocity(gm)
+    model = ExactVelocity(gm if noise_rng is None else None)  # pure noise: the same tree and draws, no velocity
     emb, pooled = torch.zeros(n_prompts, 1, 1, dtype=torch.float64), torch.zeros(n_prompts, 1, dtype=torch.float64)
     x, groups, anc, probes = nft.tree_rollout(
         model,
