@@ -61,6 +61,7 @@ from tqdm import tqdm
 
 import nft
 from kit.run_kit import (
+    EMBEDDED_MODEL,
     RUN_ARG_GROUPS,
     NFTArgs,
     Run,
@@ -82,6 +83,7 @@ from kit.run_kit import (
     start_or_resume,
     stop_if_a_reward_failed,
 )
+from world import shapes_world
 
 # =============================================================================
 # NOTES.md §3.4 and §3.1, our reconstruction: the W solver, and W in DiffusionNFT's loss
@@ -567,7 +569,7 @@ def train(args: Args, extra_rewards=None, judges=None):
     """The whole run: per iteration rollout -> rewards -> credit (D, W) -> NFT update -> soft update
     of "old" -> log / evaluate / checkpoint. Returns the run folder."""
     run = setup_run(args, extra_rewards, judges)
-    prior = gain_prior(args, run.names)  # --gain-init (a control of the experiments), else None
+    prior = gain_prior(args, run.names)  # --gain-init: the world's pretrained profiles by default, else None
     start, state = start_or_resume(run, args)
     budgets = run.budgets
     settings = credit_settings(args)._replace(fixed_W=fixed_W_of(args, run.names, budgets))  # --credit file's W
@@ -680,10 +682,13 @@ class Args(NFTArgs):
     as it is: column sums Lam / T) or gradient (column sums propto 1 / t_j, since the loss's velocity gradient per
     unit weight is propto t: each step gets the same share of the update; derivations.ipynb §11). Also applies to
     --credit uniform and nft"""
-    gain_init: str = flag("", "method")
-    """start the discounted level statistics from this JSON (experiments/protocol.py's profiles.json: n, s1, s2
-    measured on the pretrained model with many groups) instead of from nothing; it must hold the run's rewards, with
-    the same --steps"""
+    gain_init: str = flag("world", "method")
+    """the discounted level statistics the run starts from, so that W starts from measured profiles instead of
+    uniform: a JSON file (experiments/protocol.py's profiles.json: n, s1, s2 measured on the pretrained model with many
+    groups; it must hold the run's rewards, with the same --steps); world: the embedded world's (world/assets/
+    profiles.json, 192 groups per level) where they fit the run (the embedded model, --gain-estimator pairs, --sampler
+    tree, 10 steps, rewards the file holds; results/first-run, arm M), from nothing elsewhere; none: from nothing (W
+    from the run's own rollouts alone)"""
     # optimisation
     nft_b: float = flag(1.0, "optimisation", gt=0)
     """DiffusionNFT guidance strength b in v+- = v_old +- b (v_theta - v_old)"""
@@ -808,10 +813,20 @@ def fixed_W_of(args, names, budgets):
 
 
 def gain_prior(args, names):
-    """--gain-init: the discounted level statistics the run starts from (experiments/protocol.py's profiles.json,
-    measured on the pretrained model with many groups; `run_kit.read_level_stats` refuses one that does not fit),
-    else None."""
-    return read_level_stats(args.gain_init, names, args.steps) if args.gain_init else None
+    """--gain-init: the discounted level statistics the run starts from (`run_kit.read_level_stats` refuses a file that
+    does not fit), else None. `world` is the embedded world's pretrained profiles (shapes_world.PROFILES_PATH) where
+    they fit the run, else None; `none` (or empty) is None."""
+    if args.gain_init in ("", "none"):
+        return None
+    if args.gain_init != "world":
+        return read_level_stats(args.gain_init, names, args.steps)
+    saved = json.loads(shapes_world.PROFILES_PATH.read_text())
+    fits = (
+        Path(args.model).resolve() == Path(EMBEDDED_MODEL).resolve()  # a world variant is another world
+        and (args.gain_estimator, args.sampler, args.steps) == ("pairs", "tree", saved["steps"])
+        and set(names) <= set(saved["names"])
+    )
+    return read_level_stats(shapes_world.PROFILES_PATH, names, args.steps) if fits else None
 
 
 # =============================================================================

@@ -721,6 +721,25 @@ def test_gain_init_reads_the_runs_rewards_rows_and_refuses_a_mismatch(tmp_path):
         run_kit.read_level_stats(path, ["a"], T)
 
 
+def test_gain_init_world_starts_the_embedded_defaults_from_the_worlds_profiles_and_nothing_else():
+    """--gain-init world (the default): the embedded world's pretrained profiles, this world's (its id), where they fit
+    the run (the embedded model, pairs, tree sampler, 10 steps, rewards the file holds); nothing where they do not, and
+    nothing with none."""
+    from world import shapes_world
+
+    saved = json.loads(shapes_world.PROFILES_PATH.read_text())
+    assert saved["world"] == shapes_world.world_id() and set(shapes_world.DEFAULT_REWARDS) <= set(saved["names"])
+    names = list(shapes_world.DEFAULT_REWARDS)
+    n, s1, s2 = recast.gain_prior(recast.parse_args([]), names)
+    rows = [saved["names"].index(k) for k in names]
+    assert n.tolist() == saved["n"] and s1.tolist() == [saved["s1"][i] for i in rows]
+    assert s2.tolist() == [saved["s2"][i] for i in rows]
+    for flags in (["--gain-init", "none"], ["--steps", "12"], ["--gain-estimator", "denoised"], ["--sampler", "ode"]):
+        assert recast.gain_prior(recast.parse_args(flags), names) is None, flags
+    assert recast.gain_prior(recast.parse_args([]), ["texture_lines"]) is None  # a reward the file does not hold
+    assert recast.gain_prior(recast.parse_args(["--model", "elsewhere"]), names) is None  # another model or world
+
+
 # -----------------------------------------------------------------------------
 # recast.py end to end on a tiny random SD3 pipeline built from configs
 # -----------------------------------------------------------------------------

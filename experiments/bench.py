@@ -910,14 +910,16 @@ def write_result(run: Run, wall_s: float):
     return record
 
 
-PINNED = ("--base-reg", "0.0001")
-"""Flags every run gets before its settings (a cell's own flags override them), outside a result's identity: the
-experiments ran at DiffusionNFT's --base-reg 1e-4, the scripts' default until first-run chose a stronger pull for
-recast.py's main command (results/first-run); pinned so that a rerun repeats them."""
+PINNED = {"recast": ("--base-reg", "0.0001", "--gain-init", "none"), "rvge": ("--base-reg", "0.0001")}
+"""Flags every run of a script gets before its settings (a cell's own flags override them), outside a result's
+identity: the experiments ran at DiffusionNFT's --base-reg 1e-4, the scripts' default until first-run chose a stronger
+pull for recast.py's main command, and with ReCAST's level statistics starting empty, recast.py's default until
+first-run's arm M started them from the world's pretrained profiles (results/first-run; recast_prior passes its own
+--gain-init); pinned so that a rerun repeats them."""
 
 
 def argv_of(run: Run):
-    return [*PINNED, *run.settings, "--out", str(run.work), "--overwrite"]
+    return [*PINNED[run.cell.script], *run.settings, "--out", str(run.work), "--overwrite"]
 
 
 def run_in_process(run: Run):

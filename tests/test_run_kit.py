@@ -670,7 +670,7 @@ def test_resume_applies_a_new_lr_and_weight_decay_and_records_what_it_did(finish
     "more, words",
     [
         (["--gain-estimator", "denoised"], "--gain-estimator: saved 'pairs', given 'denoised'"),
-        (["--gain-init", "levels.json"], "--gain-init: saved '', given 'levels.json'"),
+        (["--gain-init", "levels.json"], "--gain-init: saved 'world', given 'levels.json'"),
         (["--overwrite"], "--overwrite does not go with --resume"),
         (["--name", "other"], "--name does not go with --resume"),
     ],

@@ -51,6 +51,10 @@ ASSETS = ROOT / "assets"
 PIPELINE_DIR = ASSETS / "shapes-sd3"
 JUDGE_PATH = ASSETS / "judge.safetensors"
 PREF_PATH = ASSETS / "pref_judge.safetensors"
+PROFILES_PATH = ASSETS / "profiles.json"
+"""The pretrained model's level statistics (experiments/protocol.py's measure_profiles: 192 groups per inner level, the
+default tree sampler, 10 steps; a copy of experiments/results/world-design/profiles192/profiles.json): recast.py's
+--gain-init world starts W from them."""
 
 RES = 32  # image side in pixels; latents are 16x16x4
 GEN_KWARGS = dict(height=RES, width=RES, num_inference_steps=10, guidance_scale=1.0, max_sequence_length=10)
@@ -898,9 +902,9 @@ REWARDS = {
 """name -> callable (images: list[PIL.Image], prompts: list[str]) -> np.ndarray (N,) float64."""
 
 DEFAULT_REWARDS = ["geneval", "grain", "detail", "shape"]
-"""Used with budgets 0.4, 0.3, 0.2, 0.1 (and recast.py's --base-reg 0.1), chosen by measurement
-(experiments/results/first-run/README.md, arm L): geneval (the composition the caption asks for: count, colour, shape,
-position; decided early-mid; the largest budget), grain (fine contrast inside the shapes, smooth: decided late),
+"""Used with budgets 0.4, 0.3, 0.2, 0.1 (and recast.py's --base-reg 0.1 and --gain-init world), chosen by measurement
+(experiments/results/first-run/README.md, arms L and M): geneval (the composition the caption asks for: count, colour,
+shape, position; decided early-mid; the largest budget), grain (fine contrast inside the shapes, smooth: decided late),
 detail (crisp colour edges: decided early) and shape (the caption's shapes: decided mid-late); each is learnable
 alone by DiffusionNFT (first-run's item 6). detail took saturation's place: saturation is learned by growing the
 shapes, which pulled the samples away from the world's images. The caption's texture (`texture`, 0/1) is not
