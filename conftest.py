@@ -19,6 +19,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the scripts a test starts
     torch.set_num_threads(1)
 
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "long: a test of minutes (an experiment's --quick on the embedded model, the notebook, the toy's checks)",
+    )
+
+
+def pytest_collection_modifyitems(items):
+    """The long tests first, longest first (`long(seconds)`): under -n N the workers take the queue in turn, so they
+    share the long ones from the start instead of one worker ending alone with the last of them."""
+    items.sort(key=lambda item: -(item.get_closest_marker("long").args[0] if item.get_closest_marker("long") else 0))
+
+
 TINY_WORDS = ["a", "red", "blue", "circle", "square", "two"]
 
 

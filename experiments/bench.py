@@ -177,9 +177,10 @@ class Experiment:
     seconds_per_prompt_iter: float = 0.75  # sizing: measured cost of one prompt group-iteration, one thread (docstring)
     save_every: int = 0  # checkpoint cadence (0: only at the end)
     final_noises: int = 0  # final evaluation of each run on held-out captions x this many noises (0: none)
+    final_captions: int = 0  # of the held-out captions, the first this many (0: every one; --quick: a few)
     reuse: str = ""  # an experiment whose results of identical runs (same id, same settings) are taken, not rerun
     pairs: tuple[tuple[str, str], ...] = ()  # (label, other) comparisons reported besides each method - baseline
-    quick: dict = field(default_factory=lambda: {"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2})
+    quick: dict = field(default_factory=lambda: {"iterations": 1, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2})
 
 
 TREE = (
@@ -382,7 +383,7 @@ CONTROL_RUNS = dict(  # recast-reversed, -matched and -units: recast-protocol's 
     quick_keep=("A-uniform",),
     seconds_per_prompt_iter=0.85,
     final_noises=4,
-    quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1},
+    quick={"iterations": 1, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1, "final_captions": 8},
 )
 
 EXPERIMENTS = {
@@ -415,9 +416,9 @@ EXPERIMENTS = {
             eval_every=5,
             seeds=5,
             report="report_rvge_single",
-            quick_keep=(DISCRETE_REWARD,),
+            quick_keep=(SMOOTH_REWARD,),  # rvge-drift --quick then takes its runs
             **TREE_RUNS,
-            quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 2, "eval_every": 1},
+            quick={"iterations": 1, "prompts_per_iter": 1, "seeds": 2, "eval_every": 1},
         ),
         Experiment(
             "rvge-joint",
@@ -448,7 +449,14 @@ EXPERIMENTS = {
             # no reuse: rvge-joint's committed results keep no checkpoint (work/ is not committed), and the final
             # evaluation needs each run's last one, so its seeds 0-3 are run again here
             **TREE_RUNS,
-            quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 2, "eval_every": 2, "final_noises": 1},
+            quick={
+                "iterations": 1,
+                "prompts_per_iter": 1,
+                "seeds": 2,
+                "eval_every": 2,
+                "final_noises": 1,
+                "final_captions": 8,
+            },
         ),
         Experiment(  # why RVGE trails in rvge-joint: is it the step (lr) or the bandwidth (broad for every reward)?
             "rvge-joint-why",
@@ -484,7 +492,7 @@ EXPERIMENTS = {
             reuse="rvge-single",
             **TREE_RUNS,
             quick_keep=("nft", "rvge", "rvge_permuted", "rvge_eta_0.05"),
-            quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 2, "eval_every": 1},
+            quick={"iterations": 1, "prompts_per_iter": 1, "seeds": 2, "eval_every": 1},
         ),
         Experiment(  # rvge-joint-why's reading: is the drift set by the size of the targets (--eta)?
             "rvge-joint-eta",
@@ -513,7 +521,14 @@ EXPERIMENTS = {
                 quick_keep=(f"{setting}-uniform",),
                 seconds_per_prompt_iter=0.85,
                 final_noises=4,  # recast.py's own tree
-                quick={"iterations": 2, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1},
+                quick={
+                    "iterations": 1,
+                    "prompts_per_iter": 1,
+                    "seeds": 1,
+                    "eval_every": 2,
+                    "final_noises": 1,
+                    "final_captions": 8,
+                },
             )
             for setting, name in (("A", "recast-protocol"), ("B", "recast-protocol-B"))
         ),
@@ -584,8 +599,22 @@ EXPERIMENTS = {
 
 
 def quick_version(exp: Experiment) -> Experiment:
-    """Seconds instead of an hour: the quick overrides, and only the groups (or methods) in quick_keep."""
-    cells = tuple(c for c in exp.cells if not exp.quick_keep or c.group in exp.quick_keep or c.label in exp.quick_keep)
+    """Seconds instead of an hour: the quick overrides, and only the groups (or methods) in quick_keep. A cell that
+    sets its own --prompts-per-iter (multi's recast cells: the images of rvge's tree) keeps its ratio to the
+    experiment's."""
+
+    def scaled(flags):
+        if "--prompts-per-iter" not in flags:
+            return flags
+        i = flags.index("--prompts-per-iter") + 1
+        n = max(1, int(flags[i]) * exp.quick.get("prompts_per_iter", exp.prompts_per_iter) // exp.prompts_per_iter)
+        return (*flags[:i], str(n), *flags[i + 1 :])
+
+    cells = tuple(
+        replace(c, flags=scaled(c.flags))
+        for c in exp.cells
+        if not exp.quick_keep or c.group in exp.quick_keep or c.label in exp.quick_keep
+    )
     return replace(exp, cells=cells, **exp.quick)
 
 
@@ -1334,7 +1363,7 @@ def main(argv=None):
                 reports.measure_eval_floor(exp, exp_dir, noises=2 if args.quick else reports.EVAL_FLOOR_NOISES)
             if exp.report == "report_protocol":  # the gains ReCAST starts from (--gain-init), measured before any run
                 profile_sizes = (
-                    dict(iterations=2, prompts=1) if args.quick else dict(iterations=PROFILE_ITERATIONS, prompts=8)
+                    dict(iterations=1, prompts=1) if args.quick else dict(iterations=PROFILE_ITERATIONS, prompts=8)
                 )
                 protocol.measure_profiles(
                     exp_dir.parent / PROFILES_DIR, replace_results=args.replace_results, **profile_sizes

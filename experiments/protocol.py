@@ -319,14 +319,21 @@ def final_scores(images, prompts):
     }
 
 
-def final_evals(runs: list, exp_dir: Path, noises: int):
+def final_set(exp) -> str:
+    """The final evaluation's set, in words: every held-out caption (or, at --quick, the first few) x the noises."""
+    captions = f"the first {exp.final_captions} held-out captions" if exp.final_captions else "every held-out caption"
+    return f"{captions} x {exp.final_noises} noises"
+
+
+def final_evals(runs: list, exp_dir: Path, noises: int, captions: int = 0):
     """The final evaluation of every run of `runs` (bench.Run: those whose results were read) and of the pretrained
     model, on a held-out set
-    larger than the runs' own: every held-out caption x `noises` noises, at each of EVAL_SEEDS
+    larger than the runs' own: every held-out caption (the first `captions` of them, where given: --quick) x `noises`
+    noises, at each of EVAL_SEEDS
     (same images for every method: paired). Cached next to each result as <run>.final.json (keyed by the
     checkpoint's name); returns {run_id or "pretrained": {seed: scores}}. The model (torch, recast, run_kit) is
     imported only when something is evaluated: a rebuild from cached evaluations needs none of it."""
-    prompts = [c for c in shapes_world.splits()["heldout"] for _ in range(noises)]
+    prompts = [c for c in shapes_world.splits()["heldout"][: captions or None] for _ in range(noises)]
     out, pipe = {}, None
     todo = [("pretrained", None, exp_dir / "runs" / "pretrained.final.json")]
     todo += [(r.run_id, r.work / "checkpoints", r.result.with_name(r.run_id + ".final.json")) for r in runs]
@@ -418,7 +425,7 @@ class CellTables:
 def finished_final_evals(res: Results) -> dict:
     """`final_evals` of every finished run of `res` and the pretrained model; a result whose final evaluation is gone
     (and its checkpoint too) is named in `res.incomplete` (marked PARTIAL), not dropped silently."""
-    finals = final_evals(res.finished, res.exp_dir, res.exp.final_noises)
+    finals = final_evals(res.finished, res.exp_dir, res.exp.final_noises, res.exp.final_captions)
     read = {r["run_id"] for r in res.records}
     for run in res.finished:
         if run.run_id in read and run.run_id not in finals:
@@ -508,7 +515,7 @@ def report_protocol(res: Results, out: Path):
         exact_holm.update(zip(keys, holm([exact[k] for k in keys])))
     n_tests = max((sum(k[2] == m for k in family) for m in {k[2] for k in family}), default=0)
     lines += [
-        f"Final evaluation: every held-out caption x {res.exp.final_noises} noises ({n_img} images, Euler ODE, 10 "
+        f"Final evaluation: {final_set(res.exp)} ({n_img} images, Euler ODE, 10 "
         "steps), the same images (prompt and noise) for every method and the pretrained model, so every Fréchet "
         "distance here is over the same N. Judges are never trained on: `cnn` (learned attribute judge), `frechet` "
         "(distance of the judge's features to the data; lower is better: its difference counts as an improvement "
@@ -701,7 +708,7 @@ def report_final_non_inferiority(res: Results, out: Path):
         lines += [
             f"## {group}: the final evaluation (mean ± sd over seeds; frechet: lower is better)",
             "",
-            f"Every held-out caption x {res.exp.final_noises} noises ({n_img} images, Euler ODE, 10 steps) from each "
+            f"{final_set(res.exp).capitalize()} ({n_img} images, Euler ODE, 10 steps) from each "
             f"run's last checkpoint and from the pretrained model, the same images (prompt and noise) for every model, "
             f"noise seed {seed_a} (seed {seed_b}: the noise floor below); `weighted`: the budget-weighted mean of the "
             "training rewards; Fréchet distances over the same N images.",

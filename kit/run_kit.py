@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import difflib
 import fcntl
+import functools
 import importlib.util
 import inspect
 import json
@@ -68,6 +69,7 @@ def flag(default, group, **checks):
     return field(default=default, metadata={"group": group, **checks})
 
 
+@functools.cache  # the source is read once per process, not at every parse_args
 def field_docs(cls):
     """{field name: the string literal written under it} from the source of cls and of the dataclasses it inherits
     from (base first, so a field a subclass redefines takes its own): per-field docstrings (CleanRL's habit) that

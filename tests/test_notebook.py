@@ -36,6 +36,7 @@ def _ensure_python3_kernelspec(tmp_path, monkeypatch):
     )
 
 
+@pytest.mark.long(150)  # seconds on a 2-core machine, for the order only
 def test_notebook_runs(tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -2,11 +2,14 @@
 
 import re
 
+import pytest
+
 # -----------------------------------------------------------------------------
 # The Gaussian-mixture toy: every check of toy_gaussian.py, quick sizes
 # -----------------------------------------------------------------------------
 
 
+@pytest.mark.long(120)  # seconds on a 2-core machine, for the order only
 def test_toy_gaussian_quick_passes_every_check(tmp_path, capsys):
     import toy_gaussian
 
