@@ -1017,7 +1017,7 @@ def dry_run(args):
     from peft import LoraConfig
 
     config = json.loads((Path(__file__).parents[1] / "world/assets/sd3.5-medium-transformer.json").read_text())
-    with init_empty_weights():
+    with init_empty_weights(include_buffers=True):  # buffers too: SD3's 384 x 384 position table is not computed
         transformer = SD3Transformer2DModel.from_config(config)
         lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=LORA_TARGETS)
         transformer.add_adapter(lora, adapter_name="default")

@@ -368,8 +368,13 @@ def censored_speedup(base: dict, other: dict, resamples=2000, seed=0):
         return np.nan, np.nan, np.nan, 0
     b, o = (np.array([d[s] for s in seeds], dtype=float) for d in (base, other))
 
+    known = {}  # a resample's ratio depends only on how often it draws each seed: computed once per such count
+
     def ratio(idx):
-        return median_ratio(km_median(b[idx, 0], b[idx, 1] > 0), km_median(o[idx, 0], o[idx, 1] > 0))
+        key = np.bincount(idx, minlength=len(seeds)).tobytes()
+        if key not in known:
+            known[key] = median_ratio(km_median(b[idx, 0], b[idx, 1] > 0), km_median(o[idx, 0], o[idx, 1] > 0))
+        return known[key]
 
     rng = np.random.default_rng(seed)
     boot = np.array([ratio(rng.integers(0, len(seeds), len(seeds))) for _ in range(resamples)])
