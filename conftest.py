@@ -30,7 +30,12 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(items):
     """The long tests first, longest first (`long(seconds)`): under -n N the workers take the queue in turn, so they
     share the long ones from the start instead of one worker ending alone with the last of them."""
-    items.sort(key=lambda item: -(item.get_closest_marker("long").args[0] if item.get_closest_marker("long") else 0))
+
+    def seconds(item):
+        mark = item.get_closest_marker("long")
+        return mark.args[0] if mark else 0
+
+    items.sort(key=seconds, reverse=True)  # stable: the rest keep their order
 
 
 TINY_WORDS = ["a", "red", "blue", "circle", "square", "two"]

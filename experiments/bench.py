@@ -183,6 +183,7 @@ class Experiment:
     quick: dict = field(default_factory=lambda: {"iterations": 1, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2})
 
 
+QUICK_FINAL = {"final_noises": 1, "final_captions": 8}  # --quick's final evaluation: the first 8 captions, one noise
 TREE = (
     "--n-roots",
     "4",
@@ -383,7 +384,7 @@ CONTROL_RUNS = dict(  # recast-reversed, -matched and -units: recast-protocol's 
     quick_keep=("A-uniform",),
     seconds_per_prompt_iter=0.85,
     final_noises=4,
-    quick={"iterations": 1, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, "final_noises": 1, "final_captions": 8},
+    quick={"iterations": 1, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, **QUICK_FINAL},
 )
 
 EXPERIMENTS = {
@@ -449,14 +450,7 @@ EXPERIMENTS = {
             # no reuse: rvge-joint's committed results keep no checkpoint (work/ is not committed), and the final
             # evaluation needs each run's last one, so its seeds 0-3 are run again here
             **TREE_RUNS,
-            quick={
-                "iterations": 1,
-                "prompts_per_iter": 1,
-                "seeds": 2,
-                "eval_every": 2,
-                "final_noises": 1,
-                "final_captions": 8,
-            },
+            quick={"iterations": 1, "prompts_per_iter": 1, "seeds": 2, "eval_every": 2, **QUICK_FINAL},
         ),
         Experiment(  # why RVGE trails in rvge-joint: is it the step (lr) or the bandwidth (broad for every reward)?
             "rvge-joint-why",
@@ -521,14 +515,7 @@ EXPERIMENTS = {
                 quick_keep=(f"{setting}-uniform",),
                 seconds_per_prompt_iter=0.85,
                 final_noises=4,  # recast.py's own tree
-                quick={
-                    "iterations": 1,
-                    "prompts_per_iter": 1,
-                    "seeds": 1,
-                    "eval_every": 2,
-                    "final_noises": 1,
-                    "final_captions": 8,
-                },
+                quick={"iterations": 1, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2, **QUICK_FINAL},
             )
             for setting, name in (("A", "recast-protocol"), ("B", "recast-protocol-B"))
         ),

@@ -508,10 +508,8 @@ def test_rvge_joint_fifth_quick_decides_on_the_final_evaluation(tmp_path):
     assert {label: sorted(runs) for label, runs in res.runs["joint"].items()} == {"nft": [0, 1], "rvge_fifth": [0, 1]}
     assert not res.incomplete and (out / "runs" / "pretrained.final.json").is_file()
     final = json.loads((out / "runs" / "joint_rvge_fifth-seed1.final.json").read_text())
-    assert final["n"] == bench.EXPERIMENTS["rvge-joint-fifth"].quick["final_captions"] and set(final["scores"]) == {
-        "1",
-        "2",
-    }
+    n = bench.QUICK_FINAL["final_captions"] * bench.QUICK_FINAL["final_noises"]
+    assert final["n"] == n and set(final["scores"]) == {"1", "2"}
     table = (out / "table.md").read_text()
     assert "| pretrained | | 0 | 0 |" in table and "| rvge_fifth | 2 | 1 |" in table
     assert "Holm per method over the" in table and "| judge/frechet |" in table.split("Non-inferiority to nft")[1]
@@ -551,10 +549,8 @@ def test_recast_protocol_quick_reports_paired_differences_and_judge_counts(tmp_p
             or f"ReCAST improves judge cnn over {other} in 1 of 1 cells" in table
         ) and f"ReCAST improves judge pref (share > 0.5) over {other} in " in table
     final = json.loads((exp_dir / "runs" / "A_uniform_recast-seed0.final.json").read_text())
-    assert final["n"] == bench.EXPERIMENTS["recast-protocol"].quick["final_captions"] and set(final["scores"]) == {
-        "1",
-        "2",
-    }
+    n = bench.QUICK_FINAL["final_captions"] * bench.QUICK_FINAL["final_noises"]
+    assert final["n"] == n and set(final["scores"]) == {"1", "2"}
     assert all(len(final["scores"]["1"][k]) == final["n"] for k in ("geneval", "judge/cnn", "judge/pref"))
     assert (exp_dir / "profiles.png").exists() and (exp_dir / "W_final.png").exists()
     # once setting B has run too, each report adds the counts over both settings' cells (here B's file is A's copy)
