@@ -28,14 +28,30 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(items):
-    """The long tests first, longest first (`long(seconds)`): under -n N the workers take the queue in turn, so they
-    share the long ones from the start instead of one worker ending alone with the last of them."""
+    """The long tests first, longest first (`long(seconds)`): under -n N the workers take the queue in turn (one test at
+    a time, pytest_xdist_make_scheduler), so they share the long ones from the start instead of one worker ending
+    alone with the last of them."""
 
     def seconds(item):
         mark = item.get_closest_marker("long")
         return mark.args[0] if mark else 0
 
     items.sort(key=seconds, reverse=True)  # stable: the rest keep their order
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it, never called
+def pytest_xdist_make_scheduler(config, log):
+    """Under -n N (xdist's --dist load), the workers are topped up one test at a time from one queue (as with
+    --maxschedchunk 1). By default xdist hands each worker a block of consecutive tests up front, a quarter of its
+    share: the first block held every long test, and its worker ran 555 s while the other ran out of work at 333 s."""
+    if config.getvalue("dist") != "load":
+        return None  # another --dist: xdist's own scheduler
+    from xdist.scheduler import LoadScheduling
+
+    scheduler = LoadScheduling(config, log)
+    if scheduler.maxschedchunk is None:  # --maxschedchunk not given
+        scheduler.maxschedchunk = 1
+    return scheduler
 
 
 TINY_WORDS = ["a", "red", "blue", "circle", "square", "two"]

@@ -92,13 +92,13 @@ def advantages(rewards, groups, std=None, clip=5.0, eps=1e-4):
     valid = np.isfinite(R)
     if std is None:
         std = np.array([R[valid[:, k], k].std() if valid[:, k].any() else 0.0 for k in range(R.shape[1])])
-    A = np.zeros_like(R)
-    for g in np.unique(groups):
-        rows = groups == g
-        Rg, vg = R[rows], valid[rows]
-        n = vg.sum(0)
-        mean = np.where(vg, Rg, 0.0).sum(0) / np.maximum(n, 1)
-        A[rows] = np.where(vg, (np.where(vg, Rg, 0.0) - mean) / (np.asarray(std) + eps), 0.0)
+    group = np.unique(groups, return_inverse=True)[1].reshape(-1)  # each row's group, 0 .. G - 1
+    R0 = np.where(valid, R, 0.0)
+    n, total = np.zeros((group.max(initial=-1) + 1, R.shape[1])), np.zeros((group.max(initial=-1) + 1, R.shape[1]))
+    np.add.at(n, group, valid)  # per group and reward: the finite rewards and their sum, in row order
+    np.add.at(total, group, R0)
+    mean = total / np.maximum(n, 1)
+    A = np.where(valid, (R0 - mean[group]) / (np.asarray(std) + eps), 0.0)
     A = np.clip(A, -clip, clip)
     return A[:, 0] if squeeze else A
 

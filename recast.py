@@ -365,9 +365,10 @@ def split_levels(ancestry):
     ancestry (N, L+1) ints: column 0 the root id, column l the branch index taken
     at branch time l (l = 1..L). Returns S (N, N): the number of leading columns
     two leaves share. S = 0: different roots (independent, t = 1); S = l: split at
-    branch time l; S = L+1: the same leaf (t = 0)."""
+    branch time l; S = L+1: the same leaf (t = 0). Leading axes are batch axes:
+    (G, N, L+1) -> (G, N, N)."""
     A = np.asarray(ancestry)
-    same = A[:, None, :] == A[None, :, :]  # (N, N, L+1)
+    same = A[..., :, None, :] == A[..., None, :, :]  # (..., N, N, L+1)
     return np.cumprod(same, axis=-1).sum(-1)
 
 
@@ -384,16 +385,18 @@ def pair_moments(r, groups, ancestry):
     pairs a != b (a == b for the last level) per level, within groups only."""
     r = np.asarray(r, dtype=np.float64)
     r = r[:, None] if r.ndim == 1 else r
-    S = split_levels(ancestry)
-    n_levels = np.asarray(ancestry).shape[1] + 1
-    same_group = np.asarray(groups)[:, None] == np.asarray(groups)[None, :]
-    prods = np.einsum("ak,bk->kab", r, r)  # (K, N, N)
-    sums = np.zeros((r.shape[1], n_levels))
-    counts = np.zeros(n_levels)
-    for level in range(n_levels):
-        mask = same_group & (S == level)
-        sums[:, level] = (prods * mask).sum((1, 2))
-        counts[level] = mask.sum()
+    A, groups = np.asarray(ancestry), np.asarray(groups)
+    n_levels = A.shape[1] + 1
+    sums, counts = np.zeros((r.shape[1], n_levels)), np.zeros(n_levels)
+    order = np.argsort(groups, kind="stable")  # the pairs of one group only: O(N m) for groups of m leaves, not O(N^2)
+    _, starts, sizes = np.unique(groups[order], return_index=True, return_counts=True)
+    for m in np.unique(sizes):  # the groups of m leaves at once: rows (G, m)
+        rows = order[starts[sizes == m][:, None] + np.arange(m)]
+        S = split_levels(A[rows])  # (G, m, m)
+        prods = np.einsum("gak,gbk->kgab", r[rows], r[rows])  # (K, G, m, m)
+        counts += np.bincount(S.ravel(), minlength=n_levels)
+        for k in range(r.shape[1]):
+            sums[k] += np.bincount(S.ravel(), weights=prods[k].ravel(), minlength=n_levels)
     return sums, counts
 
 
