@@ -183,7 +183,8 @@ class Experiment:
     quick: dict = field(default_factory=lambda: {"iterations": 1, "prompts_per_iter": 1, "seeds": 1, "eval_every": 2})
 
 
-QUICK_FINAL = {"final_noises": 1, "final_captions": 8}  # --quick's final evaluation: the first 8 captions, one noise
+QUICK_FINAL = {"final_noises": 1, "final_captions": 4}  # --quick's final evaluation: the first 4 captions, one noise
+QUICK_FLAGS = ("--eval-steps", "4")  # --quick's in-run evaluations: 4 Euler steps (the runs' own: --steps, 10)
 TREE = (
     "--n-roots",
     "4",
@@ -586,8 +587,8 @@ EXPERIMENTS = {
 
 
 def quick_version(exp: Experiment) -> Experiment:
-    """Seconds instead of an hour: the quick overrides, and only the groups (or methods) in quick_keep. A cell that
-    sets its own --prompts-per-iter (multi's recast cells: the images of rvge's tree) keeps its ratio to the
+    """Seconds instead of an hour: the quick overrides, QUICK_FLAGS, and only the groups (or methods) in quick_keep. A
+    cell that sets its own --prompts-per-iter (multi's recast cells: the images of rvge's tree) keeps its ratio to the
     experiment's."""
 
     def scaled(flags):
@@ -598,7 +599,7 @@ def quick_version(exp: Experiment) -> Experiment:
         return (*flags[:i], str(n), *flags[i + 1 :])
 
     cells = tuple(
-        replace(c, flags=scaled(c.flags))
+        replace(c, flags=(*scaled(c.flags), *QUICK_FLAGS))
         for c in exp.cells
         if not exp.quick_keep or c.group in exp.quick_keep or c.label in exp.quick_keep
     )
@@ -829,9 +830,28 @@ def check_flags(runs):
 RESULT_FIELDS = {"settings": list, "rows": list}  # what a result needs; its run is its file name and settings
 
 
+RESULTS_READ = {}  # (path, inode, mtime, ctime, size) -> read_result's answer: main reads each file once (cleared at
+# every main)
+
+
 def read_result(path: Path) -> tuple[dict | None, str | None]:
     """(record, None) for an intact result file (gzip or plain JSON with RESULT_FIELDS and metrics rows); (None, what
-    is wrong) for a damaged or older-format one; (None, None) when there is no file."""
+    is wrong) for a damaged or older-format one; (None, None) when there is no file. A file read before in this main,
+    unchanged since (its stat the same), is not read again: the record is shared, never changed by its readers."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None, None
+    except OSError as err:
+        return None, f"cannot be read ({err.strerror or err})"
+    key = (str(path), stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_size)
+    if key not in RESULTS_READ:
+        RESULTS_READ[key] = parse_result(path)
+    return RESULTS_READ[key]
+
+
+def parse_result(path: Path) -> tuple[dict | None, str | None]:
+    """`read_result` of a file not read before."""
     import zlib
 
     try:
@@ -1132,22 +1152,26 @@ def execute(runs, jobs):
 SECONDS_PER_EVAL, SECONDS_PER_START = 1.0, 12.0
 
 
-def planned_not_reused(exp: Experiment) -> list[Run]:
-    """The runs the experiment makes itself: all, less those `exp.reuse` plans identically (same id and settings),
-    whose results are taken from it."""
-    runs = plan_runs(exp, Path("."))
-    if not exp.reuse or exp.reuse not in EXPERIMENTS:
-        return runs
-    other = {(r.run_id, r.settings) for r in plan_runs(EXPERIMENTS[exp.reuse], Path("."))}  # at its own seeds
-    return [r for r in runs if (r.run_id, r.settings) not in other]
+def planned_not_reused(exp: Experiment) -> list[Cell]:
+    """The cells of the runs the experiment makes itself, run by run (seed by seed, as `plan_runs`): all, less those
+    `exp.reuse` plans identically (same id and settings), whose results are taken from it. Only its seeds can be
+    taken, so only they are planned (a power line asks for thousands of seeds)."""
+    other = EXPERIMENTS.get(exp.reuse) if exp.reuse else None
+    if other is None:
+        return [cell for _ in range(exp.seeds) for cell in exp.cells]
+    taken = {(r.run_id, r.settings) for r in plan_runs(other, Path("."))}  # at its own seeds
+    first = plan_runs(replace(exp, seeds=min(exp.seeds, other.seeds)), Path("."))
+    return [r.cell for r in first if (r.run_id, r.settings) not in taken] + [
+        cell for _ in range(len(first) // max(1, len(exp.cells)), exp.seeds) for cell in exp.cells
+    ]
 
 
 def estimate_minutes(exp: Experiment, jobs=2):
     """Wall-clock estimate on a 2-core machine: each run's time from the measured rates, runs handed
     in their order to whichever of the `jobs` workers frees first; runs taken from `exp.reuse` cost nothing."""
     workers = np.zeros(jobs)
-    for run in planned_not_reused(exp):
-        its = cell_iterations(exp, run.cell)
+    for cell in planned_not_reused(exp):
+        its = cell_iterations(exp, cell)
         evals = 1 + (its // exp.eval_every + (its % exp.eval_every > 0) if exp.eval_every else 0)
         workers[workers.argmin()] += (
             its * exp.prompts_per_iter * exp.seconds_per_prompt_iter + evals * SECONDS_PER_EVAL + SECONDS_PER_START
@@ -1233,6 +1257,7 @@ def check_one_world(planned: list[Run], exp_dir: Path):
 
 
 def main(argv=None):
+    RESULTS_READ.clear()
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1242,7 +1267,8 @@ def main(argv=None):
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="seconds, not an hour: 1-2 iterations, 1 prompt, 1-2 seeds, fewer cells (what the tests run)",
+        help="seconds, not an hour: 1 iteration, 1 prompt, 1-2 seeds, fewer cells, evaluations at 4 steps, the final "
+        "one on 4 captions (what the tests run)",
     )
     parser.add_argument(
         "--jobs",
