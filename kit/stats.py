@@ -110,11 +110,12 @@ def sign_flip_p(values, alternative="two-sided", draws=200_000):
     (a, observed), n = v, len(v[0])
     if n == 0:
         return np.nan
-    if n <= EXACT_UP_TO:
-        signs = 1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)  # (2^n, n) every pattern of +-1
+    if n <= EXACT_UP_TO:  # every pattern's sum, one value at a time: +-a_i added to each sum of the ones before
+        sums = np.zeros(1)
+        for x in a:
+            sums = np.concatenate([sums + x, sums - x])
     else:
-        signs = np.random.default_rng(0).choice([-1, 1], size=(draws, n))
-    sums = signs @ a
+        sums = np.random.default_rng(0).choice([-1, 1], size=(draws, n)) @ a
     tol = 1e-9 * max(float(a.sum()), 1e-300)  # ties (equal |d|, zeros) counted as at least as extreme
     if alternative == "greater":
         return float(np.mean(sums >= observed - tol))
