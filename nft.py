@@ -94,8 +94,8 @@ def advantages(rewards, groups, std=None, clip=5.0, eps=1e-4):
         std = np.array([R[valid[:, k], k].std() if valid[:, k].any() else 0.0 for k in range(R.shape[1])])
     group = np.unique(groups, return_inverse=True)[1].reshape(-1)  # each row's group, 0 .. G - 1
     R0 = np.where(valid, R, 0.0)
-    n, total = np.zeros((group.max(initial=-1) + 1, R.shape[1])), np.zeros((group.max(initial=-1) + 1, R.shape[1]))
-    np.add.at(n, group, valid)  # per group and reward: the finite rewards and their sum, in row order
+    n, total = np.zeros((2, group.max(initial=-1) + 1, R.shape[1]))  # per group and reward: finite rewards, their sum
+    np.add.at(n, group, valid)
     np.add.at(total, group, R0)
     mean = total / np.maximum(n, 1)
     A = np.where(valid, (R0 - mean[group]) / (np.asarray(std) + eps), 0.0)

@@ -53,6 +53,22 @@ def test_optimality_clips_and_handles_nan_and_all_ties():
     assert np.isclose(nft.optimality(R[:, 1], [0] * 4, std=1e3)[0], 0.5 + 0.5 * (1 - 34) / (1e3 + 1e-4) / 5)
 
 
+def test_advantages_match_a_loop_over_groups():
+    """nft.advantages' group means (one pass, np.add.at) against each group's own mean, rows of the groups interleaved,
+    groups of 1 to 9 rows, non-finite rewards left out of their group's mean and getting A = 0."""
+    rng = np.random.default_rng(5)
+    groups = rng.permutation(np.repeat([7, 1, 4, 9], [1, 3, 9, 6]))
+    R = rng.normal(size=(len(groups), 2))
+    R[rng.random(R.shape) < 0.15] = np.nan
+    std = np.array([0.7, 1.3])
+    loop = np.zeros_like(R)
+    for g in np.unique(groups):
+        for k in range(2):
+            rows = (groups == g) & np.isfinite(R[:, k])
+            loop[rows, k] = np.clip((R[rows, k] - R[rows, k].mean()) / (std[k] + 1e-4), -5, 5)
+    assert np.allclose(nft.advantages(R, groups, std=std), loop, rtol=1e-13, atol=1e-15)
+
+
 def test_combine_raw_is_the_budget_weighted_sum():
     R = np.array([[1.0, 2.0], [3.0, np.nan]])
     out = nft.combine_raw(R, [0.25, 0.75])
@@ -84,15 +100,18 @@ def test_split_levels_by_hand():
 
 
 def test_pair_moments_match_a_naive_loop():
+    """Over every ordered pair of leaves, whatever the order of the rows and the sizes of the groups (pair_moments
+    takes the groups of one size at a time)."""
     rng = np.random.default_rng(2)
     anc = np.array(list(itertools.product(range(3), range(2), range(2))))  # 3 roots x 2 x 2
-    anc = np.concatenate([anc, anc + [3, 0, 0]])  # two prompt groups
-    groups = np.repeat([0, 1], 12)
-    r = rng.random((24, 2))
+    anc = np.concatenate([anc, anc + [3, 0, 0], anc[:8] + [6, 0, 0]])  # three prompt groups: 12, 12 and 8 leaves
+    groups = np.repeat([0, 5, 2], [12, 12, 8])
+    shuffle = rng.permutation(len(groups))
+    anc, groups, r = anc[shuffle], groups[shuffle], rng.random((len(groups), 2))
     sums, counts = recast.pair_moments(r, groups, anc)
     naive_s, naive_c = np.zeros((2, 4)), np.zeros(4)
-    for a in range(24):
-        for b in range(24):
+    for a in range(len(groups)):
+        for b in range(len(groups)):
             if groups[a] != groups[b]:
                 continue
             level = 0
@@ -100,8 +119,8 @@ def test_pair_moments_match_a_naive_loop():
                 level += 1
             naive_s[:, level] += r[a] * r[b]
             naive_c[level] += 1
-    assert np.allclose(sums, naive_s) and np.array_equal(counts, naive_c)
-    assert counts[-1] == 24  # each leaf with itself
+    assert np.allclose(sums, naive_s, rtol=1e-13, atol=0) and np.array_equal(counts, naive_c)
+    assert counts[-1] == 32  # each leaf with itself
     D = recast.pairs_curve(sums, counts)
     assert np.allclose(D[:, 0], 0.0)
 

@@ -1160,9 +1160,10 @@ def planned_not_reused(exp: Experiment) -> list[Cell]:
     if other is None:
         return [cell for _ in range(exp.seeds) for cell in exp.cells]
     taken = {(r.run_id, r.settings) for r in plan_runs(other, Path("."))}  # at its own seeds
-    first = plan_runs(replace(exp, seeds=min(exp.seeds, other.seeds)), Path("."))
+    shared = min(exp.seeds, other.seeds)
+    first = plan_runs(replace(exp, seeds=shared), Path("."))
     return [r.cell for r in first if (r.run_id, r.settings) not in taken] + [
-        cell for _ in range(len(first) // max(1, len(exp.cells)), exp.seeds) for cell in exp.cells
+        cell for _ in range(shared, exp.seeds) for cell in exp.cells
     ]
 
 

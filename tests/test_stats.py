@@ -100,6 +100,11 @@ def test_the_sign_flip_test_by_hand_against_scipy_and_at_zero_variance():
         same = [0.0078] * n
         assert stats.p_value(*stats.mean_ci(same)) == stats.sign_flip_p(same) == 2 / 2**n  # t's: 0 or 6e-33
     assert stats.sign_flip_p([0.0, 0.0, 0.0]) == 1.0 and np.isnan(stats.sign_flip_p([]))
+    d = np.random.default_rng(3).normal(0.3, 1.0, 12)  # all 4,096 patterns, against scipy's enumeration of them
+    exact = scipy_stats.permutation_test(
+        (d,), np.mean, permutation_type="samples", alternative="two-sided", n_resamples=np.inf
+    )
+    assert stats.sign_flip_p(d) == pytest.approx(exact.pvalue, rel=1e-12)
     many = np.random.default_rng(1).normal(0.4, 1.0, 30)  # past EXACT_UP_TO: fixed Monte Carlo draws, near the t's p
     assert stats.sign_flip_p(many) == stats.sign_flip_p(many)
     assert stats.sign_flip_p(many) == pytest.approx(stats.p_value(*stats.mean_ci(many)), abs=0.02)
