@@ -840,26 +840,20 @@ def read_result(path: Path) -> tuple[dict | None, str | None]:
     unchanged since (its stat the same), is not read again: the record is shared, never changed by its readers."""
     try:
         stat = path.stat()
+        key = (str(path), stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_size)
+        if key not in RESULTS_READ:
+            RESULTS_READ[key] = parse_result(path.read_bytes())
     except FileNotFoundError:
         return None, None
     except OSError as err:
         return None, f"cannot be read ({err.strerror or err})"
-    key = (str(path), stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_size)
-    if key not in RESULTS_READ:
-        RESULTS_READ[key] = parse_result(path)
     return RESULTS_READ[key]
 
 
-def parse_result(path: Path) -> tuple[dict | None, str | None]:
-    """`read_result` of a file not read before."""
+def parse_result(data: bytes) -> tuple[dict | None, str | None]:
+    """`read_result` of a file's bytes not read before."""
     import zlib
 
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None, None
-    except OSError as err:
-        return None, f"cannot be read ({err.strerror or err})"
     try:
         record = json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
     except (OSError, EOFError, zlib.error) as err:
