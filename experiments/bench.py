@@ -830,8 +830,8 @@ def check_flags(runs):
 RESULT_FIELDS = {"settings": list, "rows": list}  # what a result needs; its run is its file name and settings
 
 
-RESULTS_READ = {}  # (path, inode, mtime, ctime, size) -> read_result's answer: main reads each file once (cleared at
-# every main)
+# (path, inode, mtime, ctime, size) -> read_result's answer: each main reads a result file once (main clears it)
+RESULTS_READ = {}
 
 
 def read_result(path: Path) -> tuple[dict | None, str | None]:
@@ -1150,7 +1150,7 @@ def planned_not_reused(exp: Experiment) -> list[Cell]:
     """The cells of the runs the experiment makes itself, run by run (seed by seed, as `plan_runs`): all, less those
     `exp.reuse` plans identically (same id and settings), whose results are taken from it. Only its seeds can be
     taken, so only they are planned (a power line asks for thousands of seeds)."""
-    other = EXPERIMENTS.get(exp.reuse) if exp.reuse else None
+    other = EXPERIMENTS.get(exp.reuse)  # none: no reuse ("") or an unknown name
     if other is None:
         return [cell for _ in range(exp.seeds) for cell in exp.cells]
     taken = {(r.run_id, r.settings) for r in plan_runs(other, Path("."))}  # at its own seeds
