@@ -369,7 +369,8 @@ README = HERE.parents[2] / "README.md"
 BEGIN, END = "<!-- BEGIN first-run (experiments/results/first-run/first_run.py table) -->", "<!-- END first-run -->"
 
 
-TIMED, TIMED_FILE = "E", "`experiments/results/first-run/main_command_time.txt`"  # the arm whose command was timed
+FOLDER = "experiments/results/first-run"
+TIMED = "E"  # main_command_time.txt: /usr/bin/time of arm E's command alone; main_command_time-<arm>.txt: another arm's
 
 
 def minutes(seconds: float) -> str:
@@ -381,6 +382,31 @@ def reward_share(arm: str) -> float:
     logs = [run_log(k) for k in seed_runs(arm, (p.name.removesuffix(".jsonl.gz") for p in (HERE / "runs").iterdir()))]
     total = sum(v for log in logs for m in log for k, v in m.items() if k.startswith("time/"))
     return sum(m["time/reward"] for log in logs for m in log) / total
+
+
+def timed(name: str) -> tuple[float, str]:
+    """A timing file's wall seconds and its machine's CPU ("Model name: ..." on its second line)."""
+    text = (HERE / name).read_text()
+    return float(text.split("wall ")[1].split(" s")[0]), text.splitlines()[1].split("Model name: ")[1].strip()
+
+
+def timing_lines(arm: str) -> list[str]:
+    """The main command's time alone on 2-core machines: the arm's own timing where one was made, and the estimate
+    from arm TIMED's (the same transformer work: model, samples, steps; only the rewards' share of the time differs)."""
+    wall, cpu = timed("main_command_time.txt")
+    if arm == TIMED:
+        return [f"The command alone: {minutes(wall)} on a 2-core {cpu} (`{FOLDER}/main_command_time.txt`)."]
+    parts = []
+    if (HERE / f"main_command_time-{arm}.txt").is_file():
+        own, own_cpu = timed(f"main_command_time-{arm}.txt")
+        parts.append(f"{minutes(own)} on a 2-core {own_cpu} (`{FOLDER}/main_command_time-{arm}.txt`)")
+    s_t, s_a = reward_share(TIMED), reward_share(arm)
+    parts.append(
+        f"about {minutes(wall * (1 - s_t) / (1 - s_a))} on the 2-core {cpu} that timed the earlier defaults at "
+        f"{minutes(wall)} (`main_command_time.txt`; scaled by the rewards' share of training time, {s_a:.1%} here "
+        f"against {s_t:.1%}, from `time/*` in the runs' logs)"
+    )
+    return [f"The command alone: {'; '.join(parts)}."]
 
 
 def weighted_of(result: dict, seed: str, conf: dict) -> float:
@@ -410,19 +436,7 @@ def readme_block(arm: str = CHOSEN, kernels=("avx2", "default")) -> str:
         )
     fr = summary["frechet_ratio"]
     lines += ["", f"Fréchet distance to the world's images: x{min(fr):.2f}-x{max(fr):.2f} the pretrained model's."]
-    timed = HERE / "main_command_time.txt"  # /usr/bin/time of arm TIMED's command alone on a 2-core machine
-    if timed.is_file():
-        wall = float(timed.read_text().split("wall ")[1].split(" s")[0])
-        if arm == TIMED:
-            lines.append(f"The command took {minutes(wall)} alone on a 2-core machine ({TIMED_FILE}).")
-        else:  # the same transformer work (model, samples, steps); only the rewards' share of the time differs
-            s_t, s_a = reward_share(TIMED), reward_share(arm)
-            estimate = minutes(wall * (1 - s_t) / (1 - s_a))
-            lines.append(
-                f"The command does the same transformer work as the one timed at {minutes(wall)} alone on a 2-core "
-                f"machine ({TIMED_FILE}, the earlier defaults); its rewards take {s_a:.1%} of its runs' training time "
-                f"against {s_t:.1%} in the earlier defaults' (`time/*` in their logs): about {estimate} on that machine."
-            )
+    lines += timing_lines(arm)
     p = summary["paired"][f"weighted_{arm}"]
     for cap in kernels:
         path = HERE / "final" / f"kernel-{arm}-{cap}.json"
