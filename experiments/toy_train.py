@@ -686,6 +686,52 @@ def profile_lines(sig, names, info, arms):
     return L
 
 
+def arm_gain_lines(per_arm, second):
+    """The equal-KL gain table: a row per batch size, KL fraction and arm; `second` names the reward beside coarse."""
+    L = table_header(
+        "groups",
+        "KL fraction",
+        "KL level",
+        "arm",
+        "weighted gain",
+        "coarse gain",
+        f"{second} gain",
+        "runs reaching",
+        "median final KL",
+    )
+    for r in per_arm:
+        L.append(
+            f"| {r['groups']} | {r['kl_fraction']} | {r['kl_level']:.4f} | {r['arm']} | {r['weighted_gain']:+.4f} | "
+            f"{r['coarse_gain']:+.4f} | {r['fine_gain']:+.4f} | {r['reached']}/{r['runs']} | {r['final_kl']:.4f} |"
+        )
+    return L
+
+
+def paired_lines(rows, baseline):
+    """The paired differences at equal KL, relative to `baseline`'s gain, with Holm's p on the primary rows."""
+    L = table_header(
+        "groups", "KL fraction", "a - b", "difference", f"relative to {baseline}'s gain", "n", "p", "p Holm"
+    )
+    for r in rows:
+        rel = r["mean"] / r["uniform_gain"] if r["uniform_gain"] else np.nan
+        ph = f"{r['p_holm']:.3g}" if "p_holm" in r else "-"
+        L.append(
+            f"| {r['groups']} | {r['kl_fraction']} | {r['a']} - {r['b']} | {fmt_ci(r)} | {rel:+.1%} | {r['n']} | "
+            f"{r['p']:.3g} | {ph} |"
+        )
+    return L
+
+
+def power_lines(power, effect):
+    """The seeds each primary comparison needs for 80% power (power_rows), `effect` naming the effect's column."""
+    L = table_header("groups", "a - b", "paired sd", effect, "seeds needed", "seeds run")
+    for r in power:
+        L.append(
+            f"| {r['groups']} | {r['a']} - {r['b']} | {r['sd']:.4f} | {r['delta']:.4f} | {fmt_needed(r)} | {r['n']} |"
+        )
+    return L
+
+
 def write_tables(path, cfg, profiles_info, recast_rows, per_arm, speed, controls, power, elapsed):
     """results/toy-train/tables.md: the exact profiles and W, the equal-KL tables, RVGE's thresholds and controls,
     the seeds a resolution needs."""
@@ -725,32 +771,9 @@ def write_tables(path, cfg, profiles_info, recast_rows, per_arm, speed, controls
         "Gain = the run's value minus its seed's value at iteration 0 (the exact model); each run is read where its"
     )
     L.append("own KL curve first reaches the level (KL level = fraction x the median final KL of uniform W).\n")
-    L += table_header(
-        "groups",
-        "KL fraction",
-        "KL level",
-        "arm",
-        "weighted gain",
-        "coarse gain",
-        "fine gain",
-        "runs reaching",
-        "median final KL",
-    )
-    for r in per_arm:
-        L.append(
-            f"| {r['groups']} | {r['kl_fraction']} | {r['kl_level']:.4f} | {r['arm']} | {r['weighted_gain']:+.4f} | "
-            f"{r['coarse_gain']:+.4f} | {r['fine_gain']:+.4f} | {r['reached']}/{r['runs']} | {r['final_kl']:.4f} |"
-        )
+    L += arm_gain_lines(per_arm, "fine")
     L.append("\n### Paired differences at equal KL (a - b; mean [95% t interval], p; Holm over the 12 primary rows)\n")
-    L.append("| groups | KL fraction | a - b | difference | relative to uniform's gain | n | p | p Holm |")
-    L.append("|---|---|---|---|---|---|---|---|")
-    for r in recast_rows:
-        rel = r["mean"] / r["uniform_gain"] if r["uniform_gain"] else np.nan
-        ph = f"{r['p_holm']:.3g}" if "p_holm" in r else "-"
-        L.append(
-            f"| {r['groups']} | {r['kl_fraction']} | {r['a']} - {r['b']} | {fmt_ci(r)} | {rel:+.1%} | {r['n']} | "
-            f"{r['p']:.3g} | {ph} |"
-        )
+    L += paired_lines(recast_rows, "uniform")
     L.append("\n## RVGE vs NFT, one reward each: thresholds at matched KL and iterations (censored runs counted)\n")
     L.append("Threshold = 0.5 x NFT's median final gain on that reward. Wins: seeds where RVGE reached it first")
     L.append(
@@ -795,12 +818,7 @@ def write_tables(path, cfg, profiles_info, recast_rows, per_arm, speed, controls
         )
     L.append("\n## Seeds for 80% power (paired t at 0.05 / 12, Holm's first step) at this run's paired sd\n")
     L.append("Effect of interest: 2% of uniform W's weighted gain at the primary KL level (0.5).\n")
-    L.append("| groups | a - b | paired sd | effect (2% of uniform's gain) | seeds needed | seeds run |")
-    L.append("|---|---|---|---|---|---|")
-    for r in power:
-        L.append(
-            f"| {r['groups']} | {r['a']} - {r['b']} | {r['sd']:.4f} | {r['delta']:.4f} | {fmt_needed(r)} | {r['n']} |"
-        )
+    L += power_lines(power, "effect (2% of uniform's gain)")
     with open(path, "w") as f:
         f.write("\n".join(L) + "\n")
 
@@ -865,22 +883,16 @@ def plot_reward_vs_kl(path, records, groups_list):
     fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)
 
 
-def power_rows(recast_rows, n_tests):
-    """Seeds for 80% power at the primary level: EFFECT_OF_INTEREST x uniform W's gain, each comparison's paired sd."""
+def power_rows(recast_rows, n_tests, effect=EFFECT_OF_INTEREST):
+    """Seeds for 80% power at the primary level (KL fraction 0.5): `effect` x the baseline's gain, each comparison's
+    paired sd, at alpha 0.05 / n_tests (inf where no seed count suffices or the sd is not finite)."""
     out = []
     for r in recast_rows:
         if r["kl_fraction"] == 0.5:
-            delta = EFFECT_OF_INTEREST * abs(r["uniform_gain"])
+            delta = effect * abs(r["uniform_gain"])
+            needed = seeds_for_power(delta, r["sd"], alpha=0.05 / n_tests) if np.isfinite(r["sd"]) else None
             out.append(
-                dict(
-                    groups=r["groups"],
-                    a=r["a"],
-                    b=r["b"],
-                    sd=r["sd"],
-                    delta=delta,
-                    n=r["n"],
-                    needed=seeds_for_power(delta, r["sd"], alpha=0.05 / n_tests) or np.inf,
-                )
+                dict(groups=r["groups"], a=r["a"], b=r["b"], sd=r["sd"], delta=delta, n=r["n"], needed=needed or np.inf)
             )
     return out
 
@@ -913,6 +925,28 @@ def train_report(out, records, cfg, info, seconds):
     print(open(os.path.join(out, "tables.md")).read())
 
 
+def write_records(out, records):
+    """runs.csv: one row per evaluation of a run (read_records reads it back)."""
+    import csv
+
+    with open(os.path.join(out, "runs.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(records[0]))
+        writer.writeheader(), writer.writerows(records)
+
+
+def profile_info(sig, D, g, P, Ws, **more):
+    """summary.json's "profiles": the grid, the exact D curves, gains and profiles, each arm's W (as lists), `more`."""
+    return dict(
+        sigmas=sig.tolist(),
+        D=D.tolist(),
+        D0=D[:, -1].tolist(),
+        gains=g.tolist(),
+        P=P.tolist(),
+        W={k: np.asarray(v).tolist() for k, v in Ws.items()},
+        **more,
+    )
+
+
 def read_records(out):
     """The evaluations of runs.csv, typed: family and arm as text, groups, seed and iteration as int, the rest float."""
     import csv
@@ -942,7 +976,6 @@ def read_train_run(out):
 def train_main(quick, out, cfg=None):
     """The exact profiles, both experiment families at every batch size, the analysis; writes runs.csv,
     summary.json, tables.md and reward_vs_kl.png to `out`. Returns 0, or 1 if a reported quantity is not finite."""
-    import csv
 
     import torch
 
@@ -973,19 +1006,8 @@ def train_main(quick, out, cfg=None):
     finally:
         torch.set_num_threads(threads)
     elapsed = time.time() - start
-    with open(os.path.join(out, "runs.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(records[0]))
-        writer.writeheader(), writer.writerows(records)
-    info = dict(
-        sigmas=sig.tolist(),
-        D=D.tolist(),
-        D0=D[:, -1].tolist(),
-        gains=g.tolist(),
-        P=P.tolist(),
-        W={k: np.asarray(v).tolist() for k, v in Ws.items()},
-        online=online,
-    )
-    train_report(out, records, cfg, info, elapsed)
+    write_records(out, records)
+    train_report(out, records, cfg, profile_info(sig, D, g, P, Ws, online=online), elapsed)
     finite = all(np.isfinite([r["kl"], r["coarse"], r["fine"], r["discrete"]]).all() for r in records)
     print(f"toy_train done in {elapsed:.0f} s; results in {out}/ ({'all finite' if finite else 'NON-FINITE values'})")
     return 0 if finite else 1
@@ -1158,45 +1180,17 @@ def write_online_tables(path, cfg, info, rows, per_arm, est, power, elapsed):
     L.append(
         "\n## Weighted gain (coarse + mid) / 2 at equal KL (KL level = fraction x grad_uniform's median final KL)\n"
     )
-    L += table_header(
-        "groups",
-        "KL fraction",
-        "KL level",
-        "arm",
-        "weighted gain",
-        "coarse gain",
-        "mid gain",
-        "runs reaching",
-        "median final KL",
-    )
-    for r in per_arm:
-        L.append(
-            f"| {r['groups']} | {r['kl_fraction']} | {r['kl_level']:.4f} | {r['arm']} | {r['weighted_gain']:+.4f} | "
-            f"{r['coarse_gain']:+.4f} | {r['fine_gain']:+.4f} | {r['reached']}/{r['runs']} | {r['final_kl']:.4f} |"
-        )
+    L += arm_gain_lines(per_arm, "mid")
     n_primary = sum("p_holm" in r for r in rows)
     L.append(
         f"\n### Paired differences at equal KL (a - b; mean [95% t interval]; Holm over the {n_primary} primary rows)\n"
     )
-    L.append("| groups | KL fraction | a - b | difference | relative to grad_uniform's gain | n | p | p Holm |")
-    L.append("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        rel = r["mean"] / r["uniform_gain"] if r["uniform_gain"] else np.nan
-        ph = f"{r['p_holm']:.3g}" if "p_holm" in r else "-"
-        L.append(
-            f"| {r['groups']} | {r['kl_fraction']} | {r['a']} - {r['b']} | {fmt_ci(r)} | {rel:+.1%} | {r['n']} | "
-            f"{r['p']:.3g} | {ph} |"
-        )
+    L += paired_lines(rows, "grad_uniform")
     L.append(f"\n## Seeds for 80% power (paired t at 0.05 / {n_primary}, Holm's first step) at this run's paired sd\n")
     L.append(
         f"Effect that matters: {ONLINE_EFFECT:.0%} of grad_uniform's weighted gain at the primary KL level (0.5).\n"
     )
-    L.append("| groups | a - b | paired sd | effect | seeds needed | seeds run |")
-    L.append("|---|---|---|---|---|---|")
-    for r in power:
-        L.append(
-            f"| {r['groups']} | {r['a']} - {r['b']} | {r['sd']:.4f} | {r['delta']:.4f} | {fmt_needed(r)} | {r['n']} |"
-        )
+    L += power_lines(power, "effect")
     with open(path, "w") as f:
         f.write("\n".join(L) + "\n")
 
@@ -1209,14 +1203,7 @@ def online_report(out, records, credit, cfg, info, seconds):
     comps = online_comparisons(cfg)
     rows, per_arm = analyse_recast(records, groups, online_arms(cfg), comps, ("coarse", "mid"), "grad_uniform")
     n_primary = sum("p_holm" in r for r in rows)
-    power = []
-    for r in rows:
-        if r["kl_fraction"] == 0.5:
-            delta = ONLINE_EFFECT * abs(r["uniform_gain"])
-            needed = seeds_for_power(delta, r["sd"], alpha=0.05 / n_primary) if np.isfinite(r["sd"]) else None
-            power.append(
-                dict(groups=r["groups"], a=r["a"], b=r["b"], sd=r["sd"], delta=delta, n=r["n"], needed=needed or np.inf)
-            )
+    power = power_rows(rows, n_primary, ONLINE_EFFECT)
     W_ex, W_un = np.asarray(info["W"]["exact"]), np.asarray(info["W"]["uniform"])
     est = estimator_rows(credit, float(np.linalg.norm(W_un - W_ex)))
     summary = dict(
@@ -1229,12 +1216,9 @@ def online_report(out, records, credit, cfg, info, seconds):
 
 
 def write_online_files(out, records, credit):
-    import csv
     import json
 
-    with open(os.path.join(out, "runs.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(records[0]))
-        writer.writeheader(), writer.writerows(records)
+    write_records(out, records)
     with open(os.path.join(out, "credit.json"), "w") as f:
         json.dump(credit, f)
 
@@ -1305,14 +1289,7 @@ def online_main(quick, out, cfg=None, add=None):
             rec, on = train_batch(plan, cfg, n_groups, corr, world=ONLINE_WORLD, substeps=cfg.substeps)
             records += rec
             credit += [dict(r, groups=n_groups) for r in on["runs"]]
-            info = dict(
-                sigmas=sig.tolist(),
-                D=D.tolist(),
-                D0=D[:, -1].tolist(),
-                gains=g.tolist(),
-                P=P.tolist(),
-                W={k: np.asarray(v).tolist() for k, v in Ws.items()},
-            )
+            info = profile_info(sig, D, g, P, Ws)
             write_online_files(out, records, credit)
             online_report(out, records, credit, cfg, info, seconds + time.time() - start)
             print(f"[groups {n_groups}: {time.time() - t0:.0f} s]", flush=True)
