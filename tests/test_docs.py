@@ -130,3 +130,6 @@ def test_the_readmes_first_run_numbers_are_first_runs_files():
     block = text.split(first_run.BEGIN)[1].split(first_run.END)[0]
     assert block.strip() == first_run.readme_block().strip()
     assert "| weighted |" in block and block.count("ATEN_CPU_CAPABILITY=") == 2  # both other kernel paths reported
+    # the defaults' command timed alone (main_command_time-<arm>.txt), stated beside the earlier defaults' estimate
+    own, _ = first_run.timed(f"main_command_time-{first_run.CHOSEN}.txt")
+    assert f"The command alone: {first_run.minutes(own)} on a 2-core " in block and "; about " in block
