@@ -77,6 +77,7 @@ from kit.run_kit import (
     parse_flags,
     plot_run,
     print_summary,
+    read_credit_file,
     read_level_stats,
     reward_metrics,
     run_folder,
@@ -781,38 +782,14 @@ def equal_columns(W):
 
 def fixed_W_of(args, names, budgets):
     """--credit file, W held fixed (recast-steps: one reward's weight moved between steps at equal measured share):
-    the (K, T) array of --credit-file, None for every other --credit. Refuses a file that does not fit the run: its
-    rewards other than --rewards (in order), its shape other than (K, --steps), a negative or non-finite entry, or a
-    total other than the budgets' sum (the loss is normalised by W's total, so the total fixes nothing but this check:
-    its rows may differ from the budgets and its columns from each other; `step_weights` weights each step by its
-    column sum)."""
+    the (K, T) array of --credit-file (`run_kit.read_credit_file` refuses a file that does not fit the run), None for
+    every other --credit. Its rows may differ from the budgets and its columns from each other (`step_weights` weights
+    each step by its column sum)."""
     if args.credit != "file":
         if args.credit_file:
             raise SystemExit(f"--credit-file {args.credit_file} is read with --credit file only: add --credit file")
         return None
-    path = Path(args.credit_file)
-    if not args.credit_file or not path.is_file():
-        raise SystemExit(f"--credit file needs --credit-file, a JSON file with the W to train with; {path} is not one")
-    try:
-        spec = json.loads(path.read_text())
-        W = np.asarray(spec["W"], dtype=np.float64)
-        rewards = list(spec["rewards"])
-    except (ValueError, KeyError, TypeError) as err:
-        raise SystemExit(f'--credit-file {path}: not {{"rewards": [...], "W": [[...]]}} JSON ({err}); fix the file')
-    problem = (
-        f"its rewards {rewards} are not --rewards {list(names)} (in that order)"
-        if rewards != list(names)
-        else f"W has shape {W.shape}, not ({len(names)}, {args.steps}) (rewards x --steps)"
-        if W.shape != (len(names), args.steps)
-        else "W has a negative or non-finite entry"
-        if not np.all(np.isfinite(W)) or np.any(W < 0)
-        else f"W sums to {W.sum():.6g}, not the budgets' sum {sum(budgets):.6g}"
-        if not np.isclose(W.sum(), sum(budgets), rtol=1e-6, atol=0)
-        else None
-    )
-    if problem:
-        raise SystemExit(f"--credit-file {path}: {problem}; fix the file or the flags")
-    return W
+    return read_credit_file(args.credit_file, names, args.steps, budgets)
 
 
 def gain_prior(args, names):

@@ -713,6 +713,36 @@ def check_files(args, names):
         metrics_lines(Path(args.resume) / "metrics.jsonl")
 
 
+def read_credit_file(path_name, names, T, budgets):
+    """The (K, T) W of a --credit file: JSON {"rewards": [names in --rewards order], "W": K x T entries}. Refused,
+    naming the file and the fix: missing or not that JSON, its rewards other than `names` (in order), its shape other
+    than (K, T), a negative or non-finite entry, or a total other than the budgets' sum (the loss is normalised by W's
+    total, so the total fixes nothing but this check)."""
+    path = Path(path_name)
+    if not path_name or not path.is_file():
+        raise SystemExit(f"--credit file needs --credit-file, a JSON file with the W to train with; {path} is not one")
+    try:
+        spec = json.loads(path.read_text())
+        W = np.asarray(spec["W"], dtype=np.float64)
+        rewards = list(spec["rewards"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f'--credit-file {path}: not {{"rewards": [...], "W": [[...]]}} JSON ({err}); fix the file')
+    problem = (
+        f"its rewards {rewards} are not --rewards {list(names)} (in that order)"
+        if rewards != list(names)
+        else f"W has shape {W.shape}, not ({len(names)}, {T}) (rewards x --steps)"
+        if W.shape != (len(names), T)
+        else "W has a negative or non-finite entry"
+        if not np.all(np.isfinite(W)) or np.any(W < 0)
+        else f"W sums to {W.sum():.6g}, not the budgets' sum {sum(budgets):.6g}"
+        if not np.isclose(W.sum(), sum(budgets), rtol=1e-6, atol=0)
+        else None
+    )
+    if problem:
+        raise SystemExit(f"--credit-file {path}: {problem}; fix the file or the flags")
+    return W
+
+
 def read_level_stats(path, names, T):
     """[n (T+1,), s1 (K, T+1), s2 (K, T+1)]: the rows of `names` from a level-statistics file (experiments/protocol.py
     `measure_profiles`), the gain statistics recast.py starts from with --gain-init. They are discounted by
