@@ -976,7 +976,6 @@ def read_train_run(out):
 def train_main(quick, out, cfg=None):
     """The exact profiles, both experiment families at every batch size, the analysis; writes runs.csv,
     summary.json, tables.md and reward_vs_kl.png to `out`. Returns 0, or 1 if a reported quantity is not finite."""
-
     import torch
 
     threads = torch.get_num_threads()

@@ -390,12 +390,12 @@ def timed(name: str) -> tuple[float, str]:
     return float(text.split("wall ")[1].split(" s")[0]), text.splitlines()[1].split("Model name: ")[1].strip()
 
 
-def timing_lines(arm: str) -> list[str]:
+def timing_line(arm: str) -> str:
     """The main command's time alone on 2-core machines: the arm's own timing where one was made, and the estimate
     from arm TIMED's (the same transformer work: model, samples, steps; only the rewards' share of the time differs)."""
     wall, cpu = timed("main_command_time.txt")
     if arm == TIMED:
-        return [f"The command alone: {minutes(wall)} on a 2-core {cpu} (`{FOLDER}/main_command_time.txt`)."]
+        return f"The command alone: {minutes(wall)} on a 2-core {cpu} (`{FOLDER}/main_command_time.txt`)."
     parts = []
     if (HERE / f"main_command_time-{arm}.txt").is_file():
         own, own_cpu = timed(f"main_command_time-{arm}.txt")
@@ -406,7 +406,7 @@ def timing_lines(arm: str) -> list[str]:
         f"{minutes(wall)} (`main_command_time.txt`; scaled by the rewards' share of training time, {s_a:.1%} here "
         f"against {s_t:.1%}, from `time/*` in the runs' logs)"
     )
-    return [f"The command alone: {'; '.join(parts)}."]
+    return f"The command alone: {'; '.join(parts)}."
 
 
 def weighted_of(result: dict, seed: str, conf: dict) -> float:
@@ -436,7 +436,7 @@ def readme_block(arm: str = CHOSEN, kernels=("avx2", "default")) -> str:
         )
     fr = summary["frechet_ratio"]
     lines += ["", f"Fréchet distance to the world's images: x{min(fr):.2f}-x{max(fr):.2f} the pretrained model's."]
-    lines += timing_lines(arm)
+    lines.append(timing_line(arm))
     p = summary["paired"][f"weighted_{arm}"]
     for cap in kernels:
         path = HERE / "final" / f"kernel-{arm}-{cap}.json"
