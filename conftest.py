@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kit import run_kit
+import sd3
+from kit import checkpoints
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the scripts a test starts
@@ -58,24 +59,10 @@ TINY_WORDS = ["a", "red", "blue", "circle", "square", "two"]
 
 
 def make_tiny_pipeline(path, seed=0):
-    """A tiny random SD3 pipeline of the real diffusers classes (diffusers' get_dummy_components
-    pattern), tokenizers built from a vocabulary: nothing is downloaded."""
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-    from transformers import (
-        CLIPTextConfig,
-        CLIPTextModelWithProjection,
-        CLIPTokenizer,
-        T5Config,
-        T5EncoderModel,
-        T5Tokenizer,
-    )
+    """A tiny random SD3 pipeline of the real diffusers classes (`sd3.pipeline_from_configs`), tokenizers built from a
+    vocabulary: nothing is downloaded."""
+    from transformers import CLIPTokenizer, T5Tokenizer
 
-    torch.manual_seed(seed)
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1, "!": 2}
     merges = []
     for ch in sorted(set("".join(TINY_WORDS))):
@@ -88,7 +75,7 @@ def make_tiny_pipeline(path, seed=0):
             vocab.setdefault(parts[-2] + parts[-1], len(vocab))
             parts = parts[:-2] + [parts[-2] + parts[-1]]
     clip_tok = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=16)
-    clip_cfg = CLIPTextConfig(
+    clip = dict(
         vocab_size=len(vocab),
         hidden_size=16,
         intermediate_size=32,
@@ -104,8 +91,8 @@ def make_tiny_pipeline(path, seed=0):
         vocab=[("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [("\u2581" + w, -1.0) for w in TINY_WORDS],
         model_max_length=16,
     )
-    pipe = StableDiffusion3Pipeline(
-        transformer=SD3Transformer2DModel(
+    pipe = sd3.pipeline_from_configs(
+        transformer=dict(
             sample_size=8,
             patch_size=2,
             in_channels=4,
@@ -118,7 +105,7 @@ def make_tiny_pipeline(path, seed=0):
             out_channels=4,
             pos_embed_max_size=8,
         ),
-        vae=AutoencoderKL(
+        vae=dict(
             block_out_channels=(8, 16),
             in_channels=3,
             out_channels=3,
@@ -130,15 +117,10 @@ def make_tiny_pipeline(path, seed=0):
             shift_factor=0.0,
             scaling_factor=1.0,
         ),
-        text_encoder=CLIPTextModelWithProjection(clip_cfg),
-        tokenizer=clip_tok,
-        text_encoder_2=CLIPTextModelWithProjection(clip_cfg),
-        tokenizer_2=clip_tok,
-        text_encoder_3=T5EncoderModel(
-            T5Config(vocab_size=len(t5_tok), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
-        ),
-        tokenizer_3=t5_tok,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        clips=(clip, clip),
+        t5=dict(vocab_size=len(t5_tok), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2),
+        tokenizers=(clip_tok, clip_tok, t5_tok),
+        seed=seed,
     )
     pipe.save_pretrained(path)
     return path
@@ -249,7 +231,7 @@ def json_args_to_argv(saved, out, *more):
 
 def assert_loads_as_trained(script, out, folder, adapter="default"):
     """diffusers' own loader on a checkpoint folder gives the model the run trained: the transformer's output with
-    pipe.transformer.load_lora_adapter(folder, ...) equals the training model's (run_kit's load_pipeline +
+    pipe.transformer.load_lora_adapter(folder, ...) equals the training model's (sd3.load_pipeline +
     load_checkpoint, the adapter active) to float tolerance, and the change from the base model is far above that
     tolerance (a LoRA loaded at the wrong scale, as with alpha != r and no alpha recorded, moves it by the wrong
     amount)."""
@@ -257,8 +239,8 @@ def assert_loads_as_trained(script, out, folder, adapter="default"):
 
     args = script.parse_args(["--resume", str(out)])
     assert args.lora_alpha != args.lora_rank, "the check needs alpha != r to see a wrong scale"
-    trained = run_kit.load_pipeline(args, "cpu", torch.float32).transformer
-    run_kit.load_checkpoint(Path(out), trained, torch.optim.AdamW(run_kit.lora_params(trained, "default")), 1e-3, 0.0)
+    trained = sd3.load_pipeline(args, "cpu", torch.float32).transformer
+    checkpoints.load_checkpoint(Path(out), trained, torch.optim.AdamW(sd3.lora_params(trained, "default")), 1e-3, 0.0)
     trained.set_adapter(adapter)
     loaded = StableDiffusion3Pipeline.from_pretrained(args.model, local_files_only=True)
     base = loaded.transformer(**transformer_inputs(loaded.transformer)).sample

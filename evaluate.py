@@ -1,5 +1,5 @@
 """Evaluate a checkpoint of a run, or the pretrained model, as the run's own evaluations do: the run's held-out
-prompts, noise (run_kit.EVAL_SEED), sampler and weights (the EMA with --ema), its training rewards and held-out judges.
+prompts, noise (session.EVAL_SEED), sampler and weights (the EMA with --ema), its training rewards and held-out judges.
 On the run's settings the numbers are the eval/* the run logged at that iteration (eval_before/* with --base).
 
     python evaluate.py runs/recast-recast-0                       # the run's newest checkpoint
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import nft
-from kit import run_kit
+from kit import checks, figures, flags, folders, records, session
 
 OWN_FLAGS = ("--base", "--eval-prompts", "--eval-steps", "--device", "--json", "--replace")
 
@@ -53,7 +53,7 @@ def find_checkpoint(path):
     run = path if (path / "config.json").exists() else path.parent.parent if (path / "state.pt").is_file() else None
     if run is None:
         raise SystemExit(f"{path}: neither a run folder (with config.json) nor one of its checkpoints/iter_N folders")
-    if not run_kit.is_run(run):
+    if not folders.is_run(run):
         raise SystemExit(
             f"{run / 'config.json'} is damaged (not a run's record: JSON with its args and script); repair it, or "
             "copy it from a backup (the checkpoints are not affected)"
@@ -102,9 +102,9 @@ def read_checkpoint(out, ckpt=None, attempts=3):
 
 
 def check_identity(out, ckpt, written_by):
-    """SystemExit when state.pt's "run" (run_kit.run_identity of the run that wrote it) is another run's or another
+    """SystemExit when state.pt's "run" (records.run_identity of the run that wrote it) is another run's or another
     script's than the run folder's config.json."""
-    here = run_kit.run_identity(out)
+    here = records.run_identity(out)
     if written_by is None or written_by == here:
         return
     raise SystemExit(
@@ -114,12 +114,12 @@ def check_identity(out, ckpt, written_by):
     )
 
 
-def result_path(out, flags, label):
+def result_path(out, cli, label):
     """The result file (`--json`, default <run>/eval-<label>.json; the samples go beside it as .png), checked before
     any model loads: a .json path; inside the run folder only evaluate.py's own <run>/eval-*.json (never the run's
     record: metrics.jsonl, config.json, checkpoints); no existing file unless --replace; its folder there and
     writable. SystemExit naming the path and the fix."""
-    path = Path(flags.json) if flags.json else out / f"eval-{label}.json"
+    path = Path(cli.json) if cli.json else out / f"eval-{label}.json"
     if path.suffix != ".json":
         raise SystemExit(f"--json {path}: give a path ending in .json (the samples are written beside it, as .png)")
     where, run = path.resolve(), out.resolve()
@@ -130,7 +130,7 @@ def result_path(out, flags, label):
             f"{out}/eval-<name>.json"
         )
     existing = [p for p in (path, path.with_suffix(".png")) if p.exists() or p.is_symlink()]
-    if existing and (not flags.replace or not all(p.is_file() for p in existing)):
+    if existing and (not cli.replace or not all(p.is_file() for p in existing)):
         raise SystemExit(
             f"{existing[0]} exists (an earlier evaluation?). Give --replace to write over it, or --json another path"
             if all(p.is_file() for p in existing)
@@ -158,15 +158,15 @@ def in_own_terms(err, out):
 
 
 def main(argv=None, extra_rewards=None, judges=None):
-    flags = parse_flags(argv)
-    out, ckpt = find_checkpoint(flags.checkpoint)
+    cli = parse_flags(argv)
+    out, ckpt = find_checkpoint(cli.checkpoint)
     config = json.loads((out / "config.json").read_text())
     script = importlib.import_module(config["script"])
-    _, saved = run_kit.read_run_config(out / "config.json", script.Args)
+    _, saved = flags.read_run_config(out / "config.json", script.Args)
     known = {f.name for f in fields(script.Args)}
-    given = {k: v for k, v in vars(flags).items() if k in known and v is not None}
+    given = {k: v for k, v in vars(cli).items() if k in known and v is not None}
     try:
-        saved = run_kit.model_after_a_move(saved, given, out)  # the embedded model, moved with the project
+        saved = flags.model_after_a_move(saved, given, out)  # the embedded model, moved with the project
     except SystemExit as err:
         raise in_own_terms(err, out) from None
     args = script.Args(
@@ -179,17 +179,17 @@ def main(argv=None, extra_rewards=None, judges=None):
         }
     )
     try:
-        names, budgets, branch = run_kit.check_common(args, extra_rewards)
-        run_kit.check_files(args, names)
+        names, budgets, branch = checks.check_common(args, extra_rewards)
+        checks.check_files(args, names)
     except SystemExit as err:
         raise in_own_terms(err, out) from None
-    ckpt, state = (None, None) if flags.base else read_checkpoint(out, ckpt)
-    label = "base" if flags.base else ckpt.name
-    path = result_path(out, flags, label)  # before the model loads
+    ckpt, state = (None, None) if cli.base else read_checkpoint(out, ckpt)
+    label = "base" if cli.base else ckpt.name
+    path = result_path(out, cli, label)  # before the model loads
     existed = path.exists() or path.with_suffix(".png").exists()
-    run = run_kit.load_run(args, names, budgets, branch, config["script"], extra_rewards, judges, lock=False)
+    run = session.load_run(args, names, budgets, branch, config["script"], extra_rewards, judges, lock=False)
     iteration = -1
-    if not flags.base:
+    if not cli.base:
         from peft.utils import set_peft_model_state_dict
 
         for adapter, weights in state["lora"].items():
@@ -197,13 +197,13 @@ def main(argv=None, extra_rewards=None, judges=None):
                 set_peft_model_state_dict(run.transformer, weights, adapter_name=adapter)
         run.transformer.set_adapter("default")
         iteration = state["iteration"]
-    metrics, images, R = run_kit.evaluate(run, args, nft.ode_sample)
+    metrics, images, R = session.evaluate(run, args, nft.ode_sample)
     if not run.acc.is_main_process:
         return metrics
     logged = next(
-        (json.loads(line) for it, line in run_kit.metrics_lines(out / "metrics.jsonl") if it == max(iteration, 0)), {}
+        (json.loads(line) for it, line in records.metrics_lines(out / "metrics.jsonl") if it == max(iteration, 0)), {}
     )
-    if flags.base:
+    if cli.base:
         logged = {k.replace("eval_before/", "eval/"): v for k, v in logged.items() if k.startswith("eval_before/")}
     steps, processes = len(run.eval_sigmas) - 1, run.acc.num_processes
     print(f"{label} of {out}: {len(run.eval_prompts)} prompts, {steps} steps, {processes} process(es)")
@@ -220,11 +220,11 @@ def main(argv=None, extra_rewards=None, judges=None):
         "metrics": metrics,
         "images": [{"prompt": q, **{n: float(r) for n, r in zip(names, row)}} for q, row in zip(run.eval_prompts, R)],
     }
-    run_kit.write_atomic(path, json.dumps(result, indent=2))
-    run_kit.save_grid(
+    records.write_atomic(path, json.dumps(result, indent=2))
+    figures.save_grid(
         images,
         path.with_suffix(".png"),
-        [f"{run_kit.budget_mean(r, budgets):.3f}. {q}" for q, r in zip(run.eval_prompts, R)][: len(images)],
+        [f"{nft.budget_mean(r, budgets):.3f}. {q}" for q, r in zip(run.eval_prompts, R)][: len(images)],
     )
     replaced = " (replacing the earlier result: --replace)" if existed else ""
     print(f"written: {path} and {path.with_suffix('.png')}{replaced}")

@@ -6,6 +6,7 @@ with Forward Process", arXiv:2509.16117) and its public code (NVlabs/DiffusionNF
 import it (`import nft`) and change one thing each: the optimality the loss is fed per timestep (ReCAST's W) or the
 loss itself (RVGE's regression to target velocities); `recast.py --config configs/nft-geneval.yaml` runs DiffusionNFT.
 Read top to bottom, one section each:
+    hyperparameters         NFTArgs (the flags both methods share: rewards, rollout, optimisation), declared by `flag`
     rewards -> optimality   global_stats (the std over all processes), advantages, optimality; several rewards:
                             combine_raw (added with their weights, then normalised once)
     schedules               old_decay (the soft update of the sampling adapter "old"), ema_decay (the evaluation's EMA)
@@ -14,10 +15,14 @@ Read top to bottom, one section each:
     rollouts                rollout_and_score -> tree_rollout (the ODE to a branch, the SDE after it: sde_continue;
                             --sampler ode: independent DPM-Solver-2 samples, DiffusionNFT's), ode_sample (held out)
     the update              update_loop: training_pairs, noised_batch, frozen_velocities (v_old, v_base), nft_loss
-                            (ReCAST's loss; RVGE passes its own), optimizer_step (all-reduce, [unscale], clip, AdamW)
-The plumbing stays in kit/run_kit.py: flags, run folders, model loading, the transformer call (`run_kit.velocity`:
-timestep = 1000 t, dtype, chunks), text encoding, decoding and scoring, the adapter copy (`run_kit.copy_adapter`,
-which old_decay's weight drives), checkpoints, figures.
+                            (ReCAST's loss; RVGE passes its own), optimizer_step (all-reduce, [unscale], clip, AdamW),
+                            reward_metrics (the first entries of an iteration's metrics line)
+It stands on the model file alone, sd3.py: loading, the transformer call (`sd3.velocity`: timestep = 1000 t, dtype,
+chunks), text encoding, decoding, the LoRA parameters and the adapter copy (`sd3.copy_adapter`, which old_decay's
+weight drives). `run` is the kit's Run (kit/session.py), read for what it holds (the pipeline, the adapters, the
+optimizer, the sigmas, the rewards) and for three services of the run machinery: the prompts of an iteration
+(`run.prompts_for`), the sums across processes (`run.reduce`, `run.all_reduce_grads`) and the permuted-reward control
+(`run.permuted`, R itself unless the run is that control).
 
 Notation map (code name -> symbol)
     R         (N, K)        raw rewards of the N leaves (images), K rewards; NaN where a reward failed
@@ -33,34 +38,116 @@ Notation map (code name -> symbol)
     x0_hat                  x_t - t v (Tweedie, rectified flow)
     a, g                    SDE noise level: g = a sqrt(s / (1 - s))
 
-Conventions: x_t = (1 - t) x0 + t eps (t = sigma, SD3's rectified flow); the loss is a mean over latent dimensions,
-then over the batch; numpy statistics in float64, the transformer's outputs float32; every random number of an
-iteration comes from its CPU generator `gen`. Precision (`run_kit.precision`): the transformer's forwards and the
-decodes run inside `run.autocast()` (--mixed-precision fp16: float16 autocast, DiffusionNFT's; else nothing), the loss
-outside it in float32, its backward through `run.scaler` when there is one.
+Conventions: x_t = (1 - t) x0 + t eps (t = sigma, SD3's rectified flow); the loss is a mean over latent dimensions, then
+over the batch; numpy statistics in float64, the transformer's outputs float32; every random number of an iteration
+comes from its CPU generator `gen` (`iteration_generator`). Precision (`sd3.precision`): the transformer's forwards and
+the decodes run inside `run.autocast()` (--mixed-precision fp16: float16 autocast, DiffusionNFT's; else nothing), the
+loss outside it in float32, its backward through `run.scaler` when there is one.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from kit.run_kit import (
-    NFTArgs,
-    Run,
-    check_finite,
-    decode,
-    encode,
-    lora_params,
-    permute_within_groups,
-    score,
-    velocity,
-)
+import sd3
+
+# =============================================================================
+# DiffusionNFT's hyperparameters (NOTES.md §2): the flags both methods share
+# =============================================================================
+
+
+def flag(default, group, **checks):
+    """One Args field: its default, its --help section (a key of the script's ARG_GROUPS) and the checks
+    `check_ranges` applies: min / max (inclusive), gt / lt (strict), choices. Its help line is the string under it
+    (`field_docs`)."""
+    return field(default=default, metadata={"group": group, **checks})
+
+
+@dataclass
+class NFTArgs:
+    """DiffusionNFT's hyperparameters, the flags both methods take with the same meaning: the rewards and budgets,
+    the rollout, the optimisation (each script's method, rollout and optimisation --help sections). The defaults are
+    the embedded model's (recast.py's); rvge.py redefines those it changes (a redefined field keeps its place in
+    --help); the SD3.5-M recipes in configs/ set DiffusionNFT's own. A script's Args inherits this class and the kit's
+    RunArgs (evaluation, I/O, reward models, controls)."""
+
+    # method
+    rewards: str = flag("", "method")
+    """comma-separated reward names, in budget order (default: the embedded model's four; required for another
+    model)"""
+    budgets: str = flag("0.4,0.3,0.2,0.1", "method")
+    """reward budgets lambda_k, one per reward (W's row sums)"""
+    # rollout
+    prompts_per_iter: int = flag(8, "rollout", min=1)
+    """prompt groups per iteration and process"""
+    n_roots: int = flag(2, "rollout", min=1)
+    """independent noises per prompt (tree roots)"""
+    n_branch: int = flag(4, "rollout", min=1)
+    """copies made of every state at each branch step"""
+    branch_steps: str = flag("rotate", "rollout")
+    """rotate: each prompt group branches once, at a step that rotates over 1..T-2 across groups and iterations (every
+    level measured); or fixed sampler steps j (0 < j < T - 1) for every group; group size = n_roots *
+    n_branch^(number of branch steps)"""
+    sde_substeps: int = flag(2, "rollout", min=1)
+    """Euler-Maruyama sub-steps per grid interval after a branch (1: the grid itself; more: siblings closer to exact x0
+    | x_t samples, rollout cost grows)"""
+    sampler: str = flag("tree", "rollout", choices=["tree", "ode"])
+    """tree: branched trees (ReCAST's pairs estimator needs them); ode: DiffusionNFT's independent deterministic
+    DPM-Solver-2 rollouts, n_roots per prompt"""
+    steps: int = flag(10, "rollout", min=3)
+    """sampler steps T (= columns of W = training timesteps)"""
+    sde_a: float = flag(math.sqrt(2), "rollout", min=0)
+    """SDE noise level a after the first branch, g = a sqrt(s / (1 - s)); sqrt(2) (default) is the exact reversal of the
+    noising, so branches sample x0 | x_t (the pairs estimator and kappa transfer need it; FlowGRPO uses 0.7)"""
+    resolution: int = flag(0, "rollout", min=0)
+    """image size in pixels (0: the model's default, 512 for SD3.5-M)"""
+    max_sequence_length: int = flag(0, "rollout", min=0)
+    """T5 tokens (0: the model's default: 128 as DiffusionNFT encodes, 10 for the embedded model)"""
+    rollout_batch: int = flag(64, "rollout", min=1)
+    """chunk size for transformer calls during rollouts"""
+    # optimisation
+    iterations: int = flag(100, "optimisation", min=1)
+    """training iterations (rollout + update)"""
+    base_reg: float = flag(0.1, "optimisation", min=0)
+    """weight of the velocity MSE to the frozen base model (a pull towards the pretrained model); DiffusionNFT uses
+    1e-4, as every SD3.5-M recipe and rvge.py do"""
+    train_steps_per_leaf: int = flag(4, "optimisation", min=1)
+    """training timesteps drawn (without replacement) from the T grid steps per leaf and iteration"""
+    train_batch: int = flag(32, "optimisation", min=1)
+    """micro-batch of (leaf, timestep) samples per forward/backward"""
+    frozen_batch: int = flag(0, "optimisation", min=0)
+    """compute the no-grad v_old / v_base forwards of each optimizer step ahead, in batches of this size (0: with each
+    gradient micro-batch); same numbers, unmeasured on GPU"""
+    gradient_checkpointing: bool = flag(False, "optimisation")
+    """recompute the transformer's activations in backward (diffusers' gradient checkpointing): less memory for a larger
+    --train-batch, same gradients"""
+    updates_per_iter: int = flag(8, "optimisation", min=1)
+    """optimizer steps per iteration, each on the mean loss over its share of the iteration's samples (1: DiffusionNFT's
+    one step per epoch)"""
+    old_decay: int = flag(1, "optimisation", choices=[0, 1, 2])
+    """DiffusionNFT's old-policy schedule on optimizer steps: 0 none, 1 min(0.001 s, 0.5), 2 OCR's (0 for 75 steps, then
+    +0.0075 up to 0.999)"""
+    ema: bool = flag(False, "optimisation")
+    """keep DiffusionNFT's EMA of the trained LoRA (decay min((1 + s) / (10 + s), 0.9)), evaluate it and save it beside
+    the raw LoRA"""
+    lr: float = flag(1e-4, "optimisation", gt=0)
+    """AdamW learning rate (DiffusionNFT uses 3e-4 on SD3.5-M with ~1k images per step; 1e-4 suits the embedded model's
+    256-sample steps)"""
+    weight_decay: float = flag(1e-4, "optimisation", min=0)
+    """AdamW weight decay"""
+    grad_clip: float = flag(1.0, "optimisation", gt=0)
+    """gradient norm clip"""
+    lora_rank: int = flag(32, "optimisation", min=1)
+    """LoRA rank"""
+    lora_alpha: int = flag(64, "optimisation", min=1)
+    """LoRA alpha"""
+
 
 # =============================================================================
 # Rewards to optimality, across processes; several rewards (NOTES.md §2)
@@ -69,7 +156,7 @@ from kit.run_kit import (
 
 def global_stats(R, reduce):
     """Per-column (count, mean, std) of the finite rewards of all processes: the global std DiffusionNFT divides
-    the advantages by. R (N, K); reduce sums a numpy array over processes (`run_kit.Run.reduce`)."""
+    the advantages by. R (N, K); reduce sums a numpy array over processes (`run.reduce`)."""
     finite = np.isfinite(R)
     Rz = np.where(finite, R, 0.0)
     n = reduce(finite.sum(0))
@@ -113,6 +200,17 @@ def combine_raw(rewards, budgets):
     """DiffusionNFT's multi-reward baseline: R = sum_k lambda_k R_k, before normalising (recast.py --credit nft,
     rvge.py --combine reward). rewards (N, K) -> (N,); a non-finite reward makes the sum non-finite (then r = 0.5)."""
     return np.asarray(rewards, dtype=np.float64) @ np.asarray(budgets, dtype=np.float64)
+
+
+def budget_mean(values, budgets):
+    """The budget-weighted mean sum_k lambda_k v_k / Lam of per-reward values (K,): the metrics `reward/weighted`
+    and `eval/weighted`."""
+    return np.asarray(budgets) @ values / sum(budgets)
+
+
+def score(rewards, images, prompts):
+    """Rewards (N, K) float64; non-finite values are kept (NaN) and handled by `optimality`."""
+    return np.stack([np.asarray(fn(images, prompts), dtype=np.float64).reshape(len(images)) for fn in rewards], 1)
 
 
 # =============================================================================
@@ -192,6 +290,11 @@ def shifted_sigmas(T, shift=3.0):
 # =============================================================================
 
 
+def iteration_generator(seed, iteration):
+    """The CPU generator that draws every random number of one iteration (noise moves to the device)."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + iteration)
+
+
 def branch_layout(n_groups, T, branch_steps, offset=0):
     """Branch steps of each prompt group (NOTES.md §3.3, §5). branch_steps: a list of steps shared by
     every group, or "rotate": group p branches once, at step 1 + (offset + p) mod (T - 2), so that
@@ -207,7 +310,7 @@ def sde_continue(transformer, x, v, s, s_next, emb, pooled, sde_a, s_first, subs
     grid = np.linspace(s, s_next, substeps + 1)
     for i, (u, u_next) in enumerate(zip(grid[:-1], grid[1:])):
         if i:
-            v = velocity(transformer, x, torch.full((len(x),), float(u), device=x.device), emb, pooled, chunk)
+            v = sd3.velocity(transformer, x, torch.full((len(x),), float(u), device=x.device), emb, pooled, chunk)
         x = sde_step(x, v, float(u), float(u_next), sde_a, s_first, torch.randn(x.shape, generator=gen).to(x.device))
     return x
 
@@ -271,7 +374,9 @@ def tree_rollout(
                     None if x0_prev is None else x0_prev.repeat_interleave(torch.as_tensor(copies, device=device), 0)
                 )
             s, s_next = float(sigmas[j]), float(sigmas[j + 1])
-            v = velocity(transformer, x, torch.full((len(x),), s, device=device), emb[groups], pooled[groups], chunk)
+            v = sd3.velocity(
+                transformer, x, torch.full((len(x),), s, device=device), emb[groups], pooled[groups], chunk
+            )
             x0_hat = x - s * v
             probing = np.array([j in probe_steps[g] for g in groups])
             if probing.any():
@@ -304,8 +409,8 @@ def tree_rollout(
 
 def ode_sample(transformer, emb, pooled, sigmas, shape, seed, chunk=64, noise=None):
     """One image latent per prompt by the Euler ODE from fixed noise (`seed`, or `noise` (P, C, h, w): one process's
-    share of the evaluation's noise, `run_kit.evaluate`): the held-out samplers' rollout (a tree with one root and no
-    branch)."""
+    share of the evaluation's noise, `kit.session.evaluate`): the held-out samplers' rollout (a tree with one root
+    and no branch)."""
     return tree_rollout(
         transformer,
         emb,
@@ -339,13 +444,13 @@ class Rollout:
     t_rollout: float  # time.perf_counter() when the rollouts ended (the rewards' clock starts there)
 
 
-def rollout_and_score(run: Run, args: NFTArgs, it, gen, probe_steps=()) -> Rollout:
+def rollout_and_score(run, args: NFTArgs, it, gen, probe_steps=()) -> Rollout:
     """Step 1 of an iteration: prompts, rollouts from the "old" adapter (--sampler tree: branched trees
     with this iteration's branch layout; ode: independent deterministic DPM-Solver-2 samples, as
     DiffusionNFT), decoded leaves scored; x0_hat kept, decoded and scored at probe_steps (steps, or
     "layout": each group's layout steps, the denoised estimator). Returns the Rollout."""
     prompts = run.prompts_for(it)
-    emb, pooled = encode(run.pipe, prompts, run.max_len, run.acc.device)
+    emb, pooled = sd3.encode(run.pipe, prompts, run.max_len, run.acc.device)
     P = len(prompts)
     layouts = branch_layout(P, args.steps, run.branch, offset=(it * run.acc.num_processes + run.acc.process_index) * P)
     tree = args.sampler == "tree"
@@ -370,9 +475,8 @@ def rollout_and_score(run: Run, args: NFTArgs, it, gen, probe_steps=()) -> Rollo
     run.transformer.set_adapter("default")
     t_rollout = time.perf_counter()
     with run.autocast():  # ... and decodes there (its pipeline's VAE call), scoring outside (its reward thread)
-        images, probe_images = decode(run.pipe, leaves), [decode(run.pipe, x0h) for _, x0h, _ in probes]
-    R = score(run.rewards, images, [prompts[g] for g in groups])
-    R = permute_within_groups(R, groups, run.names, args.permute_rewards, args.seed, it, run.acc.process_index)
+        images, probe_images = sd3.decode(run.pipe, leaves), [sd3.decode(run.pipe, x0h) for _, x0h, _ in probes]
+    R = run.permuted(score(run.rewards, images, [prompts[g] for g in groups]), groups, it)  # R itself but in a control
     probe_R = [
         (j, score(run.rewards, im, [prompts[g] for g in gp]), gp) for (j, _, gp), im in zip(probes, probe_images)
     ]
@@ -458,9 +562,9 @@ def frozen_velocities(transformer, x_t, s, cond, with_base):
     again when the base term is off); leaves the "default" adapter active."""
     with torch.no_grad():
         transformer.set_adapter("old")
-        v_old = velocity(transformer, x_t, s, *cond)
+        v_old = sd3.velocity(transformer, x_t, s, *cond)
         transformer.disable_adapters()
-        v_base = velocity(transformer, x_t, s, *cond) if with_base else v_old
+        v_base = sd3.velocity(transformer, x_t, s, *cond) if with_base else v_old
         transformer.enable_adapters()
     transformer.set_adapter("default")
     return v_old, v_base
@@ -486,6 +590,17 @@ def frozen_velocities_ahead(transformer, batches, size, with_base):
     )
     sizes = [len(nb.pairs) for nb in batches]
     return list(zip(torch.cat(v_old).split(sizes), torch.cat(v_base).split(sizes)))
+
+
+def check_finite(values):
+    """Stop before an optimizer step that would write NaN/inf into the weights (exit code 1; the run
+    folder keeps its last good checkpoint). values: the step's losses and gradient norm."""
+    bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+    if bad:
+        raise SystemExit(
+            f"non-finite {bad}: the optimizer step was not taken and nothing was saved; the last good "
+            "checkpoint is kept. Lower --lr or check the flags and rewards, then --resume"
+        )
 
 
 def optimizer_step(opt, params, totals, grad_clip, all_reduce_grads, scaler=None):
@@ -516,7 +631,7 @@ def optimizer_step(opt, params, totals, grad_clip, all_reduce_grads, scaler=None
     totals["train/opt_steps"] += 1
 
 
-def update_loop(run: Run, b: Rollout, args: NFTArgs, gen, on_step, policy_loss):
+def update_loop(run, b: Rollout, args: NFTArgs, gen, on_step, policy_loss):
     """The update both methods share (NOTES.md §2, §4.3): the iteration's (leaf, timestep) samples in
     --updates-per-iter equal chunks, one AdamW step per chunk on the mean loss over its samples (all processes;
     1 chunk is DiffusionNFT's one step per epoch). Per micro-batch: fresh noise (`noised_batch`), the frozen
@@ -526,7 +641,7 @@ def update_loop(run: Run, b: Rollout, args: NFTArgs, gen, on_step, policy_loss):
     Returns mean losses, the last gradient norm and the counts."""
     transformer, sigmas, leaves, groups = run.transformer, run.sigmas, b.leaves, torch.as_tensor(b.groups)
     pairs = training_pairs(len(leaves), len(sigmas) - 1, args.train_steps_per_leaf, gen)
-    params = lora_params(transformer, "default")
+    params = sd3.lora_params(transformer, "default")
     totals = {"loss/policy": 0.0, "loss/base_reg": 0.0, "train/opt_steps": 0, "train/samples": len(pairs)}
     if run.scaler is not None:  # --mixed-precision fp16
         totals.update({"train/skipped_steps": 0, "train/loss_scale": run.scaler.get_scale()})
@@ -547,7 +662,7 @@ def update_loop(run: Run, b: Rollout, args: NFTArgs, gen, on_step, policy_loss):
                 v_old, v_base = (
                     frozen[k] if frozen else frozen_velocities(transformer, nb.x_t, nb.s, nb.cond, with_base)
                 )
-                v_theta = velocity(transformer, nb.x_t, nb.s, *nb.cond)
+                v_theta = sd3.velocity(transformer, nb.x_t, nb.s, *nb.cond)
             policy = policy_loss(nb, v_theta, v_old).mean()
             base = ((v_theta - v_base) ** 2).mean()
             scale((policy + args.base_reg * base) * (len(nb.pairs) / len(chunk))).backward()
@@ -556,3 +671,17 @@ def update_loop(run: Run, b: Rollout, args: NFTArgs, gen, on_step, policy_loss):
         optimizer_step(run.opt, params, totals, args.grad_clip, run.all_reduce_grads, run.scaler)
         on_step()
     return totals
+
+
+def reward_metrics(run, it, b, n_valid, mean_R, losses):
+    """The first entries of an iteration's metrics line: training rewards per reward and budget-weighted, the
+    count of non-finite ones (all processes), the update's losses and sample count."""
+    nonfinite = (run.reduce(len(b.R)) - n_valid).astype(int).tolist()
+    return {
+        "iteration": it,
+        **{f"reward/{n}": float(mean_R[k]) for k, n in enumerate(run.names)},
+        "reward/weighted": float(budget_mean(mean_R, run.budgets)),
+        **{f"reward_nonfinite/{n}": c for n, c in zip(run.names, nonfinite)},
+        **losses,
+        "train/samples": int(run.reduce(losses["train/samples"])),
+    }

@@ -1,15 +1,14 @@
 """ReCAST: Reward Credit Assignment across Timesteps, on top of DiffusionNFT.
 
-Read top to bottom: ReCAST's objects first, in the order one derives the next (the credit matrix W and its solver,
-W in DiffusionNFT's loss as the mixed optimality, the per-step gains and profiles W is solved from, the Renyi
-discriminability D whose gains they are, D measured during training with standard errors), then its glue (credit,
-the update, DiffusionNFT's multi-reward baseline), the train loop, the flags and ReCAST's checks, the controls the
+Read top to bottom: ReCAST's objects first, in the order one derives the next (the credit matrix W and its solver, W in
+DiffusionNFT's loss as the mixed optimality, the per-step gains and profiles W is solved from, the Renyi
+discriminability D whose gains they are, D measured during training with standard errors), then its glue (credit, the
+update, DiffusionNFT's multi-reward baseline), the train loop, the flags and ReCAST's checks, the controls the
 experiments use, the entry points. DiffusionNFT itself (optimality, schedules, sampler steps, tree rollouts, the loss,
-the update loop) is nft.py, written once for both methods (rvge.py has the same skeleton, so `diff recast.py
-rvge.py` shows the two methods); the run machinery (flag parsing, the flags both scripts share, the shared checks,
-run folders, resume, checkpoints, trackers, figures, model loading, the transformer call) is kit/run_kit.py's.
-The paper's full text was not available: each "NOTES.md §n" names a section of our reconstruction of the method,
-and derivations.ipynb derives each formula.
+the update loop) is nft.py, written once for both methods (rvge.py has the same skeleton: its sections in the same
+order); the model (SD3 with LoRA: loading, the transformer call, encode, decode) is sd3.py; the run machinery (flags,
+checks, run folders, resume, checkpoints, trackers, figures) is kit/'s. The paper's full text was not available: each
+"NOTES.md §n" names a section of our reconstruction of the method, and derivations.ipynb derives each formula.
 
 Notation map (code name -> symbol)
     lam      (K,)      reward budgets lambda_k (user preference), not normalised
@@ -26,25 +25,25 @@ Notation map (code name -> symbol)
 Conventions: x_t = (1 - t) x0 + t eps; all losses are means over latent
 dimensions, then over the batch; numpy math is float64.
 
-Where to change what (nft.x: in nft.py; run_kit.x: in kit/run_kit.py)
-    flags      Args (a field, its --help section in ARG_GROUPS, its checks), validate; run_kit.check_common;
-               the flags both scripts share: run_kit.NFTArgs (rewards, budgets, rollout, optimisation),
-               run_kit.RunArgs (evaluation, I/O, reward models)
+Where to change what (nft.x: in nft.py; sd3.x: in sd3.py; flags.x, session.x, ...: in kit/)
+    flags      Args (a field, its --help section in ARG_GROUPS, its checks), validate; checks.check_common;
+               the flags both scripts share: nft.NFTArgs (rewards, budgets, rollout, optimisation),
+               flags.RunArgs (evaluation, I/O, reward models, controls)
     sampler    nft.tree_rollout (trees; nft.sde_step / nft.sde_continue after a branch, nft.ode_step or
                nft.dpm2_step before), nft.rollout_and_score (which adapter samples, what is decoded and scored)
-    rewards    kit/reward_models.py (REWARD_MODELS, build_rewards; README "Add a reward"), run_kit.score,
-               run_kit.reward_extras; reward -> optimality: nft.optimality (nft.global_stats's std)
+    rewards    kit/reward_models.py (REWARD_MODELS, build_rewards; README "Add a reward"), nft.score,
+               worlds.reward_extras; reward -> optimality: nft.optimality (nft.global_stats's std)
     credit     credit: level_observations -> level_curves -> credit_profiles -> solve_W; --credit nft: nft_baseline
     loss       nft_update: nft.nft_loss on mix_optimality (r~ per step); the loop shared with rvge.py:
                nft.update_loop (with nft.frozen_velocities, nft.optimizer_step)
-    old policy nft.old_decay (the soft update of "old" each iteration, run_kit.copy_adapter), nft.ema_decay (--ema)
+    old policy nft.old_decay (the soft update of "old" each iteration, sd3.copy_adapter), nft.ema_decay (--ema)
     controls   the experiments' --credit recast_reversed, --column-units gradient, --gain-init: "Controls for the
                experiments" (controlled_W_inputs, column_sums, step_weights, gain_prior)
-    logging    run_kit.reward_metrics + train's metrics line, run_kit.finish_iteration (metrics.jsonl,
-               run_kit.log_to_trackers, checkpoints), progress bar in train, figures in run_kit.plot_run,
-               show_evaluation; the held-out evaluation run_kit.evaluate (with nft.ode_sample); the closing lines
-               (before -> after, the checkpoint to load) in run_kit.print_summary
-    the loop   train (steps 1-4), setup_run (run_kit.Run), run_kit.start_or_resume
+    logging    nft.reward_metrics + train's metrics line, session.finish_iteration (metrics.jsonl,
+               figures.log_to_trackers, checkpoints), progress bar in train, figures in figures.plot_run,
+               show_evaluation; the held-out evaluation session.evaluate (with nft.ode_sample); the closing lines
+               (before -> after, the checkpoint to load) in figures.print_summary
+    the loop   train (steps 1-4), setup_run (session.Run), folders.start_or_resume
 """
 
 from __future__ import annotations
@@ -60,31 +59,14 @@ import torch
 from tqdm import tqdm
 
 import nft
-from kit.run_kit import (
-    EMBEDDED_MODEL,
-    RUN_ARG_GROUPS,
-    NFTArgs,
-    Run,
-    check_common,
-    check_files,
-    copy_adapter,
-    dry_run,
-    evaluate_before,
-    finish_iteration,
-    flag,
-    iteration_generator,
-    load_run,
-    parse_flags,
-    plot_run,
-    print_summary,
-    read_credit_file,
-    read_level_stats,
-    reward_metrics,
-    run_folder,
-    start_or_resume,
-    stop_if_a_reward_failed,
-)
-from world import shapes_world
+import sd3
+from kit.checks import check_common, check_files, dry_run
+from kit.figures import plot_run, print_summary
+from kit.flags import RUN_ARG_GROUPS, RunArgs, parse_flags
+from kit.folders import run_folder, start_or_resume
+from kit.session import Run, evaluate_before, finish_iteration, load_run, stop_if_a_reward_failed
+from kit.worlds import EMBEDDED_MODEL, load_world
+from nft import NFTArgs, flag
 
 # =============================================================================
 # NOTES.md §3.4 and §3.1, our reconstruction: the W solver, and W in DiffusionNFT's loss
@@ -583,7 +565,7 @@ def train(args: Args, extra_rewards=None, judges=None):
     def on_step():  # after every optimizer step: the EMA of the trained LoRA (DiffusionNFT's evaluation weights)
         state["opt_steps"] += 1
         if args.ema:
-            copy_adapter(run.transformer, "default", "ema", keep=nft.ema_decay(state["opt_steps"]))
+            sd3.copy_adapter(run.transformer, "default", "ema", keep=nft.ema_decay(state["opt_steps"]))
 
     bar = tqdm(
         range(start, args.iterations),
@@ -593,10 +575,11 @@ def train(args: Args, extra_rewards=None, judges=None):
         disable=not run.acc.is_main_process,
     )
     drawn = False  # whether the last iteration run drew the figures (it evaluated)
+    before = None  # the pretrained model's evaluation (every process its share), logged with iteration 0
+    if start == 0 and args.eval_every and run.eval_prompts:
+        before = evaluate_before(run, args, nft.ode_sample, state)
     for it in bar:
-        gen, before = iteration_generator(args.seed, it), None
-        if it == 0 and args.eval_every and run.eval_prompts:  # the pretrained model, every process its share
-            before = evaluate_before(run, args, nft.ode_sample, state)
+        gen = nft.iteration_generator(args.seed, it)
         t0 = time.perf_counter()  # training time: the evaluation above is not part of it
         # 1. rollouts from the old policy, rewards
         b = nft.rollout_and_score(run, args, it, gen, "layout" if args.gain_estimator == "denoised" else ())
@@ -616,11 +599,11 @@ def train(args: Args, extra_rewards=None, judges=None):
         t3 = time.perf_counter()
         # 3. NFT update of "default", then the soft update of "old"
         losses = nft_update(run, b, r_train, W_train, args, gen, on_step)
-        copy_adapter(run.transformer, "default", "old", keep=nft.old_decay(state["opt_steps"], args.old_decay))
+        sd3.copy_adapter(run.transformer, "default", "old", keep=nft.old_decay(state["opt_steps"], args.old_decay))
         t4 = time.perf_counter()
         # 4. log, evaluate, checkpoint
         metrics = {
-            **reward_metrics(run, it, b, n_valid, mean_R, losses),
+            **nft.reward_metrics(run, it, b, n_valid, mean_R, losses),
             **credit_info,
             "recast/sigmas": run.sigmas.tolist(),
             "time/rollout": b.t_rollout - t0,
@@ -629,11 +612,12 @@ def train(args: Args, extra_rewards=None, judges=None):
             "time/update": t4 - t3,
         }
         drawn = finish_iteration(run, args, it, metrics, state, before, nft.ode_sample)
+        before = None
         bar.set_postfix({"reward": f"{metrics['reward/weighted']:.3f}", "loss": f"{metrics['loss/policy']:.4g}"})
     if run.acc.is_main_process:
         if not drawn:  # else the last evaluation drew them from the same metrics
-            plot_run(run.out, run.names)
-        print_summary(run.out)  # before -> after, W's departure (ReCAST), the checkpoint to load
+            plot_run(run.out, run.names, shows_W(args))
+        print_summary(run.out, departure=args.credit.startswith("recast"))  # before -> after, W, the checkpoint
     run.acc.end_training()  # closes the --report-to tracker
     return run.out
 
@@ -647,14 +631,14 @@ ARG_GROUPS = {  # --help sections, in this order: title -> what the flags set
     "method": "ReCAST's credit: rewards, budgets, the Renyi gains and W",
     "rollout": "prompts per iteration, trees and the sampler",
     "optimisation": "the NFT loss, its timesteps, AdamW, the old policy and the LoRA",
-    **RUN_ARG_GROUPS,  # evaluation, I/O, reward models: the flags of run_kit.RunArgs
+    **RUN_ARG_GROUPS,  # evaluation, I/O, reward models, controls: kit.flags.RunArgs's
 }
 
 
 @dataclass
-class Args(NFTArgs):
+class Args(NFTArgs, RunArgs):
     """ReCAST's flags; --rewards, --budgets, the rollout and optimisation flags both scripts share are
-    run_kit.NFTArgs's, the evaluation, I/O and reward-model flags run_kit.RunArgs's."""
+    nft.NFTArgs's, the evaluation, I/O, reward-model and control flags kit.flags.RunArgs's."""
 
     # method
     credit: str = flag("recast", "method", choices=["recast", "uniform", "nft", "recast_reversed", "file"])
@@ -662,7 +646,7 @@ class Args(NFTArgs):
     sum; recast_reversed: the control for credit in time, W from each reward's profile flipped in time (the same
     marginals as recast's W; with equal columns it is recast's W flipped); file: the W of --credit-file, held fixed
     (a control of the experiments)"""
-    credit_file: str = flag("", "method")
+    credit_file: str = flag("", "controls")
     """--credit file's W: a JSON {"rewards": [names in --rewards order], "W": K x T entries >= 0 summing to the
     budgets' sum}; its rows need not sum to each budget nor its columns be equal (a column's sum weights its step)"""
     gain_estimator: str = flag("pairs", "method", choices=["pairs", "denoised"])
@@ -681,18 +665,17 @@ class Args(NFTArgs):
     evidence: float = flag(2.0, "method", min=0)
     """shrink each reward's profile towards uniform by rho = max(0, 1 - c p / Q), Q the chi^2 of its curve against
     uniform gains (0: no shrinkage)"""
-    column_units: str = flag("loss", "method", choices=["loss", "gradient"])
+    column_units: str = flag("loss", "controls", choices=["loss", "gradient"])
     """what W's equal columns ("the same total weight to each denoising step") are equal in: loss (DiffusionNFT's loss
     as it is: column sums Lam / T) or gradient (column sums propto 1 / t_j, since the loss's velocity gradient per
     unit weight is propto t: each step gets the same share of the update; derivations.ipynb §11). Also applies to
     --credit uniform and nft"""
     gain_init: str = flag("world", "method")
     """the discounted level statistics the run starts from, so that W starts from measured profiles instead of
-    uniform: a JSON file (experiments/protocol.py's profiles.json: n, s1, s2 measured on the pretrained model with many
-    groups; it must hold the run's rewards, with the same --steps); world: the embedded world's (world/assets/
-    profiles.json, 192 groups per level) where they fit the run (the embedded model, --gain-estimator pairs, --sampler
-    tree, 10 steps, rewards the file holds; results/first-run, arm M), from nothing elsewhere; none: from nothing (W
-    from the run's own rollouts alone)"""
+    uniform: a JSON file (n, s1, s2 per reward and level, measured on the pretrained model, e.g.
+    experiments/protocol.py's profiles.json; it must hold the run's rewards, with the same --steps); world: the
+    embedded world's pretrained profiles where they fit the run (the embedded model, --gain-estimator pairs, --sampler
+    tree, 10 steps), from nothing elsewhere; none: from nothing (W from the run's own rollouts alone)"""
     # optimisation
     nft_b: float = flag(1.0, "optimisation", gt=0)
     """DiffusionNFT guidance strength b in v+- = v_old +- b (v_theta - v_old)"""
@@ -726,6 +709,18 @@ def validate(args: Args, extra_rewards=None):
 def default_name(args):
     """--name's default."""
     return f"recast-{args.credit}-{args.seed}"
+
+
+def shows_W(args):
+    """Whether W is part of the run's training signal (credit.png draws it): every --credit but nft, whose one
+    combined reward W plays no part in."""
+    return args.credit != "nft"
+
+
+# Refused on --resume when they differ from the saved run, beside the kit's (kit.flags.FIXED_ON_RESUME): the level
+# statistics a checkpoint holds were measured with the gain estimator and order; --gain-init only seeds iteration 0;
+# --credit, --credit-file and --column-units say what the run is (its method, or a control).
+FIXED_ON_RESUME = ("gain_estimator", "alpha", "gain_init", "credit", "credit_file", "column_units")
 
 
 # =============================================================================
@@ -782,7 +777,7 @@ def equal_columns(W):
 
 def fixed_W_of(args, names, budgets):
     """--credit file, W held fixed (recast-steps: one reward's weight moved between steps at equal measured share):
-    the (K, T) array of --credit-file (`run_kit.read_credit_file` refuses a file that does not fit the run), None for
+    the (K, T) array of --credit-file (`read_credit_file` refuses a file that does not fit the run), None for
     every other --credit. Its rows may differ from the budgets and its columns from each other (`step_weights` weights
     each step by its column sum)."""
     if args.credit != "file":
@@ -793,20 +788,92 @@ def fixed_W_of(args, names, budgets):
 
 
 def gain_prior(args, names):
-    """--gain-init: the discounted level statistics the run starts from (`run_kit.read_level_stats` refuses a file that
-    does not fit), else None. `world` is the embedded world's pretrained profiles (shapes_world.PROFILES_PATH) where
+    """--gain-init: the discounted level statistics the run starts from (`read_level_stats` refuses a file that
+    does not fit), else None. `world` is the embedded world's pretrained profiles (its PROFILES_PATH) where
     they fit the run, else None; `none` (or empty) is None."""
     if args.gain_init in ("", "none"):
         return None
     if args.gain_init != "world":
         return read_level_stats(args.gain_init, names, args.steps)
-    saved = json.loads(shapes_world.PROFILES_PATH.read_text())
+    profiles = load_world(EMBEDDED_MODEL).PROFILES_PATH
+    saved = json.loads(profiles.read_text())
     fits = (
         Path(args.model).resolve() == Path(EMBEDDED_MODEL).resolve()  # a world variant is another world
         and (args.gain_estimator, args.sampler, args.steps) == ("pairs", "tree", saved["steps"])
         and set(names) <= set(saved["names"])
     )
-    return read_level_stats(shapes_world.PROFILES_PATH, names, args.steps) if fits else None
+    return read_level_stats(profiles, names, args.steps) if fits else None
+
+
+def read_credit_file(path_name, names, T, budgets):
+    """The (K, T) W of a --credit file: JSON {"rewards": [names in --rewards order], "W": K x T entries}. Refused,
+    naming the file and the fix: missing or not that JSON, its rewards other than `names` (in order), its shape other
+    than (K, T), a negative or non-finite entry, or a total other than the budgets' sum (the loss is normalised by W's
+    total, so the total fixes nothing but this check)."""
+    path = Path(path_name)
+    if not path_name or not path.is_file():
+        raise SystemExit(f"--credit file needs --credit-file, a JSON file with the W to train with; {path} is not one")
+    try:
+        spec = json.loads(path.read_text())
+        W = np.asarray(spec["W"], dtype=np.float64)
+        rewards = list(spec["rewards"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f'--credit-file {path}: not {{"rewards": [...], "W": [[...]]}} JSON ({err}); fix the file')
+    problem = (
+        f"its rewards {rewards} are not --rewards {list(names)} (in that order)"
+        if rewards != list(names)
+        else f"W has shape {W.shape}, not ({len(names)}, {T}) (rewards x --steps)"
+        if W.shape != (len(names), T)
+        else "W has a negative or non-finite entry"
+        if not np.all(np.isfinite(W)) or np.any(W < 0)
+        else f"W sums to {W.sum():.6g}, not the budgets' sum {sum(budgets):.6g}"
+        if not np.isclose(W.sum(), sum(budgets), rtol=1e-6, atol=0)
+        else None
+    )
+    if problem:
+        raise SystemExit(f"--credit-file {path}: {problem}; fix the file or the flags")
+    return W
+
+
+def read_level_stats(path, names, T):
+    """[n (T+1,), s1 (K, T+1), s2 (K, T+1)]: the rows of `names` from a level-statistics file (experiments/protocol.py
+    `measure_profiles`), the gain statistics recast.py starts from with --gain-init. They are discounted by
+    --gain-ema like the run's own, so the prior's weight halves every ~7 iterations at 0.9. A file that is missing,
+    not JSON, without the run's rewards, of other steps, of the wrong shapes, or with null/NaN/inf statistics (which
+    would switch the credit off: W uniform, evidence 0) is refused naming the file and the field."""
+    fix = "Make one with experiments/protocol.py's measure_profiles, or omit --gain-init"
+    try:
+        saved = json.loads(Path(path).read_text())
+        rows = [saved["names"].index(k) for k in names]
+        steps, estimator = saved["steps"], saved.get("estimator", "pairs")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise SystemExit(
+            f"--gain-init {path}: not a readable level-statistics file holding rewards {names} ({type(err).__name__}: "
+            f"{str(err)[:200]}). {fix}"
+        ) from None
+    if steps != T or estimator != "pairs":
+        raise SystemExit(
+            f"--gain-init {path}: measured with {steps} steps ({estimator}), this run has --steps {T} (pairs): "
+            "measure again with these settings, or omit --gain-init"
+        )
+    stats = []
+    for key, shape in (("n", (T + 1,)), ("s1", (len(saved["names"]), T + 1)), ("s2", (len(saved["names"]), T + 1))):
+        try:
+            value = np.asarray(saved.get(key), dtype=np.float64)  # null -> NaN, refused below
+        except (ValueError, TypeError):
+            value = np.asarray(None)
+        if value.shape != shape:
+            raise SystemExit(
+                f"--gain-init {path}: field {key!r} is not an array of shape {shape} (steps + 1 levels"
+                f"{'' if key == 'n' else ', one row per reward in names'}). {fix}"
+            )
+        if not np.isfinite(value).all():
+            raise SystemExit(
+                f"--gain-init {path}: field {key!r} holds {int((~np.isfinite(value)).sum())} null/NaN/inf entries; "
+                f"they would switch ReCAST's credit off (W uniform). {fix}"
+            )
+        stats.append(value if key == "n" else value[rows])
+    return stats
 
 
 # =============================================================================
@@ -815,13 +882,14 @@ def gain_prior(args, names):
 
 
 def parse_args(argv=None) -> Args:
-    """This script's Args from the command line (`run_kit.parse_flags`; --resume DIR reads DIR/config.json)."""
-    return parse_flags(argv, Args, ARG_GROUPS, __doc__, Path(__file__).stem)
+    """This script's Args from the command line (`flags.parse_flags`; --resume DIR reads DIR/config.json)."""
+    return parse_flags(argv, Args, ARG_GROUPS, __doc__, Path(__file__).stem, FIXED_ON_RESUME)
 
 
 def setup_run(args: Args, extra_rewards=None, judges=None) -> Run:
-    """This script's checks (`validate`), then everything the run needs, loaded (`run_kit.load_run`)."""
-    return load_run(args, *validate(args, extra_rewards), Path(__file__).stem, extra_rewards, judges)
+    """This script's checks (`validate`), then everything the run needs, loaded (`session.load_run`)."""
+    names, budgets, branch = validate(args, extra_rewards)
+    return load_run(args, names, budgets, branch, Path(__file__).stem, extra_rewards, judges, shows_W=shows_W(args))
 
 
 def main(argv=None):

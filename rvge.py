@@ -2,13 +2,13 @@
 
 Read top to bottom: RVGE's math (centred reward / clean-image cross-covariance directions, the Gaussian
 posterior-variance transfer, target velocities, regression groups and bandwidth by reward continuity), its glue
-(directions per reward, the regression loss and update), the train loop, the flags and RVGE's checks, the entry
-points. DiffusionNFT itself (optimality, schedules, sampler steps, tree rollouts, the update loop) is nft.py, written
-once for both methods (recast.py has the same skeleton, so `diff recast.py rvge.py` shows the two methods); the run
-machinery (flag parsing, the flags both scripts share, the shared checks, run folders, resume, checkpoints,
-trackers, figures, model loading, the transformer call) is kit/run_kit.py's; --credit recast takes ReCAST's W from
-recast.py (`recast.credit`). The paper's full text was not available: each "NOTES.md §n" names a section of our
-reconstruction of the method, and derivations.ipynb derives each formula.
+(directions per reward, the regression loss and update), the train loop, the flags and RVGE's checks, the entry points.
+DiffusionNFT itself (optimality, schedules, sampler steps, tree rollouts, the update loop) is nft.py, written once for
+both methods (recast.py has the same skeleton: its sections in the same order); the model (SD3 with LoRA: loading, the
+transformer call, encode, decode) is sd3.py; the run machinery (flags, checks, run folders, resume, checkpoints,
+trackers, figures) is kit/'s; --credit recast takes ReCAST's W from recast.py (`recast.credit`). The paper's full text
+was not available: each "NOTES.md §n" names a section of our reconstruction of the method, and derivations.ipynb derives
+each formula.
 
 Notation map (code name -> symbol)
     lam      (K,)      reward budgets lambda_k, not normalised; Lam = sum_k lambda_k
@@ -27,27 +27,27 @@ Notation map (code name -> symbol)
 Conventions: x_t = (1 - t) x0 + t eps; dv = -dx0_hat / t; all losses are means over latent
 dimensions, then over the batch; numpy math is float64.
 
-Where to change what (nft.x: in nft.py; run_kit.x: in kit/run_kit.py)
-    flags       Args (a field, its --help section in ARG_GROUPS, its checks), validate; run_kit.check_common;
-                the flags both scripts share: run_kit.NFTArgs (rewards, budgets, rollout, optimisation),
-                run_kit.RunArgs (evaluation, I/O, reward models)
+Where to change what (nft.x: in nft.py; sd3.x: in sd3.py; flags.x, session.x, ...: in kit/)
+    flags       Args (a field, its --help section in ARG_GROUPS, its checks), validate; checks.check_common;
+                the flags both scripts share: nft.NFTArgs (rewards, budgets, rollout, optimisation),
+                flags.RunArgs (evaluation, I/O, reward models, controls)
     sampler     nft.tree_rollout (trees; nft.sde_step / nft.sde_continue after a branch, nft.ode_step or
                 nft.dpm2_step before), nft.rollout_and_score (which adapter samples, what is decoded and scored;
                 probes for --coords noisy)
-    rewards     kit/reward_models.py (REWARD_MODELS, build_rewards; README "Add a reward"), run_kit.score,
-                run_kit.reward_extras; reward -> advantage: nft.advantages (nft.global_stats's std)
+    rewards     kit/reward_models.py (REWARD_MODELS, build_rewards; README "Add a reward"), nft.score,
+                worlds.reward_extras; reward -> advantage: nft.advantages (nft.global_stats's std)
     directions  value_directions: regression_groups, pick_bandwidth, group_directions -> value_direction
                 (--combine reward: one direction on the budget-weighted reward, weighted_advantage)
     transfer    reward_target: uses_local, target_velocity (transfer_ratio, posterior_var), query_weight
     credit      mixture_weights (w_kj from W); W itself is recast.credit (--credit recast)
     loss        rvge_loss, mix_targets, rvge_update; the loop shared with recast.py: nft.update_loop
                 (with nft.frozen_velocities, nft.optimizer_step)
-    old policy  nft.old_decay (the soft update of "old" each iteration, run_kit.copy_adapter), nft.ema_decay (--ema)
-    logging     run_kit.reward_metrics + train's metrics line, run_kit.finish_iteration (metrics.jsonl,
-                run_kit.log_to_trackers, checkpoints), progress bar in train, figures in run_kit.plot_run,
-                show_evaluation; the held-out evaluation run_kit.evaluate (with nft.ode_sample); the closing lines
-                (before -> after, the checkpoint to load) in run_kit.print_summary
-    the loop    train (steps 1-4), setup_run (run_kit.Run), run_kit.start_or_resume
+    old policy  nft.old_decay (the soft update of "old" each iteration, sd3.copy_adapter), nft.ema_decay (--ema)
+    logging     nft.reward_metrics + train's metrics line, session.finish_iteration (metrics.jsonl,
+                figures.log_to_trackers, checkpoints), progress bar in train, figures in figures.plot_run,
+                show_evaluation; the held-out evaluation session.evaluate (with nft.ode_sample); the closing lines
+                (before -> after, the checkpoint to load) in figures.print_summary
+    the loop    train (steps 1-4), setup_run (session.Run), folders.start_or_resume
 """
 
 from __future__ import annotations
@@ -62,27 +62,13 @@ import torch
 from tqdm import tqdm
 
 import nft
-from kit.run_kit import (
-    RUN_ARG_GROUPS,
-    NFTArgs,
-    Run,
-    check_common,
-    check_files,
-    copy_adapter,
-    dry_run,
-    evaluate_before,
-    finish_iteration,
-    flag,
-    iteration_generator,
-    load_run,
-    parse_flags,
-    plot_run,
-    print_summary,
-    reward_metrics,
-    run_folder,
-    start_or_resume,
-    stop_if_a_reward_failed,
-)
+import sd3
+from kit.checks import check_common, check_files, dry_run
+from kit.figures import plot_run, print_summary
+from kit.flags import RUN_ARG_GROUPS, RunArgs, parse_flags
+from kit.folders import run_folder, start_or_resume
+from kit.session import Run, evaluate_before, finish_iteration, load_run, stop_if_a_reward_failed
+from nft import NFTArgs, flag
 from recast import CreditSettings, credit
 
 # =============================================================================
@@ -409,7 +395,7 @@ def train(args: Args, extra_rewards=None, judges=None):
     def on_step():  # after every optimizer step: the EMA of the trained LoRA (DiffusionNFT's evaluation weights)
         state["opt_steps"] += 1
         if args.ema:
-            copy_adapter(run.transformer, "default", "ema", keep=nft.ema_decay(state["opt_steps"]))
+            sd3.copy_adapter(run.transformer, "default", "ema", keep=nft.ema_decay(state["opt_steps"]))
 
     bar = tqdm(
         range(start, args.iterations),
@@ -419,10 +405,11 @@ def train(args: Args, extra_rewards=None, judges=None):
         disable=not run.acc.is_main_process,
     )
     drawn = False  # whether the last iteration run drew the figures (it evaluated)
+    before = None  # the pretrained model's evaluation (every process its share), logged with iteration 0
+    if start == 0 and args.eval_every and run.eval_prompts:
+        before = evaluate_before(run, args, nft.ode_sample, state)
     for it in bar:
-        gen, before = iteration_generator(args.seed, it), None
-        if it == 0 and args.eval_every and run.eval_prompts:  # the pretrained model, every process its share
-            before = evaluate_before(run, args, nft.ode_sample, state)
+        gen = nft.iteration_generator(args.seed, it)
         t0 = time.perf_counter()  # training time: the evaluation above is not part of it
         # 1. rollouts from the old policy, rewards
         b = nft.rollout_and_score(run, args, it, gen, coordinate_steps(args.coords, run.branch))
@@ -436,6 +423,7 @@ def train(args: Args, extra_rewards=None, judges=None):
             A = weighted_advantage(b, budgets, run)
         r = nft.optimality(b.R, b.groups, std=std)  # for the pairs estimator of --credit recast
         sigmas = run.sigmas.double().numpy()
+        # ReCAST's estimator runs whatever --credit is: its D curves are logged either way (W uniform but for recast)
         state["level_stats"], credit_info, W = credit(
             credit_settings(args), state.get("level_stats"), r, std, b, budgets, sigmas, run.reduce
         )
@@ -446,11 +434,11 @@ def train(args: Args, extra_rewards=None, judges=None):
         t3 = time.perf_counter()
         # 3. regression update of "default", then the soft update of "old"
         losses = rvge_update(run, b, directions, mix, s2, args, gen, on_step)
-        copy_adapter(run.transformer, "default", "old", keep=nft.old_decay(state["opt_steps"], args.old_decay))
+        sd3.copy_adapter(run.transformer, "default", "old", keep=nft.old_decay(state["opt_steps"], args.old_decay))
         t4 = time.perf_counter()
         # 4. log, evaluate, checkpoint
         metrics = {
-            **reward_metrics(run, it, b, n_valid, mean_R, losses),
+            **nft.reward_metrics(run, it, b, n_valid, mean_R, losses),
             **rvge_metrics,
             **credit_info,
             "recast/sigmas": run.sigmas.tolist(),
@@ -460,11 +448,12 @@ def train(args: Args, extra_rewards=None, judges=None):
             "time/update": t4 - t3,
         }
         drawn = finish_iteration(run, args, it, metrics, state, before, nft.ode_sample)
+        before = None
         bar.set_postfix({"reward": f"{metrics['reward/weighted']:.3f}", "loss": f"{metrics['loss/policy']:.4g}"})
     if run.acc.is_main_process:
         if not drawn:  # else the last evaluation drew them from the same metrics
-            plot_run(run.out, run.names)
-        print_summary(run.out)  # before -> after, W's departure (ReCAST), the checkpoint to load
+            plot_run(run.out, run.names, shows_W(args))
+        print_summary(run.out)  # before -> after, the checkpoint to load
     run.acc.end_training()  # closes the --report-to tracker
     return run.out
 
@@ -479,15 +468,15 @@ ARG_GROUPS = {  # --help sections, in this order: title -> what the flags set
     "recast credit": "ReCAST's W, with --credit recast (the math is recast.py's)",
     "rollout": "prompts per iteration, trees and the sampler",
     "optimisation": "the regression loss, its timesteps, AdamW, the old policy and the LoRA",
-    **RUN_ARG_GROUPS,  # evaluation, I/O, reward models: the flags of run_kit.RunArgs
+    **RUN_ARG_GROUPS,  # evaluation, I/O, reward models, controls: kit.flags.RunArgs's
 }
 
 
 @dataclass
-class Args(NFTArgs):
+class Args(NFTArgs, RunArgs):
     """RVGE's flags, and the rollout and optimisation defaults it changes; --rewards, --budgets, the rollout and
-    optimisation flags both scripts share are run_kit.NFTArgs's, the evaluation, I/O and reward-model flags
-    run_kit.RunArgs's."""
+    optimisation flags both scripts share are nft.NFTArgs's, the evaluation, I/O, reward-model and control
+    flags kit.flags.RunArgs's."""
 
     # method
     credit: str = flag("budgets", "method", choices=["budgets", "recast"])
@@ -544,8 +533,7 @@ class Args(NFTArgs):
     iterations: int = flag(120, "optimisation", min=1)
     """training iterations (rollout + update); an iteration costs about as much as recast.py's (64 images)"""
     base_reg: float = flag(1e-4, "optimisation", min=0)
-    """weight of the velocity MSE to the frozen base model: DiffusionNFT's 1e-4, on which RVGE's defaults were chosen
-    (results/rvge-defaults)"""
+    """weight of the velocity MSE to the frozen base model (DiffusionNFT's 1e-4)"""
 
 
 def validate(args: Args, extra_rewards=None):
@@ -607,19 +595,25 @@ def default_name(args):
     return f"rvge-{args.credit}-{args.seed}"
 
 
+def shows_W(args):
+    """Whether W is part of the run's training signal (credit.png draws it): with --credit recast only."""
+    return args.credit == "recast"
+
+
 # =============================================================================
 # The script's entry points: its flags, its run, main
 # =============================================================================
 
 
 def parse_args(argv=None) -> Args:
-    """This script's Args from the command line (`run_kit.parse_flags`; --resume DIR reads DIR/config.json)."""
-    return parse_flags(argv, Args, ARG_GROUPS, __doc__, Path(__file__).stem)
+    """This script's Args from the command line (`flags.parse_flags`; --resume DIR reads DIR/config.json)."""
+    return parse_flags(argv, Args, ARG_GROUPS, __doc__, Path(__file__).stem, fixed=("credit",))
 
 
 def setup_run(args: Args, extra_rewards=None, judges=None) -> Run:
-    """This script's checks (`validate`), then everything the run needs, loaded (`run_kit.load_run`)."""
-    return load_run(args, *validate(args, extra_rewards), Path(__file__).stem, extra_rewards, judges)
+    """This script's checks (`validate`), then everything the run needs, loaded (`session.load_run`)."""
+    names, budgets, branch = validate(args, extra_rewards)
+    return load_run(args, names, budgets, branch, Path(__file__).stem, extra_rewards, judges, shows_W=shows_W(args))
 
 
 def main(argv=None):

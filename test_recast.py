@@ -1,11 +1,12 @@
 """recast.py and DiffusionNFT's nft.py, which both scripts import, from fast to slow: hand-computed values,
 vectorised vs naive loops, properties of the W solver, DiffusionNFT written once, then end-to-end runs of both
 scripts on a tiny random SD3 pipeline (conftest.py; several processes among them) and on the embedded model.
-RVGE's math: test_rvge.py; the run machinery (flags, run folders, resume, locks, checkpoints): test_run_kit.py;
+RVGE's math: test_rvge.py; the run machinery (kit/: flags, run folders, resume, locks, checkpoints): test_run_kit.py;
 reward models: test_reward_models.py; the toy: test_toy_gaussian.py.
 Run: python -m pytest -q
 """
 
+import importlib
 import itertools
 import json
 import math
@@ -24,8 +25,9 @@ import torch
 import nft
 import recast
 import rvge
+import sd3
 from conftest import TINY_REWARDS, assert_loads_as_trained, brightness, read_metrics, tiny_argv
-from kit import reward_models, run_kit
+from kit import figures, reward_models, worlds
 
 # -----------------------------------------------------------------------------
 # Optimality probabilities (NOTES.md §2)
@@ -489,7 +491,7 @@ def test_a_bad_credit_file_is_refused_before_the_model_loads(tiny, tmp_path, mon
         spec["W"] = (np.asarray(spec["W"]) * content.get("W_scale", 1.0)).tolist()
     if content is not None:
         path.write_text(content if isinstance(content, str) else json.dumps(spec))
-    monkeypatch.setattr(run_kit, "load_pipeline", lambda *a: pytest.fail("the model loaded"))
+    monkeypatch.setattr(sd3, "load_pipeline", lambda *a: pytest.fail("the model loaded"))
     argv = tiny_argv(tiny, out, "--credit", "file", "--credit-file", str(path), *more)
     with pytest.raises(SystemExit, match=words):
         recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
@@ -688,7 +690,7 @@ def test_diffusionnft_is_written_once_in_nft_py_and_each_function_has_one_name()
     """Neither script defines a function of nft.py again, and none hands one on under its own name (recast.optimality
     does not exist: the toy, the tests and the notebook all call nft.optimality); the two scripts' shared sections
     (after each method's own, the NOTES.md sections, and recast.py's controls for the experiments) come in the same
-    order, so `diff recast.py rvge.py` shows the two methods."""
+    order, so a reader moving from one script to the other finds each part where the other had it."""
     defined = top_level_names(nft.__file__)
     assert {"optimality", "nft_loss", "tree_rollout", "update_loop", "global_stats", "optimizer_step"} <= defined
     for script in (recast, rvge):
@@ -725,19 +727,19 @@ def test_gain_init_reads_the_runs_rewards_rows_and_refuses_a_mismatch(tmp_path):
     }
     path = tmp_path / "profiles.json"
     path.write_text(json.dumps(saved))
-    n, got1, got2 = run_kit.read_level_stats(path, ["c", "a"], T)
+    n, got1, got2 = recast.read_level_stats(path, ["c", "a"], T)
     assert (
         n.tolist() == [5.0] * (T + 1)
         and got1.tolist() == [s1[2].tolist(), s1[0].tolist()]
         and got2.tolist() == (got1**2).tolist()
     )
     with pytest.raises(SystemExit, match="--steps 10"):
-        run_kit.read_level_stats(path, ["a"], 10)
+        recast.read_level_stats(path, ["a"], 10)
     with pytest.raises(SystemExit, match="holding rewards \\['a', 'zzz'\\]"):
-        run_kit.read_level_stats(path, ["a", "zzz"], T)
+        recast.read_level_stats(path, ["a", "zzz"], T)
     path.write_text("{not json")
     with pytest.raises(SystemExit, match="--gain-init"):
-        run_kit.read_level_stats(path, ["a"], T)
+        recast.read_level_stats(path, ["a"], T)
 
 
 def test_gain_init_world_starts_the_embedded_defaults_from_the_worlds_profiles_and_nothing_else():
@@ -803,17 +805,18 @@ def test_recast_two_iterations_write_metrics_W_figures_and_a_loadable_lora(tiny,
 def test_where_to_change_what_names_functions_that_exist(module):
     script = __import__(module)
     block = script.__doc__.split("Where to change what")[1]
-    words = {"reward_models", "run_kit", "w_kj", "README", "recast_reversed"}  # files, a symbol, a flag value
+    words = {"reward_models", "w_kj", "README", "recast_reversed"}  # files, a symbol, a flag value
     names = set(re.findall(r"\b(?:[a-z0-9]+_[a-z0-9_]+|Args|Run|[A-Z_]{4,})\b", block)) - words
     assert len(names) > 20
-    homes = (script, nft, run_kit, reward_models)
+    kit = [importlib.import_module(f"kit.{p.stem}") for p in Path(reward_models.__file__).parent.glob("*.py")]
+    homes = (script, nft, sd3, *kit)
     missing = [n for n in names if not any(hasattr(home, n) for home in homes)]
     assert not missing, (
         f"the map in {module}.py's docstring names {missing}, which neither {module}.py, nft.py nor the kit defines"
     )
-    for home in (nft, run_kit):  # a qualified name lives where it says
+    for home in (nft, sd3, *kit):  # a qualified name lives where it says
         named = set(re.findall(rf"\b{home.__name__.split('.')[-1]}\.([A-Za-z0-9_]+)\b", block)) - {"x", "py"}
-        assert named and not [n for n in named if not hasattr(home, n)], (home.__name__, named)
+        assert (named or home is not nft) and not [n for n in named if not hasattr(home, n)], (home.__name__, named)
 
 
 def test_the_main_command_prints_one_progress_bar_with_reward_and_loss_and_no_warnings(tmp_path):
@@ -828,7 +831,7 @@ def test_the_main_command_prints_one_progress_bar_with_reward_and_loss_and_no_wa
     lines = [line for line in re.split(r"[\r\n]+", done.stderr) if line.strip()]
     assert lines and all(line.startswith("recast: ") for line in lines), lines
     assert re.search(r"1/1 .*reward=[-0-9.]+, loss=[-0-9.e]+", lines[-1]), lines[-1]
-    assert done.stdout.splitlines() == run_kit.print_summary(tmp_path / "run")  # the closing summary, nothing else
+    assert done.stdout.splitlines() == figures.print_summary(tmp_path / "run")  # the closing summary, nothing else
 
 
 @pytest.mark.parametrize("credit, beta", [("budgets", None), ("recast", "0.5")])
@@ -994,7 +997,9 @@ TWO_PROC_SCRIPT = """
 import sys, numpy as np
 sys.path.insert(0, {repo!r})
 import {module} as script, recast, test_recast
-from kit import run_kit
+from kit import figures, session, worlds
+import recast
+import sd3
 from accelerate import PartialState
 solve = recast.solve_W  # both scripts build W in recast.credit
 def recorded(*a, **k):
@@ -1003,12 +1008,12 @@ def recorded(*a, **k):
         f.write(repr(W.tolist()) + "\\n")
     return W
 recast.solve_W = recorded
-all_reduce_grads = run_kit.Run.all_reduce_grads
+all_reduce_grads = session.Run.all_reduce_grads
 def averaged(self, params):  # the gradients each rank steps with, after the one all-reduce
     all_reduce_grads(self, params)
     with open({out!r} + f"/grads_rank{{PartialState().process_index}}.txt", "a") as f:
         f.write(repr([float(p.grad.double().sum()) for p in params]) + "\\n")
-run_kit.Run.all_reduce_grads = averaged
+session.Run.all_reduce_grads = averaged
 script.train(script.parse_args({argv!r}), extra_rewards=test_recast.TINY_REWARDS)
 """
 
@@ -1151,7 +1156,7 @@ def linear_latent_cosines(pipe_path, prompts, max_len, seed=0):
 
     pipe = StableDiffusion3Pipeline.from_pretrained(pipe_path, local_files_only=True)
     pipe.scheduler.set_timesteps(10)
-    emb, pooled = run_kit.encode(pipe, prompts, max_len, "cpu")
+    emb, pooled = sd3.encode(pipe, prompts, max_len, "cpu")
     tr = pipe.transformer
     shape = (tr.config.in_channels, tr.config.sample_size, tr.config.sample_size)
     gen = torch.Generator().manual_seed(seed)
@@ -1173,7 +1178,7 @@ def test_rvge_direction_follows_a_linear_latent_reward_on_the_embedded_model():
     from world import shapes_world
 
     cos = linear_latent_cosines(
-        run_kit.EMBEDDED_MODEL,
+        worlds.EMBEDDED_MODEL,
         shapes_world.sample_prompts(6, "train", 0),
         shapes_world.GEN_KWARGS["max_sequence_length"],
     )

@@ -561,7 +561,7 @@ def check_sde(quick, out=None):
 
 
 class ExactVelocity:
-    """Stand-in for the SD3 transformer inside run_kit.velocity: the exact velocity of a mixture, so the
+    """Stand-in for the SD3 transformer inside sd3.velocity: the exact velocity of a mixture, so the
     shipped nft.tree_rollout runs on the toy. Counts the states it evaluates (rollout cost). gm None: zero velocity."""
 
     def __init__(self, gm):

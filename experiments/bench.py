@@ -333,7 +333,7 @@ def steps_W(profiles: Path) -> dict:
 
 def write_steps_W(exp_dir: Path, profiles: Path):
     """recast-steps' --credit-file files, exp_dir/W_<label>.json, written before its runs (atomically)."""
-    from kit.run_kit import write_atomic
+    from kit.records import write_atomic
 
     exp_dir.mkdir(parents=True, exist_ok=True)
     for label, W in steps_W(profiles).items():
@@ -814,12 +814,12 @@ def check_flags(runs):
     """Parse every cell's flags with its script's own parser before anything runs."""
     import importlib
 
-    from kit import run_kit
+    from kit import flags
 
     for run in {r.cell: r for r in runs}.values():
         module = importlib.import_module(run.cell.script)
         try:
-            run_kit.check_ranges(module.parse_args(list(run.settings)))
+            flags.check_ranges(module.parse_args(list(run.settings)))
         except SystemExit as err:
             raise SystemExit(
                 f"cell {run.cell.label} ({run.cell.group}): {run.cell.script}.py refuses {' '.join(run.settings)}"

@@ -73,7 +73,7 @@ sys.path.insert(0, str(ROOT))  # `python experiments/bench_gpu.py`: the scripts
 import nft  # noqa: E402
 import recast  # noqa: E402
 import rvge  # noqa: E402
-from kit import run_kit  # noqa: E402
+import sd3  # noqa: E402
 
 METHODS = {  # --tiny without --config: name -> (module, flags)
     "recast": (recast, ["--credit", "recast"]),
@@ -168,22 +168,8 @@ def build_pipeline(path, tiny=False, device="cpu", dtype="float32", seed=0):
     character-level, built from a vocabulary (no files): prompts pad to 77 CLIP / max_sequence_length
     T5 tokens as with the real ones. Modules are initialised on `device` (fast on a GPU)."""
     import torch
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-    from transformers import (
-        CLIPTextConfig,
-        CLIPTextModelWithProjection,
-        CLIPTokenizer,
-        T5Config,
-        T5EncoderModel,
-        T5Tokenizer,
-    )
+    from transformers import CLIPTokenizer, T5Tokenizer
 
-    torch.manual_seed(seed)
     t_cfg = (
         TINY_TRANSFORMER
         if tiny
@@ -196,40 +182,36 @@ def build_pipeline(path, tiny=False, device="cpu", dtype="float32", seed=0):
         vocab.setdefault(ch + "</w>", len(vocab))
     clips = TINY_CLIPS if tiny else SD35M_CLIPS
     t5_pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)] + [(c, -2.0) for c in LETTERS]
-    with torch.device(device):
-        text_encoders = [
-            CLIPTextModelWithProjection(
-                CLIPTextConfig(
-                    vocab_size=len(vocab),
-                    hidden_size=h,
-                    intermediate_size=i,
-                    num_attention_heads=a,
-                    num_hidden_layers=n,
-                    max_position_embeddings=p,
-                    projection_dim=h,
-                    hidden_act=act,
-                    bos_token_id=0,
-                    eos_token_id=1,
-                    pad_token_id=1,
-                )
+    pipe = sd3.pipeline_from_configs(
+        transformer=t_cfg,
+        vae=TINY_VAE if tiny else SD35M_VAE,
+        clips=[
+            dict(
+                vocab_size=len(vocab),
+                hidden_size=h,
+                intermediate_size=i,
+                num_attention_heads=a,
+                num_hidden_layers=n,
+                max_position_embeddings=p,
+                projection_dim=h,
+                hidden_act=act,
+                bos_token_id=0,
+                eos_token_id=1,
+                pad_token_id=1,
             )
             for h, i, a, n, p, act in clips
-        ]
-        t5 = T5EncoderModel(T5Config(vocab_size=len(t5_pieces), **(TINY_T5 if tiny else SD35M_T5)))
-        transformer = SD3Transformer2DModel.from_config(t_cfg)
-        vae = AutoencoderKL(**(TINY_VAE if tiny else SD35M_VAE))
-    pipe = StableDiffusion3Pipeline(
-        transformer=transformer,
-        vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        text_encoder=text_encoders[0],
-        tokenizer=CLIPTokenizer(vocab=vocab, merges=[], model_max_length=clips[0][4]),
-        text_encoder_2=text_encoders[1],
-        tokenizer_2=CLIPTokenizer(vocab=vocab, merges=[], model_max_length=clips[1][4]),
-        text_encoder_3=t5,
-        tokenizer_3=T5Tokenizer(vocab=t5_pieces, model_max_length=TINY["max_sequence_length"] if tiny else 256),
+        ],
+        t5=dict(vocab_size=len(t5_pieces), **(TINY_T5 if tiny else SD35M_T5)),
+        tokenizers=(
+            CLIPTokenizer(vocab=vocab, merges=[], model_max_length=clips[0][4]),
+            CLIPTokenizer(vocab=vocab, merges=[], model_max_length=clips[1][4]),
+            T5Tokenizer(vocab=t5_pieces, model_max_length=TINY["max_sequence_length"] if tiny else 256),
+        ),
+        seed=seed,
+        device=device,
     )
-    for module in (transformer, vae, t5, *text_encoders):
+    transformer = pipe.transformer
+    for module in (transformer, pipe.vae, pipe.text_encoder_3, pipe.text_encoder, pipe.text_encoder_2):
         torch.nn.Module.to(
             module, getattr(torch, dtype)
         )  # diffusers' own .to() warns about keep-in-fp32 lists, empty here
@@ -323,18 +305,18 @@ def flops_per_sample(run, decode):
     from torch.utils.flop_counter import FlopCounterMode
 
     count_cpu_attention()
-    emb, pooled = run_kit.encode(run.pipe, PROMPTS[:1], run.max_len, run.acc.device)
+    emb, pooled = sd3.encode(run.pipe, PROMPTS[:1], run.max_len, run.acc.device)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn((1, *run.shape), generator=gen).to(emb.device)
     s = torch.full((1,), 0.5, device=emb.device)
     run.transformer.set_adapter("default")
     with torch.no_grad(), FlopCounterMode(display=False) as forward, run.autocast():
-        run_kit.velocity(run.transformer, x, s, emb, pooled)
+        sd3.velocity(run.transformer, x, s, emb, pooled)
     with FlopCounterMode(display=False) as forward_backward:
         with run.autocast():
-            v = run_kit.velocity(run.transformer, x, s, emb, pooled)
+            v = sd3.velocity(run.transformer, x, s, emb, pooled)
         v.pow(2).mean().backward()
-    for p in run_kit.lora_params(run.transformer, "default"):
+    for p in sd3.lora_params(run.transformer, "default"):
         p.grad = None  # the optimizer's first step must not see this gradient
     with FlopCounterMode(display=False) as vae, run.autocast():
         decode(run.pipe, x)
@@ -351,7 +333,7 @@ class Profiler:
     rvge.rvge_update; nft.tree_rollout and nft.decode, which nft.rollout_and_score calls), with wrappers that set the
     current phase, synchronise CUDA at the end and record the phase's peak memory; hooks on the transformer and the
     VAE decoder count samples per phase. `iterations[i]` holds iteration i's counts and peaks; `precision` is the
-    run's (run_kit.Precision)."""
+    run's (sd3.Precision)."""
 
     PHASE_OF = {"tree_rollout": "rollout", "decode": "reward", "nft_update": "update", "rvge_update": "update"}
 
@@ -361,7 +343,7 @@ class Profiler:
 
     def __enter__(self):
         update = "nft_update" if hasattr(self.module, "nft_update") else "rvge_update"
-        for space, name in [(self.module, "setup_run"), (nft, "tree_rollout"), (nft, "decode"), (self.module, update)]:
+        for space, name in [(self.module, "setup_run"), (nft, "tree_rollout"), (sd3, "decode"), (self.module, update)]:
             self.orig[name] = (space, getattr(space, name))
             setattr(space, name, self._setup_run if name == "setup_run" else self._wrap(name))
         return self

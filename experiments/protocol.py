@@ -116,7 +116,7 @@ def measure_profiles(exp_dir: Path, names=PROFILE_CANDIDATES, iterations=48, pro
 
     import nft
     import recast
-    from kit import run_kit
+    from kit import records
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -141,7 +141,7 @@ def measure_profiles(exp_dir: Path, names=PROFILE_CANDIDATES, iterations=48, pro
         run = recast.setup_run(args)
         sigmas, stats = run.sigmas.double().numpy(), None
         for it in range(iterations):
-            b = nft.rollout_and_score(run, args, it, run_kit.iteration_generator(seed, it))
+            b = nft.rollout_and_score(run, args, it, nft.iteration_generator(seed, it))
             r = nft.optimality(b.R, b.groups, std=nft.global_stats(b.R, run.reduce)[2])
             new = recast.level_observations(r, b.groups, b.ancestry, b.layouts, args.steps)
             stats = list(new) if stats is None else [a + c for a, c in zip(stats, new)]
@@ -165,7 +165,7 @@ def measure_profiles(exp_dir: Path, names=PROFILE_CANDIDATES, iterations=48, pro
         "rho": rho.tolist(),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    run_kit.write_atomic(path, json.dumps(out))  # a kill leaves no torn file
+    records.write_atomic(path, json.dumps(out))  # a kill leaves no torn file
     return out
 
 
@@ -287,7 +287,7 @@ def final_eval_images(pipe, transformer_state, prompts, seed, steps=10):
     from peft.utils import set_peft_model_state_dict
 
     import nft
-    from kit import run_kit
+    import sd3
 
     tr = pipe.transformer
     if transformer_state is None:
@@ -296,16 +296,16 @@ def final_eval_images(pipe, transformer_state, prompts, seed, steps=10):
         tr.enable_adapters()
         set_peft_model_state_dict(tr, transformer_state, adapter_name="default")
         tr.set_adapter("default")
-    emb, pooled = run_kit.encode(pipe, prompts, shapes_world.GEN_KWARGS["max_sequence_length"], "cpu")
+    emb, pooled = sd3.encode(pipe, prompts, shapes_world.GEN_KWARGS["max_sequence_length"], "cpu")
     shape = (
         tr.config.in_channels,
         shapes_world.RES // pipe.vae_scale_factor,
         shapes_world.RES // pipe.vae_scale_factor,
     )
     with torch.no_grad():
-        latents = nft.ode_sample(tr, emb, pooled, run_kit.scheduler_sigmas(pipe, steps), shape, seed)
+        latents = nft.ode_sample(tr, emb, pooled, sd3.scheduler_sigmas(pipe, steps), shape, seed)
     tr.enable_adapters()
-    return run_kit.decode(pipe, latents)
+    return sd3.decode(pipe, latents)
 
 
 def final_scores(images, prompts):
@@ -331,7 +331,7 @@ def final_evals(runs: list, exp_dir: Path, noises: int, captions: int = 0):
     larger than the runs' own: every held-out caption (the first `captions` of them, where given: --quick) x `noises`
     noises, at each of EVAL_SEEDS
     (same images for every method: paired). Cached next to each result as <run>.final.json (keyed by the
-    checkpoint's name); returns {run_id or "pretrained": {seed: scores}}. The model (torch, recast, run_kit) is
+    checkpoint's name); returns {run_id or "pretrained": {seed: scores}}. The model (torch, recast, the kit) is
     imported only when something is evaluated: a rebuild from cached evaluations needs none of it."""
     prompts = [c for c in shapes_world.splits()["heldout"][: captions or None] for _ in range(noises)]
     out, pipe = {}, None
@@ -363,11 +363,12 @@ def final_evals(runs: list, exp_dir: Path, noises: int, captions: int = 0):
             import torch
 
             import recast
-            from kit import run_kit
+            import sd3
+            from kit import records
 
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
-            pipe = run_kit.load_pipeline(recast.parse_args([]), "cpu", torch.float32)
+            pipe = sd3.load_pipeline(recast.parse_args([]), "cpu", torch.float32)
         state = torch.load(latest / "state.pt", weights_only=False)["lora"]["default"] if latest else None
         scores = {
             str(seed): final_scores(final_eval_images(pipe, state, prompts, seed), prompts) for seed in EVAL_SEEDS
@@ -375,7 +376,7 @@ def final_evals(runs: list, exp_dir: Path, noises: int, captions: int = 0):
         if problem:  # the damaged file is kept, never overwritten
             where = set_aside({path: problem}, exp_dir, "damaged")
             print(f"{path}: moved to {where / path.name}; evaluated anew", flush=True)
-        run_kit.write_atomic(
+        records.write_atomic(
             path, json.dumps({"checkpoint": key, "n": len(prompts), "prompts": prompts, "scores": scores})
         )
         out[run_id] = scores

@@ -668,8 +668,8 @@ EVAL_FLOOR_NOISES = 16  # noise sets of the in-run evaluation's noise floor (`me
 
 def measure_eval_floor(exp, exp_dir: Path, noises=EVAL_FLOOR_NOISES) -> dict:
     """The noise floor of one in-run held-out evaluation: the pretrained model evaluated as every run evaluates
-    (`run_kit.evaluate`: the held-out prompts, the ODE sampler, the first cell's rewards and judges) from `noises`
-    noise sets (run_kit.EVAL_SEED, the runs' own, and the next noises - 1 seeds); per metric the sd over them.
+    (`session.evaluate`: the held-out prompts, the ODE sampler, the first cell's rewards and judges) from `noises`
+    noise sets (session.EVAL_SEED, the runs' own, and the next noises - 1 seeds); per metric the sd over them.
     report_rvge_joint's non-inferiority margin is two of these. Cached in exp_dir/eval_floor.json (measured again
     when the settings, the world or `noises` differ). The model is imported only when something is measured."""
     path, cell = exp_dir / "eval_floor.json", exp.cells[0]
@@ -685,22 +685,22 @@ def measure_eval_floor(exp, exp_dir: Path, noises=EVAL_FLOOR_NOISES) -> dict:
     import tempfile
 
     import nft
-    from kit import run_kit
+    from kit import checks, records, session
 
     script = importlib.import_module(cell.script)
-    seeds = [run_kit.EVAL_SEED + k for k in range(noises)]
-    values, default = {}, run_kit.EVAL_SEED
+    seeds = [session.EVAL_SEED + k for k in range(noises)]
+    values, default = {}, session.EVAL_SEED
     with tempfile.TemporaryDirectory() as tmp:
         args = script.parse_args([*settings, "--out", str(Path(tmp) / "run")])
-        names, budgets, branch = run_kit.check_common(args)
-        run = run_kit.load_run(args, names, budgets, branch, cell.script, lock=False)
+        names, budgets, branch = checks.check_common(args)
+        run = session.load_run(args, names, budgets, branch, cell.script, lock=False)
         try:
             for seed in seeds:
-                run_kit.EVAL_SEED = seed
-                for m, v in run_kit.evaluate(run, args, nft.ode_sample)[0].items():
+                session.EVAL_SEED = seed
+                for m, v in session.evaluate(run, args, nft.ode_sample)[0].items():
                     values.setdefault(m, []).append(float(v))
         finally:
-            run_kit.EVAL_SEED = default
+            session.EVAL_SEED = default
     record = {
         "what": "the pretrained model's in-run held-out evaluation from several noise sets "
         "(reports.measure_eval_floor)",
@@ -712,7 +712,7 @@ def measure_eval_floor(exp, exp_dir: Path, noises=EVAL_FLOOR_NOISES) -> dict:
         "sd": {m: float(np.std(v, ddof=1)) for m, v in values.items()},
     }
     exp_dir.mkdir(parents=True, exist_ok=True)
-    run_kit.write_atomic(path, json.dumps(record, indent=1) + "\n")
+    records.write_atomic(path, json.dumps(record, indent=1) + "\n")
     return record
 
 

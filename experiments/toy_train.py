@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python experime
 import nft  # noqa: E402
 import recast  # noqa: E402
 import rvge  # noqa: E402
-from kit import run_kit  # noqa: E402
+from kit import session  # noqa: E402
 from kit.stats import (  # noqa: E402  the experiments' statistics: the same tests as the embedded model's
     holm,
     interval_sd,
@@ -279,7 +279,7 @@ REWARD_COLUMN = {"coarse": 0, "fine": 1, "smooth": 0, "discrete": 2}
 def permute_within_groups(R, groups, seed, it):
     """The control: each group's rewards shuffled among its leaves (a fixed permutation per seed and iteration).
     R (N,) -> (N,)."""
-    return run_kit.shuffle_within_groups(R, groups, np.random.default_rng([seed, it, 7]))
+    return session.shuffle_within_groups(R, groups, np.random.default_rng([seed, it, 7]))
 
 
 @dataclass

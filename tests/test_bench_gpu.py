@@ -11,6 +11,7 @@ import torch
 import nft
 import recast
 import rvge
+import sd3
 from experiments import bench_gpu
 
 
@@ -66,7 +67,7 @@ def test_counted_samples_match_the_tree_and_the_update(tiny_report):
 
 def test_the_loop_functions_are_restored_after_profiling(tiny_report):
     """The profiler patches what the loop looks up at call time, where it looks it up, and puts it back."""
-    for module, name in [(nft, "tree_rollout"), (nft, "decode"), (recast, "setup_run"), (rvge, "setup_run")]:
+    for module, name in [(nft, "tree_rollout"), (sd3, "decode"), (recast, "setup_run"), (rvge, "setup_run")]:
         assert getattr(module, name).__qualname__ == name, (module.__name__, name)
     assert recast.nft_update.__qualname__ == "nft_update" and rvge.rvge_update.__qualname__ == "rvge_update"
 

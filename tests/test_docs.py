@@ -105,12 +105,12 @@ def test_the_readme_map_names_code_and_tests_that_exist():
     end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
     rows = lines[start + 2 : end]
     assert len(rows) >= 10
-    homes = {"recast": ["recast"], "rvge": ["rvge"], "run_kit": ["kit.run_kit"]}
-    homes["nft"] = ["nft"] if (ROOT / "nft.py").is_file() else ["recast", "rvge", "kit.run_kit"]
+    kit = [p.stem for p in sorted((ROOT / "kit").glob("*.py"))]
+    homes = {m: [m] for m in ("recast", "rvge", "nft", "sd3")} | {m: [f"kit.{m}"] for m in kit}
     tests = "\n".join(p.read_text() for p in [ROOT / "test_recast.py", *sorted((ROOT / "tests").glob("test_*.py"))])
     missing = []
     for row in rows:
-        for module, name in re.findall(r"`(recast|rvge|nft|run_kit)\.(\w+)", row):
+        for module, name in re.findall(rf"`({'|'.join(homes)})\.(\w+)", row):
             if not any(hasattr(importlib.import_module(m), name) for m in homes[module]):
                 missing.append(f"{module}.{name}")
         missing += [t for t in re.findall(r"`(test_\w+)`", row) if not re.search(rf"^def {t}\(", tests, re.M)]

@@ -15,8 +15,9 @@ import torch
 
 import nft
 import recast
+import sd3
 from conftest import TINY_REWARDS, read_metrics, tiny_argv
-from kit import run_kit
+from kit import checkpoints
 
 # -----------------------------------------------------------------------------
 # The flags: a float16 run without a scaler is refused; each mode's dtypes
@@ -32,7 +33,7 @@ from kit import run_kit
     ],
 )
 def test_float16_weights_without_a_scaler_are_refused_before_anything_loads(tiny, tmp_path, monkeypatch, flags, words):
-    monkeypatch.setattr(run_kit, "load_pipeline", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(sd3, "load_pipeline", lambda *a, **k: pytest.fail("the model loaded"))
     out = tmp_path / "run"
     with pytest.raises(SystemExit, match=words):
         recast.main(tiny_argv(tiny, out, *flags))
@@ -45,7 +46,7 @@ def test_each_mode_gives_its_dtypes_and_only_fp16_a_scaler():
     """fp16: DiffusionNFT's dtypes on any device; no: --dtype, else bfloat16 on cuda and float32 on the CPU."""
     args = recast.parse_args(["--mixed-precision", "fp16"])
     for device in ("cuda", "cpu"):
-        prec = run_kit.precision(args, device)
+        prec = sd3.precision(args, device)
         assert (prec.transformer, prec.text_encoders, prec.vae, prec.autocast, prec.tf32) == (
             torch.float32,
             torch.float16,
@@ -53,16 +54,16 @@ def test_each_mode_gives_its_dtypes_and_only_fp16_a_scaler():
             torch.float16,
             True,
         )
-    assert isinstance(run_kit.gradient_scaler("cpu", prec), torch.amp.GradScaler)  # "cuda": the same, on its device
+    assert isinstance(sd3.gradient_scaler("cpu", prec), torch.amp.GradScaler)  # "cuda": the same, on its device
     for flags, device, dtype in [([], "cuda", torch.bfloat16), ([], "cpu", torch.float32)] + [
         (["--dtype", name], "cuda", getattr(torch, name)) for name in ("float32", "bfloat16")
     ]:
-        prec = run_kit.precision(recast.parse_args(flags), device)
+        prec = sd3.precision(recast.parse_args(flags), device)
         assert (prec.transformer, prec.text_encoders, prec.vae, prec.autocast, prec.tf32) == (dtype,) * 3 + (
             None,
             False,
         )
-        assert run_kit.gradient_scaler("cpu", prec) is None
+        assert sd3.gradient_scaler("cpu", prec) is None
 
 
 # -----------------------------------------------------------------------------
@@ -167,21 +168,21 @@ def test_the_scalers_state_goes_into_a_checkpoint_and_comes_back(tiny, tmp_path,
     """save_checkpoint writes the scale and its growth count into state.pt (DiffusionNFT's scaler.pt); load_checkpoint
     restores them, and says so when a checkpoint has none (a run resumed in fp16 mode starts at the initial scale)."""
     args = recast.parse_args(tiny_argv(tiny, tmp_path / "run"))
-    transformer = run_kit.load_pipeline(args, "cpu", torch.float32).transformer
-    params = run_kit.lora_params(transformer, "default")
+    transformer = sd3.load_pipeline(args, "cpu", torch.float32).transformer
+    params = sd3.lora_params(transformer, "default")
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(torch.ones(()))  # the scale exists once a loss was scaled
     scaler.update(new_scale=2.0**7)
     out = tmp_path / "run"
-    run_kit.save_checkpoint(out, 0, transformer, torch.optim.AdamW(params), {"opt_steps": 3}, scaler=scaler)
+    checkpoints.save_checkpoint(out, 0, transformer, torch.optim.AdamW(params), {"opt_steps": 3}, scaler=scaler)
     fresh = torch.amp.GradScaler("cpu")
-    state = run_kit.load_checkpoint(out, transformer, torch.optim.AdamW(params), 1e-3, 0.0, fresh)
+    state = checkpoints.load_checkpoint(out, transformer, torch.optim.AdamW(params), 1e-3, 0.0, fresh)
     assert fresh.state_dict() == scaler.state_dict() and fresh.get_scale() == 2.0**7
     assert "scaler" not in state and state["opt_steps"] == 3
 
-    run_kit.save_checkpoint(out, 1, transformer, torch.optim.AdamW(params), {"opt_steps": 4})  # a run without one
+    checkpoints.save_checkpoint(out, 1, transformer, torch.optim.AdamW(params), {"opt_steps": 4})  # a run without one
     fresh = torch.amp.GradScaler("cpu")
-    state = run_kit.load_checkpoint(out, transformer, torch.optim.AdamW(params), 1e-3, 0.0, fresh)
+    state = checkpoints.load_checkpoint(out, transformer, torch.optim.AdamW(params), 1e-3, 0.0, fresh)
     assert "holds no gradient scaler state: the loss scale starts at 65536" in capsys.readouterr().out
     assert fresh.get_scale() == 2.0**16 and "scaler" not in state
 
@@ -222,14 +223,14 @@ def test_fp16_mode_loads_diffusionnfts_dtypes_and_the_default_one_dtype(tiny, tm
     pipe = run.pipe
     assert frozen(run.transformer) == {torch.float32} and pipe.vae.dtype == torch.float32
     assert {pipe.text_encoder.dtype, pipe.text_encoder_2.dtype, pipe.text_encoder_3.dtype} == {torch.float16}
-    assert {p.dtype for p in run_kit.lora_params(run.transformer, "default")} == {torch.float32}
+    assert {p.dtype for p in sd3.lora_params(run.transformer, "default")} == {torch.float32}
     assert isinstance(run.scaler, torch.amp.GradScaler)
     with run.autocast():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
-        emb, pooled = run_kit.encode(pipe, ["a red circle"], run.max_len, "cpu")
+        emb, pooled = sd3.encode(pipe, ["a red circle"], run.max_len, "cpu")
         x = torch.randn(1, *run.shape)
         assert emb.dtype == torch.float16
-        assert run_kit.velocity(run.transformer, x, torch.tensor([0.5]), emb, pooled).dtype == torch.float32
+        assert sd3.velocity(run.transformer, x, torch.tensor([0.5]), emb, pooled).dtype == torch.float32
     run.lock.close()
 
     run = recast.setup_run(recast.parse_args(tiny_argv(tiny, tmp_path / "default")), TINY_REWARDS)
@@ -241,7 +242,7 @@ def test_fp16_mode_loads_diffusionnfts_dtypes_and_the_default_one_dtype(tiny, tm
 
 
 def scaler_at(scale):
-    """run_kit.gradient_scaler, its initial scale replaced: 2^100 makes every float16 gradient overflow."""
+    """sd3.gradient_scaler, its initial scale replaced: 2^100 makes every float16 gradient overflow."""
     return lambda device, prec: torch.amp.GradScaler(device, init_scale=scale) if prec.autocast else None
 
 
@@ -274,7 +275,7 @@ def test_skipped_steps_leave_the_lora_and_resume_restores_the_scale(tiny, tmp_pa
     LoRA stays at its start, "old" equal to it) and halves the scale, 2^92 after iteration 0 and 2^84 after 1; the
     steps still count for the old decay. A run stopped after iteration 0 and resumed logs the same lines: its scale
     came back from the checkpoint (a fresh scaler would log 2^92 again)."""
-    monkeypatch.setattr(run_kit, "gradient_scaler", scaler_at(2.0**100))
+    monkeypatch.setattr(sd3, "gradient_scaler", scaler_at(2.0**100))
     flags = ("--save-every", "1", "--eval-every", "0", "--mixed-precision", "fp16")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     recast.train(recast.parse_args(tiny_argv(tiny, straight, "--iterations", "2", *flags)), extra_rewards=TINY_REWARDS)
@@ -311,11 +312,11 @@ def test_fp16_mode_on_a_gpu_allows_tf32_runs_float16_matmuls_and_trains(tiny, tm
     flags = ("--device", "cuda", "--mixed-precision", "fp16")
     run = recast.setup_run(recast.parse_args(tiny_argv(tiny, tmp_path / "probe", *flags)), TINY_REWARDS)
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
-    emb, pooled = run_kit.encode(run.pipe, ["a red circle"], run.max_len, "cuda")
+    emb, pooled = sd3.encode(run.pipe, ["a red circle"], run.max_len, "cuda")
     x, s = torch.randn(1, *run.shape, device="cuda"), torch.tensor([0.5], device="cuda")
     with run.autocast():
-        v16 = run_kit.velocity(run.transformer, x, s, emb, pooled)
-    v32 = run_kit.velocity(run.transformer, x, s, emb.float(), pooled.float())
+        v16 = sd3.velocity(run.transformer, x, s, emb, pooled)
+    v32 = sd3.velocity(run.transformer, x, s, emb.float(), pooled.float())
     assert 0 < (v16 - v32).abs().max() < 1e-2 * v32.abs().max()
     run.lock.close()
     out = tmp_path / "run"

@@ -22,8 +22,9 @@ import torch
 
 import evaluate
 import recast
+import rvge
 from conftest import TINY_REWARDS, copy_of, read_metrics, snapshot, tiny_argv
-from kit import run_kit
+from kit import figures, folders
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def test_rewards_figure_plots_the_pretrained_point_from_eval_before_only(tmp_pat
     row |= {"eval_before/a": 0.1, "eval_before/weighted": 0.1, "eval/a": 0.9, "eval/weighted": 0.9}
     (tmp_path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
     drawn = drawn_lines(monkeypatch)
-    run_kit.plot_run(tmp_path, ["a"])
+    figures.plot_run(tmp_path, ["a"])
     held_out = {label: (xs, ys) for title, label, xs, ys in drawn["rewards"] if title.startswith("held-out rewards")}
     assert held_out == {"a": ([0, 1], [0.1, 0.9]), "weighted": ([0, 1], [0.1, 0.9])}  # x: iterations trained
 
@@ -111,7 +112,7 @@ def test_overwrite_leaves_nothing_that_predates_the_new_run_and_sets_the_rest_as
     started = time.time_ns()
     recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
     assert snapshot(tmp_path / "run.set-aside") == foreign
-    assert {name.split("/")[0] for name in snapshot(out)} <= set(run_kit.RUN_OWN)
+    assert {name.split("/")[0] for name in snapshot(out)} <= set(folders.RUN_OWN)
     assert all(p.stat().st_mtime_ns >= started for p in out.rglob("*") if p.is_file() and p.name != ".lock")
     (out / "eval-base.json").write_text("{}")
     recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
@@ -131,7 +132,8 @@ def no_model(monkeypatch):
     def load_run(*args, **kwargs):
         raise AssertionError("the model loaded before the refusal")
 
-    monkeypatch.setattr(run_kit, "load_run", load_run)
+    for module in (recast, rvge):  # each script calls the kit's load_run by the name it imported
+        monkeypatch.setattr(module, "load_run", load_run)
 
 
 @pytest.mark.parametrize(
@@ -272,16 +274,16 @@ import sys
 from dataclasses import asdict
 from types import SimpleNamespace
 sys.path.insert(0, {root!r})
-from kit import run_kit
-run_kit.LAUNCH_WAIT_S, run_kit.WAIT_NOTICE_S = 4, 1
-print("processes", run_kit.process_state(SimpleNamespace(device="cpu")).num_processes)
+from kit import figures, folders
+folders.LAUNCH_WAIT_S, folders.WAIT_NOTICE_S = 4, 1
+print("processes", folders.process_state(SimpleNamespace(device="cpu")).num_processes)
 """
 
 
 def start_processes(env):
     """process_state in a fresh python with the launcher's variables `env` (and no others): (exit code, stdout,
     stderr)."""
-    clean = {k: v for k, v in os.environ.items() if k not in (*run_kit.LAUNCH_VARIABLES, "MASTER_ADDR", "MASTER_PORT")}
+    clean = {k: v for k, v in os.environ.items() if k not in (*folders.LAUNCH_VARIABLES, "MASTER_ADDR", "MASTER_PORT")}
     code = LAUNCH.format(root=str(Path(__file__).resolve().parents[1]))
     done = subprocess.run(
         [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, timeout=120
@@ -332,7 +334,7 @@ def test_a_process_waiting_for_its_peers_says_so_and_gives_up_after_the_stated_t
 def test_a_launchers_inconsistent_values_are_refused_in_one_line_before_anything_is_written(
     tiny, tmp_path, monkeypatch, env, words
 ):
-    for k in (*run_kit.LAUNCH_VARIABLES, "MASTER_ADDR", "MASTER_PORT"):
+    for k in (*folders.LAUNCH_VARIABLES, "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -428,7 +430,7 @@ def test_each_judge_has_an_axis_of_its_own(tmp_path, monkeypatch):
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows))
     drawn = drawn_lines(monkeypatch)
-    run_kit.plot_run(tmp_path, ["a"])
+    figures.plot_run(tmp_path, ["a"])
     judged = {title: (label, ys) for title, label, _, ys in drawn["rewards"] if title.startswith("held-out judge")}
     assert judged == {
         "held-out judge cnn (eval/judge/cnn)": ("cnn", pytest.approx([0.7, 0.69, 0.68])),
@@ -443,7 +445,7 @@ def test_credit_figure_is_drawn_only_where_W_weighs_the_loss(evaluated_run, tmp_
     config = json.loads((out / "config.json").read_text())
     config["args"]["credit"] = credit
     (out / "config.json").write_text(json.dumps(config))
-    assert ((out / "credit.png") in run_kit.plot_run(out, ["brightness", "redness"])) == drawn
+    assert ((out / "credit.png") in figures.plot_run(out, ["brightness", "redness"])) == drawn
     assert (out / "credit.png").exists() == drawn
 
 
@@ -457,7 +459,7 @@ def test_the_trackers_W_image_is_the_credit_figures_named_panel_and_none_for_nft
     recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
     images = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0}).Reload().Tags()["images"]
     assert ("recast/W" in images) == ("figures/credit" in images) == (credit == "recast")
-    fig = run_kit.W_figure(np.asarray(read_metrics(out)[0]["recast/W"]), ["brightness", "redness"])
+    fig = figures.W_figure(np.asarray(read_metrics(out)[0]["recast/W"]), ["brightness", "redness"])
     (ax, _) = fig.axes  # the heatmap and its colour bar
     assert [t.get_text() for t in ax.get_yticklabels()] == ["brightness", "redness"]
     assert ax.get_title() == "W / uniform share (1: uniform)" and ax.get_xlabel() == "step j (t = sigma_j)"
@@ -471,9 +473,9 @@ def test_the_sampling_line_uses_the_runs_settings_not_the_pipelines_defaults():
     sd35m = asdict(
         recast.parse_args(["--config", str(Path(__file__).resolve().parents[1] / "configs/recast-sd35m.yaml")])
     )
-    line = run_kit.sampling_line(sd35m, embedded=False)
+    line = figures.sampling_line(sd35m, embedded=False)
     assert "num_inference_steps=40, guidance_scale=1.0, max_sequence_length=128" in line and "height=512" in line
     assert line.endswith("# as trained and evaluated: no CFG, 40 steps, 128 T5 tokens, 512 px")
-    line = run_kit.sampling_line(asdict(recast.Args()), embedded=True)
+    line = figures.sampling_line(asdict(recast.Args()), embedded=True)
     kwargs = ", ".join(f"{k}={v}" for k, v in shapes_world.GEN_KWARGS.items())
     assert f"{kwargs}).images[0]  # as trained and evaluated (shapes_world.GEN_KWARGS): no CFG, 10 steps" in line

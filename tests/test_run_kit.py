@@ -1,4 +1,4 @@
-"""run_kit.py, the run machinery both scripts import: budgets and flags parsed and checked before any work, --help in
+"""kit/, the run machinery both scripts import: budgets and flags parsed and checked before any work, --help in
 sections, run folders, locks, resume after a kill or damage, atomic checkpoints that load in diffusers, trackers,
 figures, prompt files, --dry-run; each case run through both scripts on the tiny pipeline of conftest.py.
 
@@ -26,6 +26,7 @@ from PIL import Image
 import nft
 import recast
 import rvge
+import sd3
 from conftest import (
     TINY_REWARDS,
     assert_loads_as_trained,
@@ -36,12 +37,12 @@ from conftest import (
     tiny_argv,
     tiny_argv_for,
 )
-from kit import reward_models, run_kit
+from kit import checkpoints, checks, figures, flags, folders, records, reward_models, session, worlds
 
 
 def test_parse_budgets_reads_and_keeps_scale():
-    assert run_kit.parse_budgets("0.4,0.3,0.2,0.1") == [0.4, 0.3, 0.2, 0.1]
-    assert run_kit.parse_budgets(" 2, 0 ,1 ") == [2.0, 0.0, 1.0]  # not normalised
+    assert checks.parse_budgets("0.4,0.3,0.2,0.1") == [0.4, 0.3, 0.2, 0.1]
+    assert checks.parse_budgets(" 2, 0 ,1 ") == [2.0, 0.0, 1.0]  # not normalised
 
 
 @pytest.mark.parametrize(
@@ -59,7 +60,7 @@ def test_parse_budgets_reads_and_keeps_scale():
 )
 def test_parse_budgets_errors_name_the_problem_and_the_fix(text, words):
     with pytest.raises(ValueError) as err:
-        run_kit.parse_budgets(text)
+        checks.parse_budgets(text)
     assert words in str(err.value) and "--budgets" in str(err.value)
 
 
@@ -67,7 +68,7 @@ def test_sample_grid_upscales_each_image_and_writes_its_prompt_under_it(tmp_path
     colours = ["red", "blue", "green", "orange", "purple", "teal", "navy", "olive", "maroon", "gray"]
     images = [Image.new("RGB", (16, 16), c) for c in colours]
     prompts = ["a red circle on the left and a blue square", "two blue squares"] + [""] * 8
-    grid = np.asarray(run_kit.save_grid(images, tmp_path / "grid.png", prompts=prompts, cols=8, cell=128))
+    grid = np.asarray(figures.save_grid(images, tmp_path / "grid.png", prompts=prompts, cols=8, cell=128))
     assert Image.open(tmp_path / "grid.png").size == (grid.shape[1], grid.shape[0])
     assert grid.shape[1] == 8 * 128 and 2 * 128 < grid.shape[0] < 2 * 128 + 2 * 100  # two rows, room for captions
     row_h = grid.shape[0] // 2
@@ -83,7 +84,7 @@ def test_sample_grid_upscales_each_image_and_writes_its_prompt_under_it(tmp_path
 @pytest.mark.parametrize("module", ["recast", "rvge"])
 def test_report_to_tensorboard_logs_the_metrics_keys_and_W(tiny, tmp_path, module):
     """--report-to tensorboard: event files in <run>/tensorboard hold every number of metrics.jsonl under the same key,
-    one point per iteration, and W as an image: credit.png's W panel, its rows named (run_kit.W_figure)."""
+    one point per iteration, and W as an image: credit.png's W panel, its rows named (figures.W_figure)."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -98,12 +99,12 @@ def test_report_to_tensorboard_logs_the_metrics_keys_and_W(tiny, tmp_path, modul
         assert [e.step for e in events.Scalars(key)] == [0, 1]
         assert [e.value for e in events.Scalars(key)] == pytest.approx([m[key] for m in rows], rel=1e-6)
     images = events.Images("recast/W")
-    fig = run_kit.W_figure(np.asarray(rows[0]["recast/W"]), ["brightness", "redness"])
+    fig = figures.W_figure(np.asarray(rows[0]["recast/W"]), ["brightness", "redness"])
     width, height = fig.canvas.get_width_height()
     assert [(i.step, i.height, i.width) for i in images] == [(0, height, width), (1, height, width)]
     # every evaluation's figures, live: the samples (before, then before/after), the run's figures
-    figures = ["eval/samples", "figures/rewards", "figures/credit" if module == "recast" else "figures/directions"]
-    for tag in figures:
+    shown = ["eval/samples", "figures/rewards", "figures/credit" if module == "recast" else "figures/directions"]
+    for tag in shown:
         assert [i.step for i in events.Images(tag)] == [0, 1], tag
     assert [i.step for i in events.Images("eval_before/samples")] == [0]
     samples = events.Images("eval/samples")[-1]
@@ -139,9 +140,9 @@ def test_evaluate_py_gives_the_runs_own_evaluations(tiny, tmp_path, module, caps
     many = tmp_path / "many.txt"
     many.write_text("a red circle\ntwo blue square\n" * 9)
     drawn = []
-    monkeypatch.setattr(run_kit, "save_grid", lambda images, path, captions: drawn.append(len(images)))
+    monkeypatch.setattr(figures, "save_grid", lambda images, path, captions: drawn.append(len(images)))
     evaluate.main([str(out), "--eval-prompts", str(many), "--json", str(tmp_path / "many.json")], TINY_REWARDS)
-    assert drawn == [run_kit.SHOWN] and len(json.loads((tmp_path / "many.json").read_text())["images"]) == 18
+    assert drawn == [session.SHOWN] and len(json.loads((tmp_path / "many.json").read_text())["images"]) == 18
 
 
 def test_the_samples_figure_shows_before_above_after_with_each_images_reward(tmp_path, monkeypatch):
@@ -149,11 +150,11 @@ def test_the_samples_figure_shows_before_above_after_with_each_images_reward(tmp
     captioned with its label, its budget-weighted reward and its prompt; the last row padded with blanks."""
     seen = {}
     monkeypatch.setattr(
-        run_kit, "save_grid", lambda images, path, captions, cols: seen.update(n=len(images), c=captions)
+        figures, "save_grid", lambda images, path, captions, cols: seen.update(n=len(images), c=captions)
     )
     pixels, R = np.zeros((3, 16, 16, 3), np.uint8), np.array([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]])
     rows = [("before", (pixels, R)), ("iteration 4", (pixels + 255, 0 * R))]
-    run_kit.save_samples(tmp_path / "samples.png", ["a", "b", "c"], rows, budgets=[3, 1], cols=2)
+    figures.save_samples(tmp_path / "samples.png", ["a", "b", "c"], rows, budgets=[3, 1], cols=2)
     assert seen["n"] == 8 and seen["c"] == [
         "before: 0.750. a",
         "before: 0.250. b",
@@ -182,7 +183,7 @@ def test_gradients_are_averaged_in_one_collective():
     for p in params[:3]:
         p.grad = torch.randn(p.shape)
     before = [p.grad.clone() for p in params[:3]]
-    run_kit.Run.all_reduce_grads(SimpleNamespace(acc=TwoProcesses()), params)
+    session.Run.all_reduce_grads(SimpleNamespace(acc=TwoProcesses()), params)
     assert calls == [((12 + 5 + 8,), "mean")]
     assert all(torch.allclose(p.grad, 1.5 * g) for p, g in zip(params, before)) and params[3].grad is None
 
@@ -281,16 +282,16 @@ def test_permute_within_groups_shuffles_the_named_rewards_inside_each_group_only
     rng = np.random.default_rng(0)
     groups = np.repeat(np.arange(4), 6)
     R = rng.random((24, 3))
-    out = run_kit.permute_within_groups(R, groups, ["a", "b", "c"], "c,a", seed=3, it=5)
+    out = session.permute_within_groups(R, groups, ["a", "b", "c"], "c,a", seed=3, it=5)
     assert np.array_equal(out[:, 1], R[:, 1])  # an unnamed reward is left as it is
     for g in range(4):  # each group keeps its values (mean, spread), the leaves they belong to change
         rows = groups == g
         for k in (0, 2):
             assert np.array_equal(np.sort(out[rows, k]), np.sort(R[rows, k]))
     assert not np.array_equal(out[:, [0, 2]], R[:, [0, 2]])
-    assert np.array_equal(out, run_kit.permute_within_groups(R, groups, ["a", "b", "c"], "c,a", seed=3, it=5))
-    assert not np.array_equal(out, run_kit.permute_within_groups(R, groups, ["a", "b", "c"], "c,a", seed=3, it=6))
-    assert run_kit.permute_within_groups(R, groups, ["a", "b", "c"], "", seed=3, it=5) is R
+    assert np.array_equal(out, session.permute_within_groups(R, groups, ["a", "b", "c"], "c,a", seed=3, it=5))
+    assert not np.array_equal(out, session.permute_within_groups(R, groups, ["a", "b", "c"], "c,a", seed=3, it=6))
+    assert session.permute_within_groups(R, groups, ["a", "b", "c"], "", seed=3, it=5) is R
 
 
 @pytest.mark.parametrize("module", ["recast", "rvge"])
@@ -364,14 +365,14 @@ def test_a_bad_gain_init_file_is_refused_before_the_model_loads_or_the_run_folde
         saved["s2"][0][1] = None
     if damage != "missing":
         path.write_text("[]" if damage == "empty_list" else json.dumps(saved))
-    monkeypatch.setattr(run_kit, "load_pipeline", lambda *a: pytest.fail("the model loaded"))
+    monkeypatch.setattr(sd3, "load_pipeline", lambda *a: pytest.fail("the model loaded"))
     with pytest.raises(SystemExit, match=re.escape(f"--gain-init {path}: ") + ".*" + re.escape(words)):
         recast.train(args, extra_rewards=TINY_REWARDS)
     assert not out.exists()
     if damage == "null_in_s2":  # the same file with the value: accepted, rows in the run's order
         saved["s2"][0][1] = 1.0
         path.write_text(json.dumps(saved))
-        assert run_kit.read_level_stats(path, ["redness", "brightness"], T)[2].shape == (2, T + 1)
+        assert recast.read_level_stats(path, ["redness", "brightness"], T)[2].shape == (2, T + 1)
 
 
 def test_a_full_disk_before_config_json_leaves_no_tmp_and_the_same_command_runs_again(tiny, tmp_path, monkeypatch):
@@ -411,7 +412,7 @@ def test_an_unwritable_tensorboard_folder_is_refused_before_the_model_loads(fini
         if subprocess.run(["chattr", "+i", str(tb)], capture_output=True).returncode and os.access(tb, os.W_OK):
             pytest.skip("this user can write to any folder (root without chattr): nothing read-only to test")
     before = snapshot(out)
-    monkeypatch.setattr(run_kit, "load_pipeline", lambda *a: pytest.fail("the model loaded"))
+    monkeypatch.setattr(sd3, "load_pipeline", lambda *a: pytest.fail("the model loaded"))
     try:
         with pytest.raises(SystemExit, match="is a file, not the run's TensorBoard" if block == "a_file" else "chmod"):
             finished_run.script.train(
@@ -440,7 +441,7 @@ def test_a_full_disk_while_a_metrics_line_is_appended_stops_with_the_fix_and_res
             raise OSError(28, "No space left on device")
         return f
 
-    monkeypatch.setattr(run_kit, "open", disk_full, raising=False)
+    monkeypatch.setattr(records, "open", disk_full, raising=False)
     argv = tiny_argv(tiny, out, "--iterations", "2", "--save-every", "1", "--eval-every", "0")
     with pytest.raises(SystemExit, match="iteration 1's metrics.*No space left on device.*--resume"):
         script.train(script.parse_args(argv), extra_rewards=TINY_REWARDS)
@@ -469,7 +470,7 @@ def test_figures_are_written_atomically_never_as_empty_files(finished_run, tmp_p
 
     monkeypatch.setattr(Figure, "savefig", killed)
     with pytest.raises(KeyboardInterrupt):
-        run_kit.plot_run(out, names)
+        figures.plot_run(out, names)
     monkeypatch.undo()
     assert snapshot(out) == before
 
@@ -479,14 +480,14 @@ def test_figures_are_written_atomically_never_as_empty_files(finished_run, tmp_p
 
     monkeypatch.setattr(Figure, "savefig", disk_full)
     with pytest.raises(SystemExit, match="rewards.png .No space left on device.: is the disk full.*--resume"):
-        run_kit.plot_run(out, names)
+        figures.plot_run(out, names)
     monkeypatch.undo()
     assert snapshot(out) == before
     (out / figure).unlink()
-    assert out / figure in run_kit.plot_run(out, names)
+    assert out / figure in figures.plot_run(out, names)
     assert (out / figure).read_bytes().startswith(b"\x89PNG") and not list(out.glob("*.tmp"))
     (out / f"{figure}.tmp").write_bytes(b"")
-    assert out / f"{figure}.tmp" in run_kit.leftovers(out)
+    assert out / f"{figure}.tmp" in folders.leftovers(out)
 
 
 def test_resume_after_the_project_folder_moved_goes_on_with_the_embedded_model(finished_run, tmp_path, capsys):
@@ -498,13 +499,13 @@ def test_resume_after_the_project_folder_moved_goes_on_with_the_embedded_model(f
     config["args"]["model"] = "/old/place/of/the/project/assets/shapes-sd3"
     (out / "config.json").write_text(json.dumps(config))
     before = snapshot(out)
-    for more in ([], ["--model", run_kit.EMBEDDED_MODEL]):
-        assert script.parse_args(["--resume", str(out), *more]).model == run_kit.EMBEDDED_MODEL
+    for more in ([], ["--model", worlds.EMBEDDED_MODEL]):
+        assert script.parse_args(["--resume", str(out), *more]).model == worlds.EMBEDDED_MODEL
         assert "resuming with the same embedded model" in "".join(capsys.readouterr())
     config["args"]["model"] = str(tmp_path / "moved-model")
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(SystemExit, match=r"moved-model no longer exists\. If it moved, write its new place"):
-        script.parse_args(["--resume", str(out), "--model", run_kit.EMBEDDED_MODEL])
+        script.parse_args(["--resume", str(out), "--model", worlds.EMBEDDED_MODEL])
     assert snapshot(out) == {**before, "config.json": (out / "config.json").read_bytes()}
 
 
@@ -614,7 +615,7 @@ def test_resume_refuses_settings_that_cannot_change(finished_run, tmp_path, more
 
 def test_a_second_live_process_on_a_folder_is_refused(finished_run, tmp_path):
     out = copy_of(finished_run, tmp_path)
-    held = run_kit.lock_run(out)
+    held = folders.lock_run(out)
     try:
         with pytest.raises(SystemExit, match="in use by another live process"):
             finished_run.script.train(
@@ -705,7 +706,7 @@ def test_resume_of_a_run_whose_checkpoints_are_gone_is_refused_before_the_model_
     if loss == "dangling_link":
         (out / "checkpoints").symlink_to(tmp_path / "unmounted")
     before = snapshot(out)
-    monkeypatch.setattr(run_kit, "load_pipeline", lambda *a: pytest.fail("the model loaded"))
+    monkeypatch.setattr(sd3, "load_pipeline", lambda *a: pytest.fail("the model loaded"))
     words = {"moved_away": "holds no checkpoint", "dangling_link": "does not exist", "a_file": "is not a folder"}
     with pytest.raises(SystemExit, match=words[loss]):
         finished_run.script.train(finished_run.script.parse_args(["--resume", str(out)]), extra_rewards=TINY_REWARDS)
@@ -714,7 +715,7 @@ def test_resume_of_a_run_whose_checkpoints_are_gone_is_refused_before_the_model_
     if loss == "moved_away":  # killed while its first checkpoint was written: no checkpoint yet, nothing to refuse
         lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
         (out / "metrics.jsonl").write_text(lines[0])
-        run_kit.check_checkpoints_are_there(out)
+        checkpoints.check_checkpoints_are_there(out)
 
 
 def test_resume_with_no_loadable_checkpoint_stops_and_changes_nothing(finished_run, tmp_path):
@@ -762,7 +763,8 @@ def test_only_the_first_process_judges_the_run_folder(tiny, tmp_path, module, mo
     (out / ".write_test.123").write_text("ok")  # rank 0's write probe, seen mid-check
     with pytest.raises(SystemExit, match="holds files that are not a run"):
         script.validate(script.parse_args(tiny_argv(tiny, out)), extra_rewards=TINY_REWARDS)
-    monkeypatch.setattr(run_kit, "is_first_process", lambda args: False)  # what accelerate says in rank 1
+    for module in (folders, session):
+        monkeypatch.setattr(module, "is_first_process", lambda args: False)  # what accelerate says in rank 1
     args = script.parse_args(tiny_argv(tiny, out))
     script.validate(args, extra_rewards=TINY_REWARDS)
     assert args.out == str(out) and sorted(p.name for p in out.iterdir()) == [".write_test.123"]
@@ -782,7 +784,7 @@ def test_a_stray_rank_variable_leaves_a_single_process_run_checked_and_locked(fi
     out = copy_of(finished_run, tmp_path)
     before = snapshot(out)
     monkeypatch.setenv("RANK", "1")
-    assert run_kit.is_first_process(script.parse_args(tiny_argv_for(finished_run, out)))
+    assert folders.is_first_process(script.parse_args(tiny_argv_for(finished_run, out)))
     with pytest.raises(SystemExit, match="already holds a run"):
         script.validate(script.parse_args(tiny_argv_for(finished_run, out)), extra_rewards=TINY_REWARDS)
     assert snapshot(out) == before
@@ -791,7 +793,7 @@ def test_a_stray_rank_variable_leaves_a_single_process_run_checked_and_locked(fi
     monkeypatch.chdir(tmp_path)
     script.validate(args, extra_rewards=TINY_REWARDS)
     assert Path(args.out).parent == Path("runs") and (tmp_path / args.out).is_dir()
-    held = run_kit.lock_run(out)  # a live process on the run: the stray RANK does not skip the lock
+    held = folders.lock_run(out)  # a live process on the run: the stray RANK does not skip the lock
     try:
         with pytest.raises(SystemExit, match="in use by another live process"):
             script.train(script.parse_args(["--resume", str(out)]), extra_rewards=TINY_REWARDS)
@@ -815,10 +817,10 @@ def test_accelerate_cpu_launch_of_several_processes_is_refused_with_the_launch_t
         script.validate(script.parse_args(tiny_argv(tiny, out)), extra_rewards=TINY_REWARDS)
     assert not out.exists()
     monkeypatch.setenv("WORLD_SIZE", "1")
-    run_kit.check_launch()
+    checks.check_launch()
     monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.delenv("MASTER_ADDR")
-    run_kit.check_launch()
+    checks.check_launch()
 
 
 def test_out_inside_a_run_is_refused(finished_run, tmp_path):
@@ -891,7 +893,7 @@ def test_embedded_world_prompts_outside_its_grammar_are_refused_before_the_model
         recast.validate(recast.parse_args(["--eval-prompts", str(path), "--out", str(tmp_path / "run")]))
     assert len(str(err.value)) < 400
     path.write_bytes("\ufefftwo red circles\na blue square\n".encode())  # a byte-order mark, as some editors save
-    assert run_kit.read_prompts(path) == ["two red circles", "a blue square"]
+    assert checks.read_prompts(path) == ["two red circles", "a blue square"]
     recast.validate(recast.parse_args(["--eval-prompts", str(path), "--out", str(tmp_path / "run")]))
 
 
@@ -984,7 +986,7 @@ def test_t5_prompt_length_is_diffusionnfts_128_off_the_embedded_model(tiny, tmp_
     i = argv.index("--max-sequence-length")
     argv = argv[:i] + argv[i + 2 :]
     run = recast.setup_run(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
-    emb, _ = run_kit.encode(run.pipe, ["a red circle"], run.max_len, run.acc.device)
+    emb, _ = sd3.encode(run.pipe, ["a red circle"], run.max_len, run.acc.device)
     assert run.max_len == 128 and emb.shape[1] == run.pipe.tokenizer.model_max_length + 128
     run.lock.close()
 
@@ -995,12 +997,12 @@ def test_file_prompts_are_drawn_as_diffusionnft_draws_them():
     lines = [f"prompt {i}" for i in range(12)]
     counts = dict.fromkeys(lines, 0)
     for it in range(600):
-        drawn = [p for rank in range(3) for p in run_kit.distinct_prompts(lines, 4, [0, it], rank, 3)]
+        drawn = [p for rank in range(3) for p in checks.distinct_prompts(lines, 4, [0, it], rank, 3)]
         assert len(drawn) == len(set(drawn)) == 12
-        for p in run_kit.distinct_prompts(lines, 4, [1, it], 0, 1):
+        for p in checks.distinct_prompts(lines, 4, [1, it], 0, 1):
             counts[p] += 1
     assert min(counts.values()) > 0.7 * 600 * 4 / 12 and max(counts.values()) < 1.3 * 600 * 4 / 12
-    short = [p for rank in range(2) for p in run_kit.distinct_prompts(lines[:3], 4, [0, 0], rank, 2)]
+    short = [p for rank in range(2) for p in checks.distinct_prompts(lines[:3], 4, [0, 0], rank, 2)]
     assert set(short[:3]) == set(lines[:3]) and short[3:6] == short[:3] and short[6:] == short[:2]
 
 
@@ -1043,7 +1045,7 @@ def test_help_reads_as_sections_with_every_flag_in_its_own(module, capsys):
     the reward-model defaults are reward_models.DEFAULTS (one place for each default); every field has its help
     string written under it."""
     script = __import__(module)
-    assert set(run_kit.field_docs(script.Args)) == {f.name for f in fields(script.Args)}
+    assert set(flags.field_docs(script.Args)) == {f.name for f in fields(script.Args)}
     with pytest.raises(SystemExit):
         script.parse_args(["--help"])
     text = capsys.readouterr().out
@@ -1058,7 +1060,7 @@ def test_help_reads_as_sections_with_every_flag_in_its_own(module, capsys):
     flat = " ".join(text.split())
     assert "(default: '')" not in flat and "(default: None)" not in flat  # words: none, off
     rewards, examples = text.split("\nrewards (--rewards")[1].split("\nexamples:\n")  # the epilog, after the flags
-    for name in [*reward_models.REWARD_MODELS, *run_kit.shapes_world.REWARDS]:
+    for name in [*reward_models.REWARD_MODELS, *worlds.load_world(worlds.EMBEDDED_MODEL).REWARDS]:
         assert re.search(rf"\b{name}\b", rewards), f"--help does not name the reward {name}"
     assert all(f" {flag}" in examples for flag in ("--config configs/", "--resume", "--dry-run", "--eval-every 0"))
     for name in ("pickscore_model", "pickscore_processor", "clip_model", "geneval_url", "geneval_key"):
@@ -1067,33 +1069,33 @@ def test_help_reads_as_sections_with_every_flag_in_its_own(module, capsys):
 
 @dataclass
 class BaseFlags:
-    out: str = run_kit.flag("", "I/O")
+    out: str = nft.flag("", "I/O")
     """the base's help for --out"""
-    name: str = run_kit.flag("", "I/O")
+    name: str = nft.flag("", "I/O")
     """the base's help for --name"""
 
 
 @dataclass
 class ScriptFlags(BaseFlags):
-    lr: float = run_kit.flag(1.0, "method", gt=0)
+    lr: float = nft.flag(1.0, "method", gt=0)
     """the script's help for --lr"""
-    name: str = run_kit.flag("mine", "I/O")
+    name: str = nft.flag("mine", "I/O")
     """the script's help for --name"""
 
 
 def test_inherited_flags_keep_their_help_and_the_usage_line_follows_the_sections(capsys):
-    """field_docs walks the base classes (RunArgs's fields sit in run_kit.py, not in the script), a field the
+    """field_docs walks the base classes (RunArgs's fields sit in kit/flags.py, not in the script), a field the
     subclass redefines takes its own help and default, and --help's usage line lists the flags section by section
     (the base's fields come first in dataclass order)."""
-    assert run_kit.field_docs(ScriptFlags) == {
+    assert flags.field_docs(ScriptFlags) == {
         "out": "the base's help for --out",
         "name": "the script's help for --name",
         "lr": "the script's help for --lr",
     }
-    parser = run_kit.make_parser(ScriptFlags, {"method": "m", "I/O": "io"}, "doc")
+    parser = flags.make_parser(ScriptFlags, {"method": "m", "I/O": "io"}, "doc")
     assert [a.dest for a in parser._actions] == ["help", "lr", "out", "name", "config"]
     assert parser.parse_args([]).name == "mine"
-    assert set(run_kit.field_docs(run_kit.RunArgs)) == {f.name for f in fields(run_kit.RunArgs)}
+    assert set(flags.field_docs(flags.RunArgs)) == {f.name for f in fields(flags.RunArgs)}
 
 
 @pytest.mark.parametrize("module, ema", [("recast", False), ("rvge", True)])
@@ -1119,47 +1121,74 @@ def test_dry_run_attaches_lora_to_sd35_medium_on_the_meta_device(capsys, recwarn
 # -----------------------------------------------------------------------------
 
 
-def test_the_scripts_define_nothing_of_the_kit_again():
-    """recast.py, rvge.py and nft.py import the run machinery: no definition of run_kit.py is written again in any of
-    them. The algorithm is not the kit's: DiffusionNFT's pieces (the global reward statistics, the frozen forwards, the
-    optimizer step) are nft.py's, and the kit imports none of the three (the held-out sampler is passed in)."""
+def imports_of(path):
+    """The top-level names a file imports, lazy imports inside functions included (`import a.b` and `from a.b import
+    c` give a)."""
     import ast
+
+    tree = ast.parse(Path(path).read_text())
+    return {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0)
+        for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
+    }
+
+
+KIT = sorted(Path(flags.__file__).parent.glob("*.py"))
+
+
+def test_the_layers_method_nft_model_and_the_kit_beside():
+    """One iteration reads method -> DiffusionNFT -> model: nft.py imports only the model file (sd3.py) of the project,
+    sd3.py nothing of it; the kit imports no world and no method script (nft.py and sd3.py it may: it loads the model
+    and logs DiffusionNFT's metrics); recast.py and rvge.py import no world module (the model folder names its world,
+    `worlds.load_world`); no definition of the kit is written again in a script."""
+    import ast
+
+    project = {p.stem for p in Path(nft.__file__).parent.glob("*.py")} | {"kit", "world", "experiments", "tests"}
+    assert imports_of(nft.__file__) & project == {"sd3"}
+    assert imports_of(sd3.__file__) & project == set()
+    for module in KIT:
+        assert not imports_of(module) & {"world", "recast", "rvge", "experiments", "evaluate"}, module.name
+    for script in (recast, rvge):
+        assert "world" not in imports_of(script.__file__), script.__name__
 
     def names(path):
         tree = ast.parse(Path(path).read_text())
         return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
 
-    kit = names(run_kit.__file__)
-    for module in (recast, rvge, nft):
+    kit = set().union(*(names(m) for m in KIT))
+    for module in (recast, rvge, nft, sd3):
         assert not names(module.__file__) & kit, module.__name__
-    assert {"global_stats", "frozen_velocities", "frozen_velocities_ahead", "optimizer_step"} <= names(nft.__file__)
-    assert {"velocity", "copy_adapter", "encode", "decode", "score"} <= kit  # the plumbing the algorithm calls
-    imported = {
-        alias.name.split(".")[0]
-        for node in ast.walk(ast.parse(Path(run_kit.__file__).read_text()))
-        if isinstance(node, (ast.Import, ast.ImportFrom))
-        for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
-    }
-    assert not imported & {"nft", "recast", "rvge"}
+    assert {"global_stats", "frozen_velocities", "optimizer_step", "NFTArgs", "score"} <= names(nft.__file__)
+    assert {"velocity", "copy_adapter", "encode", "decode", "load_pipeline"} <= names(sd3.__file__)
+
+
+def test_no_kit_module_names_a_method():
+    """The kit knows no method by name: a script passes what is its own (resume-fixed flags, whether W is drawn,
+    whether W's departure is printed); no kit module compares a script name or a --credit value."""
+    for module in KIT:
+        text = module.read_text()
+        assert not re.search(r"""["'](recast|rvge|nft|recast_reversed|uniform)["']""", text), module.name
 
 
 def test_the_shared_flags_are_written_once_and_a_script_redefines_one_only_to_change_it():
-    """run_kit.NFTArgs holds the rewards, rollout and optimisation flags both scripts take: each script's Args inherits
+    """nft.NFTArgs holds the rewards, rollout and optimisation flags both scripts take: each script's Args inherits
     them, and a field a script writes again changes its default or its help (never the same text twice)."""
     import ast
     import inspect
 
-    shared = {f.name: f for f in fields(run_kit.NFTArgs)}
-    base_docs = run_kit.field_docs(run_kit.NFTArgs)
+    shared = {f.name: f for f in fields(nft.NFTArgs)}
+    base_docs = flags.field_docs(nft.NFTArgs)
     assert {"rewards", "budgets", "steps", "sde_a", "train_batch", "lr", "lora_rank"} <= set(shared)
     for script in (recast, rvge):
-        assert issubclass(script.Args, run_kit.NFTArgs), script.__name__
+        assert issubclass(script.Args, nft.NFTArgs), script.__name__
         body = ast.parse(inspect.getsource(script.Args)).body[0].body
         written = {a.target.id for a in body if isinstance(a, ast.AnnAssign)}
-        mine, docs = {f.name: f for f in fields(script.Args)}, run_kit.field_docs(script.Args)
+        mine, docs = {f.name: f for f in fields(script.Args)}, flags.field_docs(script.Args)
         for name in written & set(shared):
             changed = mine[name].default != shared[name].default or docs[name] != base_docs[name]
-            assert changed, f"{script.__name__}.Args writes --{name} again unchanged: leave it to run_kit.NFTArgs"
+            assert changed, f"{script.__name__}.Args writes --{name} again unchanged: leave it to nft.NFTArgs"
 
 
 def metrics_without_times(path):
@@ -1381,6 +1410,6 @@ def test_the_run_ends_with_before_after_W_departure_and_the_checkpoint_to_load(t
 
 
 def test_the_summary_of_a_run_without_evaluation_says_so(finished_run, capsys):
-    lines = run_kit.print_summary(finished_run.out)
+    lines = figures.print_summary(finished_run.out)
     assert lines[0].startswith("held-out evaluation: none in this run") and f"run folder: {finished_run.out}" in lines
     assert capsys.readouterr().out.splitlines() == lines

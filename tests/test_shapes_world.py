@@ -412,14 +412,14 @@ def test_per_group_signal_to_noise_of_a_signed_reward_follows_the_law():
 
 def test_a_world_variant_builds_at_toy_size_into_its_own_folder(tmp_path):
     """`shapes_world.py build --variant signed` at toy sizes: the pipeline goes to its own folder with the variant's
-    marker and its own world id, the scripts take it as the embedded model (run_kit.is_embedded), the shipped VAE's
+    marker and its own world id, the scripts take it as the embedded model (worlds.is_embedded), the shipped VAE's
     encoder is kept exactly (only the decoder learns: every latent of the shipped world stays what the transformer
     learned), and the shipped assets are untouched; the shipped folder is refused as --out."""
     import json
 
     from safetensors.torch import load_file
 
-    from kit import run_kit
+    from kit import worlds
 
     shipped = sw.world_id()
     out = tmp_path / "assets-signed"
@@ -429,8 +429,8 @@ def test_a_world_variant_builds_at_toy_size_into_its_own_folder(tmp_path):
     assert marker["variant"] == "signed" and marker["base_world"] == shipped == m["base_world"]
     assert marker["depth"] == sw.VARIANTS["signed"]["depth"]
     assert sw.world_id() == shipped and m["world"] == sw.world_id(path) != shipped
-    assert run_kit.is_embedded(str(path)) and run_kit.is_embedded(run_kit.EMBEDDED_MODEL)
-    assert not run_kit.is_embedded(str(tmp_path))
+    assert worlds.is_embedded(str(path)) and worlds.is_embedded(worlds.EMBEDDED_MODEL)
+    assert not worlds.is_embedded(str(tmp_path))
     old = load_file(str(sw.PIPELINE_DIR / "vae" / "diffusion_pytorch_model.safetensors"))
     new = load_file(str(path / "vae" / "diffusion_pytorch_model.safetensors"))
     enc = [k for k in old if k.startswith(("encoder.", "quant_conv."))]

@@ -1388,7 +1388,8 @@ def world_id(path: str | Path = PIPELINE_DIR) -> str:
     pipeline folder (names and bytes; hidden files such as locks skipped). A rebuild gives a new id; bench.py
     refuses to mix results of two worlds."""
     path, h = Path(path), hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")):
+    files = (p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".") and p.name != "world.json")
+    for f in sorted(files):
         h.update(f.relative_to(path).as_posix().encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:12]
 
@@ -1714,7 +1715,7 @@ def build(out_dir: Path = ASSETS, **overrides) -> dict:
 
 VARIANT_FILE = "world_variant.json"
 """A world variant's pipeline folder holds this file ({variant, amp, base_world, config}): what makes the scripts
-treat the folder as the embedded model (run_kit.is_embedded) and names what it was built from."""
+treat the folder as the embedded model (kit.worlds.is_embedded) and names what it was built from."""
 VARIANT_BUILD = dict(n_images=8_000, vae_steps=600, vae_lr=1e-3, transformer_steps=800, lr=3e-4, eval_n=256, threads=1)
 """A variant is a fine-tune of the shipped world, not a build from scratch (README of results/late-reward, section 8):
 the shipped encoder is kept frozen, so every latent the shipped transformer learned stays the same, and only the
@@ -1765,6 +1766,7 @@ def build_variant(variant: str, out_dir: Path, base: Path = PIPELINE_DIR, **over
     pipe.save_pretrained(str(path), safe_serialization=True)
     marker = {"variant": variant, **VARIANTS[variant], "base_world": metrics["base_world"], "config": cfg}
     (path / VARIANT_FILE).write_text(json.dumps(marker, indent=1) + "\n")
+    (path / "world.json").write_text('{"module": "world.shapes_world"}\n')
     print("[4/4] evaluation")
     metrics.update(variant_metrics(load_pipeline(path), variant, cfg["eval_n"]))
     metrics["world"] = world_id(path)

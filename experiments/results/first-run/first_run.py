@@ -39,8 +39,8 @@ def evaluate(runs):
     import torch
 
     import recast
+    import sd3
     from evaluate import read_checkpoint  # the run's newest loadable checkpoint, as evaluate.py and --resume find it
-    from kit import run_kit
     from world import shapes_world
 
     torch.set_num_threads(1)
@@ -48,7 +48,7 @@ def evaluate(runs):
     cache, final = HERE / "work" / "final", HERE / "final"
     cache.mkdir(parents=True, exist_ok=True)
     final.mkdir(exist_ok=True)
-    pipe = run_kit.load_pipeline(recast.parse_args([]), "cpu", torch.float32)
+    pipe = sd3.load_pipeline(recast.parse_args([]), "cpu", torch.float32)
     models = {"pretrained": None} | {Path(r).name: Path(r) for r in runs}
     for label, run in models.items():
         path = final / f"{label}.json"

@@ -83,14 +83,14 @@ def main(argv=None):
     import torch
 
     import recast
-    from kit import run_kit
+    import sd3
 
     torch.set_num_threads(1)
     names = list(dict.fromkeys(a.scores.split(",") + [a.reward]))
     prompts = [c for c in shapes_world.splits()["heldout"] for _ in range(a.noises)]
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
-    pipe = run_kit.load_pipeline(recast.parse_args(["--model", a.model] if a.model else []), "cpu", torch.float32)
+    pipe = sd3.load_pipeline(recast.parse_args(["--model", a.model] if a.model else []), "cpu", torch.float32)
     base = "pretrained" if a.model is None else f"pretrained-{shapes_world.world_id(a.model)}"
     models = {"pretrained": None} | {Path(r).name: checkpoint(r, a.iteration) for r in a.runs}
     results = {}

@@ -92,10 +92,9 @@ def gate_draws(run, args, iterations, seed, gen, t0):
     import torch
 
     import nft
-    from kit import run_kit
 
     for it in range(iterations):
-        b = nft.rollout_and_score(run, args, it, run_kit.iteration_generator(seed, it))
+        b = nft.rollout_and_score(run, args, it, nft.iteration_generator(seed, it))
         r = nft.optimality(b.R, b.groups, std=nft.global_stats(b.R, run.reduce)[2])
         groups_t = torch.as_tensor(b.groups)
         for g in range(8):
@@ -114,14 +113,13 @@ def profile(a):
 
     import nft
     import recast
-    from kit import run_kit
 
     torch.set_num_threads(1)
     args, run = setup(PROFILE_REWARDS, a.seed, 8, HERE / "work" / f"{PREFIX}-profile")
     T = args.steps
     obs_n, obs_s1, choice, t0 = [], [], [], time.time()
     for it in range(a.iterations):
-        b = nft.rollout_and_score(run, args, it, run_kit.iteration_generator(a.seed, it))
+        b = nft.rollout_and_score(run, args, it, nft.iteration_generator(a.seed, it))
         r = nft.optimality(b.R, b.groups, std=nft.global_stats(b.R, run.reduce)[2])
         groups = np.asarray(b.groups)
         for g in np.unique(groups):
@@ -423,7 +421,7 @@ def step_arms(t):
 def weights(a):
     """Part 3's --credit-file files, PREFIX_W_early.json and PREFIX_W_late.json (one reward: the candidate)."""
     from experiments import bench
-    from kit.run_kit import write_atomic
+    from kit.records import write_atomic
 
     t, g = bench.measured_step_sizes()
     for label, w in step_arms(t).items():
