@@ -695,7 +695,8 @@ def test_diffusionnft_is_written_once_in_nft_py_and_each_function_has_one_name()
     assert {"optimality", "nft_loss", "tree_rollout", "update_loop", "global_stats", "optimizer_step"} <= defined
     for script in (recast, rvge):
         assert not top_level_names(script.__file__) & defined, script.__name__
-        assert not [n for n in defined if hasattr(script, n)], script.__name__
+        declared = {"flag", "NFTArgs"}  # what a script's Args is declared with, imported from nft.py by that name
+        assert not [n for n in defined - declared if hasattr(script, n)], script.__name__
     skeleton = [
         [re.sub("ReCAST|RVGE", "<method>", b.split(":")[0]) for b in banners(script.__file__) if not b.startswith(own)]
         for script, own in ((recast, ("NOTES.md", "Controls for the experiments")), (rvge, "NOTES.md"))
@@ -831,7 +832,7 @@ def test_the_main_command_prints_one_progress_bar_with_reward_and_loss_and_no_wa
     lines = [line for line in re.split(r"[\r\n]+", done.stderr) if line.strip()]
     assert lines and all(line.startswith("recast: ") for line in lines), lines
     assert re.search(r"1/1 .*reward=[-0-9.]+, loss=[-0-9.e]+", lines[-1]), lines[-1]
-    assert done.stdout.splitlines() == figures.print_summary(tmp_path / "run")  # the closing summary, nothing else
+    assert done.stdout.splitlines() == figures.print_summary(tmp_path / "run", departure=True)  # the closing summary
 
 
 @pytest.mark.parametrize("credit, beta", [("budgets", None), ("recast", "0.5")])

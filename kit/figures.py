@@ -277,7 +277,7 @@ def sampling_line(args, embedded):
         prompt = None
     prompt = prompt or (world.sample_prompts(1, "heldout", 0)[0] if world else "a photo of a cat")
     kwargs = dict(height=res, width=res, num_inference_steps=steps, guidance_scale=1.0, max_sequence_length=tokens)
-    known = f" ({world.__name__}.GEN_KWARGS)" if world and kwargs == gen else ""
+    known = " (the world's GEN_KWARGS)" if world and kwargs == gen else ""
     return (
         f"  image = pipe({prompt!r}, {', '.join(f'{k}={v}' for k, v in kwargs.items())}).images[0]  # as trained and "
         f"evaluated{known}: no CFG, {steps} steps, {tokens} T5 tokens, {res} px"

@@ -445,7 +445,8 @@ def test_credit_figure_is_drawn_only_where_W_weighs_the_loss(evaluated_run, tmp_
     config = json.loads((out / "config.json").read_text())
     config["args"]["credit"] = credit
     (out / "config.json").write_text(json.dumps(config))
-    assert ((out / "credit.png") in figures.plot_run(out, ["brightness", "redness"])) == drawn
+    args = recast.parse_args(["--credit", credit])
+    assert ((out / "credit.png") in figures.plot_run(out, ["brightness", "redness"], recast.shows_W(args))) == drawn
     assert (out / "credit.png").exists() == drawn
 
 
@@ -478,4 +479,4 @@ def test_the_sampling_line_uses_the_runs_settings_not_the_pipelines_defaults():
     assert line.endswith("# as trained and evaluated: no CFG, 40 steps, 128 T5 tokens, 512 px")
     line = figures.sampling_line(asdict(recast.Args()), embedded=True)
     kwargs = ", ".join(f"{k}={v}" for k, v in shapes_world.GEN_KWARGS.items())
-    assert f"{kwargs}).images[0]  # as trained and evaluated (shapes_world.GEN_KWARGS): no CFG, 10 steps" in line
+    assert f"{kwargs}).images[0]  # as trained and evaluated (the world's GEN_KWARGS): no CFG, 10 steps" in line
