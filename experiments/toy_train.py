@@ -30,8 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python experime
 import nft  # noqa: E402
 import recast  # noqa: E402
 import rvge  # noqa: E402
-from kit import run_kit  # noqa: E402
-from kit.stats import (  # noqa: E402  the experiments' statistics: the same tests as the embedded model's
+from experiments.stats import (  # noqa: E402  the experiments' statistics: the same tests as the embedded model's
     holm,
     interval_sd,
     mean_ci,
@@ -39,6 +38,7 @@ from kit.stats import (  # noqa: E402  the experiments' statistics: the same tes
     seeds_for_power,
     time_to_reach,
 )
+from kit import run_kit  # noqa: E402
 from toy_gaussian import (  # noqa: E402
     E1,
     MIX7,
@@ -530,7 +530,7 @@ def paired_censored(time_a, event_a, time_b, event_b):
 
 
 def paired_stats(diff):
-    """Mean, 95% t interval, two-sided paired t p, n and sd of paired differences (NaN pairs dropped): kit.stats'
+    """Mean, 95% t interval, two-sided paired t p, n and sd of paired differences (NaN pairs dropped): stats.py's
     `mean_ci` and `p_value`, as a dict."""
     m, lo, hi, n = mean_ci(diff)
     return dict(mean=m, lo=lo, hi=hi, p=p_value(m, lo, hi, n), n=n, sd=interval_sd(lo, hi, n) if n > 1 else np.nan)
