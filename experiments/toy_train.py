@@ -6,11 +6,11 @@
     python experiments/toy_train.py --online          # online W vs grad_uniform -> .../toy-train/online/
     python experiments/toy_train.py --online --groups 128  # append a batch size to that run (others not rerun)
 
-The exact velocity of a Gaussian mixture (toy_gaussian.py's MIX7) is the pretrained model; a correction of it is
+The exact velocity of a Gaussian mixture (MIX7, toy_checks.py's check 7) is the pretrained model; a correction of it is
 fine-tuned with the scripts' own losses and credit (ReCAST arms: nft, uniform, exact-profile, time-reversed, online and
 gradient-unit W; RVGE vs NFT with permuted controls), every arm x seed at once, and the arms are compared at equal KL
-to the pretrained model. Design, analysis plan and reading: experiments/results/toy-train/README.md. The mixtures,
-rewards and exact Renyi curves are toy_gaussian.py's (the math checks); this file only trains and analyses.
+to the pretrained model. Design, analysis plan and reading: experiments/results/toy-train/README.md. The mixture
+class, rewards and exact Renyi curves are toy_gaussian.py's (the math checks); this file only trains and analyses.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from experiments.stats import (  # noqa: E402  the experiments' statistics: the 
     seeds_for_power,
     time_to_reach,
 )
+from experiments.toy_checks import MIX7  # noqa: E402  check 7's mixture
 from kit import run_kit  # noqa: E402
 from toy_gaussian import (  # noqa: E402
     E1,
-    MIX7,
     GaussianMixture,
     accumulate,
     exact_renyi,
