@@ -8,9 +8,9 @@
 against the exact tilted shift, at equal reward evaluations (d = 2 and d = 16, smooth and 0/1 rewards): the diagnosis
 behind rvge.py's defaults. 7: a base velocity trained by flow matching on MIX7, fine-tuned with NFT credit nft / uniform
 / recast and with RVGE: each run improves the budget-weighted reward and stays finite. They lived in toy_gaussian.py
-(checks 1-6c and 8, the card's math checks, stay there); the mixtures, rewards and the check runner are its
-(`toy_gaussian.run_checks`: the same table, flags and exit code). MIX7 is also the trainable toy's pretrained model
-(`toy_train.py`).
+(checks 1-6c and 8, the card's math checks, stay there); the mixture class, MIX2, the rewards and the check runner are
+its (`toy_gaussian.run_checks`: the same table, flags and exit code); MIX7, defined here, is also the trainable toy's
+pretrained model (`toy_train.py`).
 """
 
 from __future__ import annotations
