@@ -43,7 +43,7 @@ paired one of `paired_speedup`, per-seed log ratios); a Fréchet distance is com
 same N images. "Matches" is a test, never an unresolved difference: non-inferiority at a margin of half the lower 95%
 bound of the baseline's own gain over the pretrained model (`gain_margin`, `non_inferiority`; no margin where that
 gain is not resolved), with the untrained model as the control. This file holds the experiments and their runs; the
-statistics are `kit/stats.py`'s, the tables and figures `reports.py`'s (ReCAST's protocol, with its profiles and final
+statistics are `stats.py`'s, the tables and figures `reports.py`'s (ReCAST's protocol, with its profiles and final
 evaluation: `protocol.py`).
 
 Runs and results. Each (cell, seed) is one run of `recast.py` or `rvge.py` (with --overwrite) in its run folder

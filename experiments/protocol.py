@@ -40,7 +40,7 @@ from experiments.reports import (
     w_departure,
     w_ratio,
 )
-from kit.stats import (
+from experiments.stats import (
     ALPHA,
     adjusted_difference,
     fmt_ci,

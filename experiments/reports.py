@@ -5,7 +5,7 @@ in `protocol.py`) with a `Results`: the metrics rows of every finished run, grou
 beside them. A report returns the lines of table.md and draws its figures next to it; `results_block` and
 `write_results_md` put table.md, with the command and commits that made it, between the markers of the experiment's
 section in its Markdown file (the results folder's README.md, beside the hand-written design and reading). The
-statistics are `kit/stats.py`'s.
+statistics are `stats.py`'s.
 
 Reads nothing of `bench.py` (which imports this module): what a report needs of the experiment comes in `Results`.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kit.stats import (
+from experiments.stats import (
     ALPHA,
     below_claim,
     censored_speedup,

@@ -6,11 +6,11 @@
     python experiments/toy_train.py --online          # online W vs grad_uniform -> .../toy-train/online/
     python experiments/toy_train.py --online --groups 128  # append a batch size to that run (others not rerun)
 
-The exact velocity of a Gaussian mixture (toy_gaussian.py's MIX7) is the pretrained model; a correction of it is
+The exact velocity of a Gaussian mixture (MIX7, toy_checks.py's check 7) is the pretrained model; a correction of it is
 fine-tuned with the scripts' own losses and credit (ReCAST arms: nft, uniform, exact-profile, time-reversed, online and
 gradient-unit W; RVGE vs NFT with permuted controls), every arm x seed at once, and the arms are compared at equal KL
-to the pretrained model. Design, analysis plan and reading: experiments/results/toy-train/README.md. The mixtures,
-rewards and exact Renyi curves are toy_gaussian.py's (the math checks); this file only trains and analyses.
+to the pretrained model. Design, analysis plan and reading: experiments/results/toy-train/README.md. The mixture
+class, rewards and exact Renyi curves are toy_gaussian.py's (the math checks); this file only trains and analyses.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python experime
 import nft  # noqa: E402
 import recast  # noqa: E402
 import rvge  # noqa: E402
-from kit import session  # noqa: E402
-from kit.stats import (  # noqa: E402  the experiments' statistics: the same tests as the embedded model's
+from experiments.stats import (  # noqa: E402  the experiments' statistics: the same tests as the embedded model's
     holm,
     interval_sd,
     mean_ci,
@@ -39,9 +38,10 @@ from kit.stats import (  # noqa: E402  the experiments' statistics: the same tes
     seeds_for_power,
     time_to_reach,
 )
+from experiments.toy_checks import MIX7  # noqa: E402  check 7's mixture
+from kit import session  # noqa: E402
 from toy_gaussian import (  # noqa: E402
     E1,
-    MIX7,
     GaussianMixture,
     accumulate,
     exact_renyi,
@@ -530,7 +530,7 @@ def paired_censored(time_a, event_a, time_b, event_b):
 
 
 def paired_stats(diff):
-    """Mean, 95% t interval, two-sided paired t p, n and sd of paired differences (NaN pairs dropped): kit.stats'
+    """Mean, 95% t interval, two-sided paired t p, n and sd of paired differences (NaN pairs dropped): stats.py's
     `mean_ci` and `p_value`, as a dict."""
     m, lo, hi, n = mean_ci(diff)
     return dict(mean=m, lo=lo, hi=hi, p=p_value(m, lo, hi, n), n=n, sd=interval_sd(lo, hi, n) if n > 1 else np.nan)

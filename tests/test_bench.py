@@ -21,8 +21,7 @@ import pytest
 
 import recast
 import rvge
-from experiments import bench, protocol, reports
-from kit import stats
+from experiments import bench, protocol, reports, stats
 from world import shapes_world
 
 

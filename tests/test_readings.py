@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kit import stats
+from experiments import stats
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"

@@ -1,4 +1,5 @@
-"""The Gaussian-mixture toy: toy_gaussian.py's checks at quick sizes; the trainable toy, experiments/toy_train.py."""
+"""The Gaussian-mixture toy: toy_gaussian.py's checks and experiments/toy_checks.py's (6d, 7) at quick sizes; the
+trainable toy, experiments/toy_train.py."""
 
 import re
 
@@ -9,15 +10,31 @@ import pytest
 # -----------------------------------------------------------------------------
 
 
+def quick_rows_all_pass(main, tmp_path, capsys):
+    """Run a check runner (toy_gaussian.run_checks behind `main`) at --quick into tmp_path: exit code 0, no FAIL, every
+    row passed. Returns the number of rows."""
+    assert main(["--quick", "--out", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    passed = re.search(r"(\d+)/(\d+) passed", table)
+    assert "FAIL" not in table and passed and passed.group(1) == passed.group(2)
+    return int(passed.group(2))
+
+
 @pytest.mark.long(120)  # seconds on a 2-core machine, for the order only
 def test_toy_gaussian_quick_passes_every_check(tmp_path, capsys):
     import toy_gaussian
 
-    assert toy_gaussian.main(["--quick", "--out", str(tmp_path)]) == 0
-    table = capsys.readouterr().out
-    passed = re.search(r"(\d+)/(\d+) passed", table)
-    assert "FAIL" not in table and passed and passed.group(1) == passed.group(2) and int(passed.group(2)) >= 40
+    assert quick_rows_all_pass(toy_gaussian.main, tmp_path, capsys) >= 40
     assert len(list(tmp_path.glob("*.png"))) >= 5
+
+
+@pytest.mark.long(30)  # seconds on a 2-core machine, for the order only
+def test_toy_checks_6d_and_7_quick_pass_every_check(tmp_path, capsys):
+    """Checks 6d and 7 (experiments/toy_checks.py) through toy_gaussian's runner: every row passes, figure and CSV."""
+    from experiments import toy_checks
+
+    assert quick_rows_all_pass(toy_checks.main, tmp_path, capsys) >= 20
+    assert {p.name for p in tmp_path.iterdir()} == {"6d_rvge_diagnosis.csv", "7_end_to_end.png"}
 
 
 # -----------------------------------------------------------------------------

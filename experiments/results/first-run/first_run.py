@@ -28,8 +28,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
-from experiments import protocol  # noqa: E402
-from kit import stats  # noqa: E402
+from experiments import protocol, stats  # noqa: E402
 
 NOISES = 8
 IN_RUN_FLOOR = 0.021  # sd of one in-run held-out weighted (rvge-joint/eval_floor.json, 16 noise sets)

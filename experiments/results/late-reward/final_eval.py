@@ -21,8 +21,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
-from experiments import protocol  # noqa: E402
-from kit import stats  # noqa: E402
+from experiments import protocol, stats  # noqa: E402
 from world import shapes_world  # noqa: E402
 
 SCORES = ("texture", "grain", "texture_soft", "texture_along", "texture_lines", "lines_along", "saturation", "geneval")

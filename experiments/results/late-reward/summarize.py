@@ -99,7 +99,7 @@ def paired_table(a, b, metrics=("texture_lines", "texture", "lines_along", "satu
         cells = []
         for s in seeds:
             d = [A["means"][ra][s][m] - B["means"][rb][s][m] for ra, rb in zip(*runs)]
-            mean, lo, hi, _ = final_eval.stats.mean_ci(d)  # final_eval imports the repository's kit/stats.py
+            mean, lo, hi, _ = final_eval.stats.mean_ci(d)  # final_eval imports the repository's experiments/stats.py
             cells.append(f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}] ({', '.join(f'{x:+.4f}' for x in d)})")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines + [""]

@@ -30,8 +30,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 sys.path.insert(0, str(ROOT))
-from experiments import bench  # noqa: E402
-from kit import stats  # noqa: E402
+from experiments import bench, stats  # noqa: E402
 
 REVERSED = ROOT / "experiments/results/recast-reversed/runs"
 MATCHED = HERE / "runs"

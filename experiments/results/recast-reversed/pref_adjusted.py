@@ -21,7 +21,7 @@ from scipy.special import expit
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
-from kit import stats  # noqa: E402
+from experiments import stats  # noqa: E402
 
 RUNS = HERE / "runs"
 COMPARISONS = (("recast_prior", "nft"), ("recast_prior", "uniform"), ("recast_prior", "reversed"))

@@ -3,7 +3,7 @@
     python experiments/results/rvge-single/judges.py > experiments/results/rvge-single/judges.txt
 
 Per reward and method: each seed's last held-out evaluation of the reward, the CNN judge and the Fréchet distance
-(lower is better), and the paired RVGE − NFT differences with kit/stats.py's t interval over seeds.
+(lower is better), and the paired RVGE − NFT differences with experiments/stats.py's t interval over seeds.
 """
 
 import gzip
@@ -13,8 +13,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
-from experiments import bench, reports  # noqa: E402
-from kit import stats  # noqa: E402
+from experiments import bench, reports, stats  # noqa: E402
 
 METRICS = ("eval/weighted", "eval/judge/cnn", "eval/judge/frechet")
 

@@ -1,4 +1,5 @@
-"""Statistics on paired runs: the experiments' intervals and tests, shared by `experiments/` and `toy_gaussian.py`.
+"""Statistics on paired runs: the experiments' intervals and tests (the embedded model's protocol and reports, the
+trainable toy `toy_train.py`, the results folders' scripts); the math checks (`toy_gaussian.py`) use none of them.
 
 Every interval is a t interval at 95% over seeds of paired differences (`mean_ci`) with its paired-t p (`p_value`);
 beside it, at the seed counts these experiments run (<= 8), the exact sign-flip test of the same differences
@@ -13,7 +14,7 @@ medians (`km_median`) and their ratio with a paired bootstrap (`censored_speedup
 censoring gives, clipped at 0). "Matches" is a one-sided test at a margin (`non_inferiority`) set from the effect
 that matters (`gain_margin`: a stated fraction of the baseline's own gain), never an unresolved difference.
 
-Imports numpy and scipy only: nothing of the experiments, the scripts or the embedded world.
+Imports numpy and scipy only: nothing of the other experiments, the scripts or the embedded world.
 """
 
 from __future__ import annotations
