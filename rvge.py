@@ -122,7 +122,7 @@ def query_weight(t, t_b, s2):
     """Weight of a training query at t: 1 inside the group's neighbourhood (t <= t_b),
     kappa(t_b) / kappa(t) < 1 beyond it, where the transferred direction is an extrapolation.
     Derived nowhere, and below the cap weight x transfer_ratio = 1: it undoes the transfer above t_b
-    (toy_gaussian.py 6d), so it is off by default (--query-weights)."""
+    (experiments/toy_checks.py 6d), so it is off by default (--query-weights)."""
     w = posterior_var(t_b, s2) / posterior_var(t, s2)
     return w.clip(max=1.0) if hasattr(w, "clip") else min(w, 1.0)
 
@@ -194,7 +194,7 @@ def uses_local(t, t_b, bandwidth):
     """Which group a training query at t regresses on: True for the local group (its direction transferred
     from t_b), False for the broad one (from t = 1). local: every query; broad: none; split: t <= t_b,
     where the local group is a posterior sample of x0 | x_t's neighbourhood and the broad one is biased
-    (toy_gaussian.py 6d). t (B,) tensor; t_b float or (B,)."""
+    (experiments/toy_checks.py 6d). t (B,) tensor; t_b float or (B,)."""
     if bandwidth == "local":
         return t >= 0
     if bandwidth == "broad":
@@ -492,15 +492,15 @@ class Args(NFTArgs, RunArgs):
     auto (broad when more than --tie-threshold of the local groups tie, else split); one value or one per reward"""
     tie_threshold: float = flag(0.2, "method", min=0, max=1)
     """auto picks broad for a reward when the share of tied local groups exceeds this (smooth rewards tie rarely, 0/1
-    rewards often: toy_gaussian.py 6d)"""
+    rewards often: experiments/toy_checks.py 6d)"""
     coords: str = flag("clean", "method", choices=["clean", "noisy"])
     """regression coordinates: clean (final latents) or noisy (x0_hat on each trajectory one grid step after the group's
     branch time)"""
     transfer: str = flag("direct", "method", choices=["direct", "none"])
     """direct: d(t) = kappa(t) / kappa(t_b) d_B at query time t; none: d(t) = d_B (ablation)"""
     query_weights: str = flag("off", "method", choices=["on", "off"])
-    """on: weight queries at t > t_b by kappa(t_b) / kappa(t) (it cancels the transfer there: toy_gaussian.py 6d); off:
-    weight 1"""
+    """on: weight queries at t > t_b by kappa(t_b) / kappa(t) (it cancels the transfer there:
+    experiments/toy_checks.py 6d); off: weight 1"""
     eta: float = flag(0.2, "method", gt=0)
     """first-order step size: d = eta Cov(x0, A) (0.2 matches DiffusionNFT's implied step at b = 1)"""
     kl_beta: float = flag(None, "method", gt=0)
