@@ -60,6 +60,7 @@ import torch
 from tqdm import tqdm
 
 import nft
+import world as shapes_world
 from kit.run_kit import (
     EMBEDDED_MODEL,
     RUN_ARG_GROUPS,
@@ -84,7 +85,6 @@ from kit.run_kit import (
     start_or_resume,
     stop_if_a_reward_failed,
 )
-from world import shapes_world
 
 # =============================================================================
 # NOTES.md §3.4 and §3.1, our reconstruction: the W solver, and W in DiffusionNFT's loss

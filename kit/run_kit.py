@@ -46,8 +46,8 @@ import torch
 import yaml
 from tqdm import tqdm
 
+import world as shapes_world
 from kit.reward_models import DEFAULTS, REWARD_MODELS, build_rewards, missing_inputs, ocr_target
-from world import shapes_world
 
 if TYPE_CHECKING:  # the types Run's fields name; diffusers and accelerate load when a run starts (`load_run`)
     from accelerate import Accelerator
@@ -295,7 +295,7 @@ HELP_EPILOG = "\n".join(  # --help's last lines: the reward names, then examples
         textwrap.fill(
             f"embedded model: {', '.join(shapes_world.DEFAULT_REWARDS)} (its defaults); also "
             f"{', '.join(sorted(set(shapes_world.REWARDS) - set(shapes_world.DEFAULT_REWARDS)))} "
-            "(world/shapes_world.py)",
+            "(world/rewards.py)",
             79,
             initial_indent="  ",
             subsequent_indent="    ",
@@ -803,10 +803,11 @@ def parse_branch_steps(text, T):
 
 
 def is_embedded(model):
-    """The embedded model, or a world variant built from it (`shapes_world.py build --variant NAME`: its pipeline
-    folder holds shapes_world.VARIANT_FILE), which is run the same way: its world's rewards, text length, size."""
+    """The embedded model, or a world variant built from it (`experiments/late_reward_world.py build --variant NAME`:
+    its pipeline folder holds shapes_world.WORLD_FILE, world.json), which is run the same way: its world's rewards,
+    text length, size."""
     path = Path(model).resolve()
-    return path == (Path(__file__).parent / EMBEDDED_MODEL).resolve() or (path / shapes_world.VARIANT_FILE).is_file()
+    return path == (Path(__file__).parent / EMBEDDED_MODEL).resolve() or (path / shapes_world.WORLD_FILE).is_file()
 
 
 def read_prompts(path, flag="prompts"):

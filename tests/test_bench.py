@@ -21,9 +21,9 @@ import pytest
 
 import recast
 import rvge
+import world as shapes_world
 from experiments import bench, protocol, reports
 from kit import stats
-from world import shapes_world
 
 
 def has_updates_per_iter():

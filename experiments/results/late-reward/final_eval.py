@@ -21,9 +21,9 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
-from experiments import protocol  # noqa: E402
+import world as shapes_world  # noqa: E402
+from experiments import late_reward_world, protocol  # noqa: E402,F401  (late_reward_world: registers its rewards)
 from kit import stats  # noqa: E402
-from world import shapes_world  # noqa: E402
 
 SCORES = ("texture", "grain", "texture_soft", "texture_along", "texture_lines", "lines_along", "saturation", "geneval")
 

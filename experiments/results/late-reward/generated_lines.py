@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from world import shapes_world as sw  # noqa: E402
+import world as sw  # noqa: E402
+from experiments import late_reward_world  # noqa: E402,F401  (registers the experiment's rewards and variant)
 
 prompts = sw.sample_prompts(160, "heldout", 3)
 images = sw.generate(sw.load_pipeline(), prompts, seed=5)

@@ -44,6 +44,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
+from experiments import late_reward_world  # noqa: E402,F401  (registers the experiment's rewards and variant)
 
 PROFILE_REWARDS = ("lines_phase", "saturation", "geneval", "grain", "texture_lines")
 SPLIT_REWARDS = ("lines_phase", "saturation", "grain", "texture_lines")
@@ -66,7 +67,7 @@ def use_candidate(candidate, model=None, prefix="phase_gate", n_roots=None):
 
 
 def world_of_run():
-    from world import shapes_world
+    import world as shapes_world
 
     return shapes_world.world_id(MODEL) if MODEL else shapes_world.world_id()
 

@@ -36,6 +36,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 import recast  # noqa: E402
+from experiments import late_reward_world  # noqa: E402,F401  (registers the experiment's rewards and variant)
 
 LATE_T = 0.5  # "late" training timesteps: t <= 0.5 (on the 10-step grid: 0.465, 0.278, 0.009)
 

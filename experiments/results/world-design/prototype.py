@@ -21,7 +21,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
-from world import shapes_world as sw  # noqa: E402
+import world as sw  # noqa: E402
+from world import build as wb  # noqa: E402
 
 NAMES = ("geneval", "saturation", "count", "colour", "shape", "sharpness", "jpeg", "texture", "grain")
 
@@ -38,11 +39,11 @@ sw.TEXTURE.update(kind=a.kind, amp=a.amp)
 tag = f"{a.kind}{a.amp:g}"
 out = Path(f"/tmp/proto_{tag}")
 res_path = ROOT / "results" / "world-design" / f"proto_{tag}.json"
-_evaluate = sw.evaluate
-sw.evaluate = lambda pipe, **kw: _evaluate(pipe, **{**kw, "n": 64})
+_evaluate = wb.evaluate
+wb.evaluate = lambda pipe, **kw: _evaluate(pipe, **{**kw, "n": 64})
 t0 = time.time()
 if not (out / "build_metrics.json").is_file():
-    sw.build(
+    wb.build(
         out_dir=out,
         n_images=a.n_images,
         vae_steps=a.vae_steps,

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from world import shapes_world as sw  # noqa: E402
+import world as sw  # noqa: E402
+from world import checker  # noqa: E402
 
 pipe = sw.load_pipeline(sw.PIPELINE_DIR)
 prompts = sw.sample_prompts(400, "heldout", 8)
@@ -44,7 +45,7 @@ print("TEX_PLAIN TEX_FULL TEX_ANISO | VAE named / plain | generated named / plai
 for p, f, a in itertools.product((0.45, 0.6, 0.75), (0.4, 0.5, 0.6, 0.8), (1.3, 1.6, 2.0, 2.5)):
     r = {}
     for k, fs in F.items():
-        ok = np.array([o and sw._texture_of(ex, ey, n, p, f, a) == t for (ex, ey, n, o), t in zip(fs, tex)])
+        ok = np.array([o and checker._texture_of(ex, ey, n, p, f, a) == t for (ex, ey, n, o), t in zip(fs, tex)])
         r[k] = (ok[~plain].mean(), ok[plain].mean(), ok.mean())
     if r["vae"][0] >= 0.97 and r["vae"][1] >= 0.97:
         print(
