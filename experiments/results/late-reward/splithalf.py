@@ -70,7 +70,11 @@ def cos(a, b):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rewards", required=True, help="comma-separated reward names (shapes_world.REWARDS)")
+    ap.add_argument(
+        "--rewards",
+        required=True,
+        help="comma-separated reward names (world.REWARDS, with experiments/late_reward_world.py's)",
+    )
     ap.add_argument("--groups", type=int, default=64, help="prompt groups (8 per rollout iteration)")
     ap.add_argument("--splits", type=int, default=200, help="random halvings of the groups")
     ap.add_argument("--sketch", type=int, default=16384, help="count-sketch dimension of each per-group gradient")

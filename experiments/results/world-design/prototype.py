@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python experiments/results/world-design/prototype.py KIND AMP [--n-images N --vae-steps V
         --judge-steps J --transformer-steps S --iterations I]
 
-Builds a reduced world (shapes_world.build into /tmp/proto_<KIND><AMP>, its evaluation cut to 64
+Builds a reduced world (world.build.build into /tmp/proto_<KIND><AMP>, its evaluation cut to 64
 held-out prompts), copies its pipeline into assets/shapes-sd3 (restore with `git checkout assets/`),
 measures protocol.measure_profiles on it (I iterations x 8 prompt groups) and writes
 results/world-design/proto_<KIND><AMP>.json: the build metrics, the VAE's texture round trip and the

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python experiments/results/world-design/thresholds.py > experiments/results/world-design/thresholds.txt
 
 400 held-out prompts: ground truth, its VAE reconstructions and the pretrained model's samples (seed 0). For each
-(TEX_PLAIN, TEX_FULL, TEX_ANISO), as fractions of shapes_world.texture_contrast() for the first two, the share of
+(TEX_PLAIN, TEX_FULL, TEX_ANISO), as fractions of world.texture_contrast() for the first two, the share of
 images whose texture verdict is right, named and plain captions apart; rows where the VAE's reconstructions read
 back right on >= 97% of both. First the generated images' fine energy per caption texture (ex, ey / contrast).
 """

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python experiments/results/world-design/vae_roundtrip.py KIND AMP STEPS N [HF]
 
-(N ground-truth training images, STEPS VAE steps at batch 32, HF = shapes_world.VAE_HF_WEIGHT; 300 held-out prompts.)
+(N ground-truth training images, STEPS VAE steps at batch 32, HF = world.build.VAE_HF_WEIGHT; 300 held-out prompts.)
 Writes experiments/results/world-design/vae_<KIND><AMP>_<STEPS>_hf<HF>.json.
 """
 
