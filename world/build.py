@@ -1,5 +1,7 @@
-"""Building the shapes world's assets, deterministically on a CPU: the tokenizers, the tiny random SD3 pipeline
-(:func:`tiny_sd3`), the VAE, the judges and the transformer trained on the world, the build CLI.
+"""Build the shapes world's assets from scratch, deterministically, on a CPU (and evaluate or time them).
+
+The tokenizers, the tiny random SD3 pipeline (:func:`tiny_sd3`), the VAE, the judges and the transformer trained on
+the world, and the CLI:
 
     python -m world.build build        # regenerate world/assets/ from scratch (28-47 min on 1 thread)
     python -m world.build eval         # checker accuracy on held-out prompts + assets/samples.png

@@ -70,7 +70,8 @@ def _line_features(v: np.ndarray, m: np.ndarray, phase: bool = False) -> tuple[f
     pixels), / the object's mean inner brightness: ly; lx the same over columns (vertical lines, barred). Averaging
     along a line before the transform keeps the lines and averages pixel noise down, and the period-4 coefficient
     ignores finer (period-2) noise. Ground truth's 2-on-2-off lines at amplitude amp give the fundamental
-    (sqrt(2) / 2) amp / (1 - amp / 2) = sqrt(2) texture_contrast() (the unit of :func:`_line_energy`); a flat fill 0.
+    (sqrt(2) / 2) amp / (1 - amp / 2) = sqrt(2) texture_contrast() (the unit of the line rewards of
+    experiments/late_reward_world.py); a flat fill 0.
     phase=True: the signed projection of the same coefficient on one fixed phase of the image grid instead (lines
     dark at rows / columns 2, 3 mod 4: +amplitude; the opposite phase: -amplitude; a quarter period off: 0)."""
     from scipy import ndimage
