@@ -747,7 +747,7 @@ def test_gain_init_world_starts_the_embedded_defaults_from_the_worlds_profiles_a
     """--gain-init world (the default): the embedded world's pretrained profiles, this world's (its id), where they fit
     the run (the embedded model, pairs, tree sampler, 10 steps, rewards the file holds); nothing where they do not, and
     nothing with none."""
-    from world import shapes_world
+    import world as shapes_world
 
     saved = json.loads(shapes_world.PROFILES_PATH.read_text())
     assert saved["world"] == shapes_world.world_id() and set(shapes_world.DEFAULT_REWARDS) <= set(saved["names"])
@@ -1176,7 +1176,7 @@ def linear_latent_cosines(pipe_path, prompts, max_len, seed=0):
 
 
 def test_rvge_direction_follows_a_linear_latent_reward_on_the_embedded_model():
-    from world import shapes_world
+    import world as shapes_world
 
     cos = linear_latent_cosines(
         worlds.EMBEDDED_MODEL,

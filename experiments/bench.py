@@ -129,6 +129,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python experiments/bench.py`: the project's modules
+import world as shapes_world  # noqa: E402
 from experiments import protocol, reports  # noqa: E402  (the reports import nothing of this file)
 from experiments.reports import (  # noqa: E402
     Results,
@@ -142,7 +143,6 @@ from experiments.reports import (  # noqa: E402
     slug,
     write_results_md,
 )
-from world import shapes_world  # noqa: E402
 
 HERE = Path(__file__).resolve().parent  # experiments/
 ROOT = HERE.parent  # the project: the scripts, and where the runs' processes start

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+import world as shapes_world
 from experiments.reports import (
     ALONG,
     Results,
@@ -56,7 +57,6 @@ from experiments.stats import (
     share_logits,
     sign_flip_p,
 )
-from world import shapes_world
 
 # =============================================================================
 # The gains ReCAST starts from: profiles of the pretrained model

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+import world as shapes_world
 from experiments.stats import (
     ALPHA,
     below_claim,
@@ -41,7 +42,6 @@ from experiments.stats import (
     smooth,
     time_to_reach,
 )
-from world import shapes_world
 
 # =============================================================================
 # What a report reads: result records, files beside them, metrics rows

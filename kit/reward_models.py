@@ -9,7 +9,7 @@ opts (the scripts' Args, a namespace or a dict; a missing, None or "" field take
 device, dtype, local_files_only, pickscore_model, pickscore_processor, clip_model,
 aesthetic_clip, aesthetic_mlp, geneval_url, geneval_metadata, geneval_key.
 
-The embedded model's rewards are programs in shapes_world.REWARDS; the scripts pass them (and
+The embedded model's rewards are programs in world.REWARDS; the scripts pass them (and
 any test rewards) as `extra`.
 """
 

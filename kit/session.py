@@ -72,7 +72,7 @@ class Run:
     out: Path  # the run folder
     lock: object  # the open out/.lock of the first process (held while the run lives), None in the others
     script: str  # the script training it (recast, rvge): config.json's "script", the W&B project
-    world: object  # the shapes_world module for the embedded model, else None
+    world: object  # the world module --model names (`worlds.load_world`: the embedded model's), else None
     train_prompts: list[str] | None  # --train-prompts' lines (None: the embedded world samples its own)
     max_len: int  # T5 tokens of the text conditioning
     prompts_per_iter: int  # prompt groups per iteration and process

@@ -21,8 +21,8 @@ import pytest
 
 import recast
 import rvge
+import world as shapes_world
 from experiments import bench, protocol, reports, stats
-from world import shapes_world
 
 
 def has_updates_per_iter():

@@ -469,7 +469,7 @@ def test_the_trackers_W_image_is_the_credit_figures_named_panel_and_none_for_nft
 def test_the_sampling_line_uses_the_runs_settings_not_the_pipelines_defaults():
     """SD3.5-M's recipe: no CFG, its 40 evaluation steps, DiffusionNFT's 128 T5 tokens, 512 px; the embedded model's
     defaults: shapes_world.GEN_KWARGS, said."""
-    from world import shapes_world
+    import world as shapes_world
 
     sd35m = asdict(
         recast.parse_args(["--config", str(Path(__file__).resolve().parents[1] / "configs/recast-sd35m.yaml")])

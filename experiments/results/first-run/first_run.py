@@ -39,8 +39,8 @@ def evaluate(runs):
 
     import recast
     import sd3
+    import world as shapes_world
     from evaluate import read_checkpoint  # the run's newest loadable checkpoint, as evaluate.py and --resume find it
-    from world import shapes_world
 
     torch.set_num_threads(1)
     prompts = [c for c in shapes_world.splits()["heldout"] for _ in range(NOISES)]

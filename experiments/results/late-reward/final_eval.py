@@ -5,7 +5,7 @@ with protocol.py's own `final_eval_images` (Euler ODE, 10 steps, the LoRA "defau
     OMP_NUM_THREADS=1 python experiments/results/late-reward/final_eval.py --reward texture_soft \
         --runs experiments/results/late-reward/work/runs/texture_soft-nft-{0,1,2} [--noises 8] [--out FILE.json]
 
-Per model and evaluation seed: the mean of every reward in --scores and of the CNN judge (shapes_world.judge_cnn)
+Per model and evaluation seed: the mean of every reward in --scores and of the CNN judge (world.judge_cnn)
 over the images. Per run (training seed): its mean minus the pretrained model's on the same images (paired), then
 stats.mean_ci over the training seeds (a 95% t interval). The evaluation's noise floor: each model's mean on the
 first evaluation seed minus its mean on the second (same weights, other noise), the largest |difference| over the
@@ -21,8 +21,8 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
-from experiments import protocol, stats  # noqa: E402
-from world import shapes_world  # noqa: E402
+import world as shapes_world  # noqa: E402
+from experiments import late_reward_world, protocol, stats  # noqa: E402,F401  (late_reward_world: registers its rewards)
 
 SCORES = ("texture", "grain", "texture_soft", "texture_along", "texture_lines", "lines_along", "saturation", "geneval")
 

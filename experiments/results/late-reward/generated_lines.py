@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python experiments/results/late-reward/generated_lines.py \
         > experiments/results/late-reward/generated_lines.txt
 
-160 held-out prompts (shapes_world.sample_prompts(160, "heldout", 3)), one sample each (shapes_world.generate,
+160 held-out prompts (world.sample_prompts(160, "heldout", 3)), one sample each (world.generate,
 seed 5); per reward its mean and sd over named-texture and plain captions; the 10/50/90% quantiles of the pooled
 line amplitudes (check()'s line_x, line_y) and fine energies (fine_x, fine_y), all in units of ground truth's.
 """
@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from world import shapes_world as sw  # noqa: E402
+import world as sw  # noqa: E402
+from experiments import late_reward_world  # noqa: E402,F401  (registers the experiment's rewards and variant)
 
 prompts = sw.sample_prompts(160, "heldout", 3)
 images = sw.generate(sw.load_pipeline(), prompts, seed=5)

@@ -6,7 +6,7 @@ grid, textured captions only), parts 1 and 2 as written in README.md "Candidate 
     python experiments/results/late-reward/phase_gate.py tables      # gate.md from the two result files
 
 Another candidate on another world (candidate (b), README.md section 8): --model PIPELINE_FOLDER (a world variant,
-`python world/shapes_world.py build --variant signed`), --candidate REWARD (row 0 of both parts, in place of
+`python experiments/late_reward_world.py build --variant signed`), --candidate REWARD (row 0 of both parts, in place of
 lines_phase), --prefix NAME (the result files NAME_profile.json, NAME_splithalf.json, NAME.md) and --n-roots N
 (N x 4 leaves per prompt group; the per-group signal to noise grows with leaves - 1: NOTES.md, "A late reward by
 design").
@@ -44,6 +44,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
+from experiments import late_reward_world  # noqa: E402,F401  (registers the experiment's rewards and variant)
 
 PROFILE_REWARDS = ("lines_phase", "saturation", "geneval", "grain", "texture_lines")
 SPLIT_REWARDS = ("lines_phase", "saturation", "grain", "texture_lines")
@@ -66,7 +67,7 @@ def use_candidate(candidate, model=None, prefix="phase_gate", n_roots=None):
 
 
 def world_of_run():
-    from world import shapes_world
+    import world as shapes_world
 
     return shapes_world.world_id(MODEL) if MODEL else shapes_world.world_id()
 

@@ -17,7 +17,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
-from experiments import protocol  # noqa: E402
+from experiments import late_reward_world, protocol  # noqa: E402,F401  (late_reward_world: registers its rewards)
 
 names = tuple(sys.argv[1].split(","))
 iterations = int(sys.argv[2]) if len(sys.argv) > 2 else 192

@@ -33,7 +33,9 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 
-from world import shapes_world as sw  # noqa: E402
+import world as sw  # noqa: E402
+from experiments import late_reward_world as lrw  # noqa: E402
+from world import build as world_build  # noqa: E402
 
 
 def patterns():
@@ -127,12 +129,12 @@ def pixel_part(a):
         return ((sw.vae_encode(vae, ims) - shift) * scale).double().numpy().reshape(len(ims), -1)
 
     out = {"command": " ".join(["python", *sys.argv]), "images": len(prompts), "world": sw.world_id(), "depths": {}}
-    ref = sw.VARIANTS["signed"]["depth"]
+    ref = lrw.VARIANTS["signed"]["depth"]
     plain = enc([sw.render_spec(sp, sd, "signed", sign=0) for sp, sd in zip(specs, seeds)])
     gen = sw.generate(pipe, prompts[: a.samples], seed=3)
     x_gen = enc(gen)
     for depth in a.depths:
-        sw.VARIANTS["signed"]["depth"] = depth
+        lrw.VARIANTS["signed"]["depth"] = depth
         try:
             ip = [sw.render_spec(sp, sd, "signed", sign=1) for sp, sd in zip(specs, seeds)]
             im = [sw.render_spec(sp, sd, "signed", sign=-1) for sp, sd in zip(specs, seeds)]
@@ -160,7 +162,7 @@ def pixel_part(a):
                 "reward_shipped_samples": [float(r_gen.mean()), float(r_gen.std())],
             }
         finally:
-            sw.VARIANTS["signed"]["depth"] = ref
+            lrw.VARIANTS["signed"]["depth"] = ref
         out["depths"][str(depth)] = entry
         if depth == max(a.depths):  # the design's latent direction (the deepest lines: the least rounding)
             np.save(HERE / "signed_u.npy", u_hat.astype(np.float32))
@@ -317,10 +319,10 @@ def errors_part(a):
     V = np.exp(np.interp(fine, sig[order], np.log(np.maximum(var_w[order], 1e-12))))
     out["t_half_ideal"] = {}
     for amp in amps:
-        share = sw.sign_share_decided(sw.sign_kappa(fine, amp, V))
+        share = lrw.sign_share_decided(lrw.sign_kappa(fine, amp, V))
         out["t_half_ideal"][f"signed a={amp:g}"] = float(fine[np.flatnonzero(share >= 0.5).max()])
     out["amp_for_t_half"] = {
-        f"{th:g}": sw.sign_amplitude_for(th, float(np.exp(np.interp(th, sig[order], np.log(var_w[order])))))
+        f"{th:g}": lrw.sign_amplitude_for(th, float(np.exp(np.interp(th, sig[order], np.log(var_w[order])))))
         for th in (0.25, 0.3, 0.35, 0.4, 0.45)
     }
     out["seconds"] = time.time() - t0
@@ -341,18 +343,18 @@ def decoder_part(a):
     base = sw.load_pipeline().vae
     prompts = sw.sample_prompts(a.images, "train", seed=13)
     test = sw.sample_prompts(128, "heldout", seed=14)
-    signs = np.array([sw.variant_sign(14_000_000 + i) for i in range(len(test))])
-    ref = sw.VARIANTS["signed"]["depth"]
+    signs = np.array([lrw.variant_sign(14_000_000 + i) for i in range(len(test))])
+    ref = lrw.VARIANTS["signed"]["depth"]
     out = {"command": " ".join(["python", *sys.argv]), "world": sw.world_id(), "steps": a.steps, "depths": {}}
     for depth in a.depths:
-        sw.VARIANTS["signed"]["depth"] = depth
+        lrw.VARIANTS["signed"]["depth"] = depth
         try:
-            with sw.texture_amplitude(max(sw.TEXTURE["amp"], sw.VAE_TEXTURE_AMP)):
+            with sw.texture_amplitude(max(sw.TEXTURE["amp"], world_build.VAE_TEXTURE_AMP)):
                 train = [sw.render(p, 13_000_000 + i, "signed") for i, p in enumerate(prompts)]
             gt = [sw.render(p, 14_000_000 + i, "signed") for i, p in enumerate(test)]
             vae = copy.deepcopy(base)
             t0 = time.time()
-            sw.train_vae(vae, train, a.steps, batch=32, decoder_only=True, lr=a.lr)
+            world_build.train_vae(vae, train, a.steps, batch=32, decoder_only=True, lr=a.lr)
             rec = sw.vae_decode(vae, sw.vae_encode(vae, gt))
             rec0 = sw.vae_decode(base, sw.vae_encode(base, gt))
             r, r0 = sw.REWARDS["signed"](rec, test), sw.REWARDS["signed"](rec0, test)
@@ -368,7 +370,7 @@ def decoder_part(a):
                 "texture_shipped_vae": float(sw.REWARDS["texture"](rec0, test).mean()),
             }
         finally:
-            sw.VARIANTS["signed"]["depth"] = ref
+            lrw.VARIANTS["signed"]["depth"] = ref
         out["depths"][str(depth)] = entry
         print(depth, entry, flush=True)
     (HERE / "signed_decoder.json").write_text(json.dumps(out, indent=1) + "\n")

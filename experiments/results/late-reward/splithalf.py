@@ -36,6 +36,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 import recast  # noqa: E402
+from experiments import late_reward_world  # noqa: E402,F401  (registers the experiment's rewards and variant)
 
 LATE_T = 0.5  # "late" training timesteps: t <= 0.5 (on the 10-step grid: 0.465, 0.278, 0.009)
 
@@ -69,7 +70,11 @@ def cos(a, b):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rewards", required=True, help="comma-separated reward names (shapes_world.REWARDS)")
+    ap.add_argument(
+        "--rewards",
+        required=True,
+        help="comma-separated reward names (world.REWARDS, with experiments/late_reward_world.py's)",
+    )
     ap.add_argument("--groups", type=int, default=64, help="prompt groups (8 per rollout iteration)")
     ap.add_argument("--splits", type=int, default=200, help="random halvings of the groups")
     ap.add_argument("--sketch", type=int, default=16384, help="count-sketch dimension of each per-group gradient")

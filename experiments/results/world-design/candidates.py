@@ -3,7 +3,7 @@
     python experiments/results/world-design/candidates.py        # -> candidates/candidates.md
 
 Each folder candidates/amp<A>/ holds one full build's files: build_metrics.json, eval_metrics.json and
-pref_judge.json (`python world/shapes_world.py build`, `pref-judge`, `eval` with TEXTURE["amp"] = A) and profiles.json
+pref_judge.json (`python -m world.build build`, `pref-judge`, `eval` with TEXTURE["amp"] = A) and profiles.json
 (`python experiments/results/world-design/profiles_pretrained.py 96` on that build: 96 groups per inner level).
 amp0.3 is the
 world of commit 29c9cab (the first textured one, profiles at 96 groups); amp0.1_vae0.1 and amp0.075_vae0.075 were

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from world import shapes_world as sw  # noqa: E402
+import world as sw  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--pairs", type=int, default=200)

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python experiments/results/world-design/prototype.py KIND AMP [--n-images N --vae-steps V
         --judge-steps J --transformer-steps S --iterations I]
 
-Builds a reduced world (shapes_world.build into /tmp/proto_<KIND><AMP>, its evaluation cut to 64
+Builds a reduced world (world.build.build into /tmp/proto_<KIND><AMP>, its evaluation cut to 64
 held-out prompts), copies its pipeline into assets/shapes-sd3 (restore with `git checkout assets/`),
 measures protocol.measure_profiles on it (I iterations x 8 prompt groups) and writes
 results/world-design/proto_<KIND><AMP>.json: the build metrics, the VAE's texture round trip and the
@@ -21,7 +21,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
-from world import shapes_world as sw  # noqa: E402
+import world as sw  # noqa: E402
+from world import build as wb  # noqa: E402
 
 NAMES = ("geneval", "saturation", "count", "colour", "shape", "sharpness", "jpeg", "texture", "grain")
 
@@ -38,11 +39,11 @@ sw.TEXTURE.update(kind=a.kind, amp=a.amp)
 tag = f"{a.kind}{a.amp:g}"
 out = Path(f"/tmp/proto_{tag}")
 res_path = ROOT / "results" / "world-design" / f"proto_{tag}.json"
-_evaluate = sw.evaluate
-sw.evaluate = lambda pipe, **kw: _evaluate(pipe, **{**kw, "n": 64})
+_evaluate = wb.evaluate
+wb.evaluate = lambda pipe, **kw: _evaluate(pipe, **{**kw, "n": 64})
 t0 = time.time()
 if not (out / "build_metrics.json").is_file():
-    sw.build(
+    wb.build(
         out_dir=out,
         n_images=a.n_images,
         vae_steps=a.vae_steps,

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python experiments/results/world-design/thresholds.py > experiments/results/world-design/thresholds.txt
 
 400 held-out prompts: ground truth, its VAE reconstructions and the pretrained model's samples (seed 0). For each
-(TEX_PLAIN, TEX_FULL, TEX_ANISO), as fractions of shapes_world.texture_contrast() for the first two, the share of
+(TEX_PLAIN, TEX_FULL, TEX_ANISO), as fractions of world.texture_contrast() for the first two, the share of
 images whose texture verdict is right, named and plain captions apart; rows where the VAE's reconstructions read
 back right on >= 97% of both. First the generated images' fine energy per caption texture (ex, ey / contrast).
 """
@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from world import shapes_world as sw  # noqa: E402
+import world as sw  # noqa: E402
+from world import checker  # noqa: E402
 
 pipe = sw.load_pipeline(sw.PIPELINE_DIR)
 prompts = sw.sample_prompts(400, "heldout", 8)
@@ -44,7 +45,7 @@ print("TEX_PLAIN TEX_FULL TEX_ANISO | VAE named / plain | generated named / plai
 for p, f, a in itertools.product((0.45, 0.6, 0.75), (0.4, 0.5, 0.6, 0.8), (1.3, 1.6, 2.0, 2.5)):
     r = {}
     for k, fs in F.items():
-        ok = np.array([o and sw._texture_of(ex, ey, n, p, f, a) == t for (ex, ey, n, o), t in zip(fs, tex)])
+        ok = np.array([o and checker._texture_of(ex, ey, n, p, f, a) == t for (ex, ey, n, o), t in zip(fs, tex)])
         r[k] = (ok[~plain].mean(), ok[plain].mean(), ok.mean())
     if r["vae"][0] >= 0.97 and r["vae"][1] >= 0.97:
         print(

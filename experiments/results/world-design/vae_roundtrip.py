@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python experiments/results/world-design/vae_roundtrip.py KIND AMP STEPS N [HF]
 
-(N ground-truth training images, STEPS VAE steps at batch 32, HF = shapes_world.VAE_HF_WEIGHT; 300 held-out prompts.)
+(N ground-truth training images, STEPS VAE steps at batch 32, HF = world.build.VAE_HF_WEIGHT; 300 held-out prompts.)
 Writes experiments/results/world-design/vae_<KIND><AMP>_<STEPS>_hf<HF>.json.
 """
 
@@ -15,16 +15,18 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
-from world import shapes_world as sw  # noqa: E402
+import world as sw  # noqa: E402
+from world import build as wb  # noqa: E402
+from world import checker, metrics  # noqa: E402
 
 torch.set_num_threads(1)
 kind, amp, steps, n = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-sw.VAE_HF_WEIGHT = float(sys.argv[5]) if len(sys.argv) > 5 else sw.VAE_HF_WEIGHT
+wb.VAE_HF_WEIGHT = float(sys.argv[5]) if len(sys.argv) > 5 else wb.VAE_HF_WEIGHT
 sw.TEXTURE.update(kind=kind, amp=amp)
 t0 = time.time()
-prompts, images = sw._world_dataset(n, "train", seed=1)
-vae = sw.build_components(seed=0)["vae"]
-sw.train_vae(vae, images, steps, batch=32)
+prompts, images = wb._world_dataset(n, "train", seed=1)
+vae = wb.build_components(seed=0)["vae"]
+wb.train_vae(vae, images, steps, batch=32)
 ps = sw.sample_prompts(300, "heldout", 8)
 gt = [sw.render(p, 7_000_000 + i) for i, p in enumerate(ps)]
 recs = sw.vae_decode(vae, sw.vae_encode(vae, gt))
@@ -33,7 +35,7 @@ out = {
     "kind": kind,
     "amp": amp,
     "steps": steps,
-    "psnr": float(np.mean([sw._psnr(sw._as_array(a), sw._as_array(b)) for a, b in zip(gt, recs)])),
+    "psnr": float(np.mean([metrics._psnr(checker._as_array(a), checker._as_array(b)) for a, b in zip(gt, recs)])),
 }
 for what, ims in (("gt", gt), ("vae", recs)):
     r, g = sw.REWARDS["texture"](ims, ps), sw.REWARDS["grain"](ims, ps)
@@ -45,4 +47,4 @@ out["seconds"] = time.time() - t0
 print(out)
 import json  # noqa: E402
 
-(HERE / f"vae_{kind}{amp:g}_{steps}_hf{sw.VAE_HF_WEIGHT:g}.json").write_text(json.dumps(out, indent=1))
+(HERE / f"vae_{kind}{amp:g}_{steps}_hf{wb.VAE_HF_WEIGHT:g}.json").write_text(json.dumps(out, indent=1))

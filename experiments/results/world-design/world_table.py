@@ -1,6 +1,6 @@
 """The rebuilt world's numbers as a markdown table, from the files its commands write (issue 24, step 3):
-assets/build_metrics.json (`python world/shapes_world.py build`), assets/pref_judge.json (`python world/shapes_world.py
-pref-judge`), assets/eval_metrics.json (`python world/shapes_world.py eval`). Writes experiments/results/world-design/world.md.
+assets/build_metrics.json (`python -m world.build build`), assets/pref_judge.json (`python -m world.build
+pref-judge`), assets/eval_metrics.json (`python -m world.build eval`). Writes experiments/results/world-design/world.md.
 
     python experiments/results/world-design/world_table.py
 """
