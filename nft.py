@@ -154,6 +154,25 @@ class NFTArgs:
 # =============================================================================
 
 
+def process_sum(acc, a):
+    """A numpy statistic summed over the processes of accelerate's `acc` (`run.reduce`): float64, itself with one
+    process."""
+    if acc.num_processes == 1:
+        return np.asarray(a)
+    return acc.reduce(torch.as_tensor(np.asarray(a), dtype=torch.float64, device=acc.device), "sum").cpu().numpy()
+
+
+def average_grads(acc, params):
+    """The gradients of `params` averaged over processes in one collective (`run.all_reduce_grads`): every gradient
+    copied into one flat buffer, all-reduced, copied back (DDP's bucketing with a single bucket; the LoRA's gradients
+    are small)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if acc.num_processes > 1 and grads:
+        flat = acc.reduce(torch.cat([g.reshape(-1) for g in grads]), "mean")
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+
 def global_stats(R, reduce):
     """Per-column (count, mean, std) of the finite rewards of all processes: the global std DiffusionNFT divides
     the advantages by. R (N, K); reduce sums a numpy array over processes (`run.reduce`)."""

@@ -9,6 +9,7 @@ the GPU profiler's smoke size). diffusers, transformers and peft load where firs
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from dataclasses import dataclass
@@ -67,6 +68,12 @@ def precision(args, device_type):
         return Precision(torch.float32, torch.float16, torch.float32, torch.float16, tf32=True)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device_type == "cuda" else "float32"))
     return Precision(dtype, dtype, dtype, None, tf32=False)
+
+
+def autocast(prec: Precision, device_type):
+    """The context of the transformer's forwards and the decodes (a run's `run.autocast()`): `torch.autocast` with
+    --mixed-precision fp16, else none (the weights' own dtype)."""
+    return torch.autocast(device_type, dtype=prec.autocast) if prec.autocast else contextlib.nullcontext()
 
 
 def gradient_scaler(device_type, prec: Precision):

@@ -997,10 +997,7 @@ def test_rvge_ablation_flags_train_end_to_end(tiny, tmp_path, monkeypatch):
 TWO_PROC_SCRIPT = """
 import sys, numpy as np
 sys.path.insert(0, {repo!r})
-import {module} as script, recast, test_recast
-from kit import figures, session, worlds
-import recast
-import sd3
+import {module} as script, nft, recast, test_recast
 from accelerate import PartialState
 solve = recast.solve_W  # both scripts build W in recast.credit
 def recorded(*a, **k):
@@ -1009,12 +1006,12 @@ def recorded(*a, **k):
         f.write(repr(W.tolist()) + "\\n")
     return W
 recast.solve_W = recorded
-all_reduce_grads = session.Run.all_reduce_grads
-def averaged(self, params):  # the gradients each rank steps with, after the one all-reduce
-    all_reduce_grads(self, params)
+average_grads = nft.average_grads
+def averaged(acc, params):  # the gradients each rank steps with, after the one all-reduce
+    average_grads(acc, params)
     with open({out!r} + f"/grads_rank{{PartialState().process_index}}.txt", "a") as f:
         f.write(repr([float(p.grad.double().sum()) for p in params]) + "\\n")
-session.Run.all_reduce_grads = averaged
+nft.average_grads = averaged
 script.train(script.parse_args({argv!r}), extra_rewards=test_recast.TINY_REWARDS)
 """
 

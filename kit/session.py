@@ -4,11 +4,11 @@ evaluation, figures, checkpoint)."""
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -77,33 +77,14 @@ class Run:
     max_len: int  # T5 tokens of the text conditioning
     prompts_per_iter: int  # prompt groups per iteration and process
     seed: int  # --seed, which draws the prompts
+    autocast: Callable  # () -> the context of the transformer's forwards and the decodes (`sd3.autocast`)
+    reduce: Callable  # numpy statistics summed over processes (`nft.process_sum`)
+    all_reduce_grads: Callable  # params -> their gradients averaged over processes in place (`nft.average_grads`)
     keep_checkpoints: int = 2  # --keep-checkpoints: the newest N kept (0: all)
     precision: sd3.Precision | None = None  # --mixed-precision, --dtype: the weights' dtypes and the autocast
     scaler: torch.amp.GradScaler | None = None  # the gradient scaler of a float16 autocast (`nft.optimizer_step`)
     permute_rewards: str = ""  # --permute-rewards: the rewards the permuted-reward control shuffles (`permuted`)
     shows_W: bool = True  # whether W is part of the method's training signal: its image in credit.png and the tracker
-
-    def autocast(self):
-        """The context of the transformer's forwards and the decodes: `torch.autocast` with --mixed-precision fp16,
-        else none (the weights' own dtype)."""
-        dtype = self.precision.autocast if self.precision else None
-        return torch.autocast(self.acc.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-
-    def reduce(self, a):
-        """Sum numpy statistics over processes."""
-        if self.acc.num_processes == 1:
-            return np.asarray(a)
-        tensor = torch.as_tensor(np.asarray(a), dtype=torch.float64, device=self.acc.device)
-        return self.acc.reduce(tensor, "sum").cpu().numpy()
-
-    def all_reduce_grads(self, params):
-        """Average the gradients of `params` over processes in one collective: every gradient copied into one flat
-        buffer, all-reduced, copied back (DDP's bucketing with a single bucket; the LoRA's gradients are small)."""
-        grads = [p.grad for p in params if p.grad is not None]
-        if self.acc.num_processes > 1 and grads:
-            flat = self.acc.reduce(torch.cat([g.reshape(-1) for g in grads]), "mean")
-            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(part.view_as(g))
 
     def permuted(self, R, groups, it):
         """--permute-rewards, a control of the experiments: R (N, K) with the named rewards shuffled within each prompt
@@ -179,6 +160,9 @@ def load_run(args, names, budgets, branch, script, extra_rewards=None, judges=No
         keep_checkpoints=args.keep_checkpoints,
         precision=prec,
         scaler=sd3.gradient_scaler(acc.device.type, prec),
+        autocast=functools.partial(sd3.autocast, prec, acc.device.type),
+        reduce=functools.partial(nft.process_sum, acc),
+        all_reduce_grads=functools.partial(nft.average_grads, acc),
         permute_rewards=args.permute_rewards,
         shows_W=shows_W,
     )

@@ -127,7 +127,7 @@ def test_a_non_finite_gradient_skips_the_step_halves_the_scale_and_is_counted():
 
 
 def test_two_processes_skip_together_because_the_scaled_gradients_are_reduced_first():
-    """One process's gradients finite, the other's not: the all-reduce (a mean over both, as Run.all_reduce_grads)
+    """One process's gradients finite, the other's not: the all-reduce (a mean over both, as nft.average_grads)
     spreads the inf before unscale_ looks for one, so both skip and their weights stay equal; unscaling before the
     reduce would let the finite process step on NaN gradients."""
     p0 = two_tensors(0)

@@ -16,7 +16,6 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -172,8 +171,9 @@ def test_the_samples_figure_shows_before_above_after_with_each_images_reward(tmp
 
 
 def test_gradients_are_averaged_in_one_collective():
-    """Run.all_reduce_grads: one reduce of one flat buffer for every gradient (not one per tensor); each gradient
-    gets its own part of the mean back, in place, shapes kept; a parameter without a gradient is left out."""
+    """nft.average_grads (run.all_reduce_grads): one reduce of one flat buffer for every gradient (not one per
+    tensor); each gradient gets its own part of the mean back, in place, shapes kept; a parameter without a gradient is
+    left out."""
     calls = []
 
     class TwoProcesses:  # accelerate's reduce, as if the other process held twice these gradients
@@ -187,7 +187,7 @@ def test_gradients_are_averaged_in_one_collective():
     for p in params[:3]:
         p.grad = torch.randn(p.shape)
     before = [p.grad.clone() for p in params[:3]]
-    session.Run.all_reduce_grads(SimpleNamespace(acc=TwoProcesses()), params)
+    nft.average_grads(TwoProcesses(), params)
     assert calls == [((12 + 5 + 8,), "mean")]
     assert all(torch.allclose(p.grad, 1.5 * g) for p, g in zip(params, before)) and params[3].grad is None
 
@@ -1419,3 +1419,34 @@ def test_the_summary_of_a_run_without_evaluation_says_so(finished_run, capsys):
     lines = figures.print_summary(finished_run.out)
     assert lines[0].startswith("held-out evaluation: none in this run") and f"run folder: {finished_run.out}" in lines
     assert capsys.readouterr().out.splitlines() == lines
+
+
+@pytest.mark.parametrize("module", ["recast", "rvge"])
+def test_one_iteration_enters_the_kit_through_four_calls(tiny, tmp_path, module):
+    """Between the top of train's loop and its end, one iteration reads method -> DiffusionNFT -> model and enters the
+    kit (a frame of kit/ called from recast.py, rvge.py, nft.py or sd3.py) through four functions only: the prompts,
+    the permuted-reward control, the stop when a reward failed, and step 4 (metrics line, evaluation, checkpoint)."""
+    script, kit = __import__(module), str(Path(flags.__file__).parent) + os.sep
+    method = {str(Path(m.__file__)) for m in (recast, rvge, nft, sd3)}
+    entered, on = set(), {"it": None}
+
+    def profile(frame, event, arg):
+        if event == "call" and on["it"] == 1 and frame.f_code.co_filename.startswith(kit):
+            if frame.f_back is not None and frame.f_back.f_code.co_filename in method:
+                entered.add(frame.f_code.co_name)
+
+    generator = nft.iteration_generator
+
+    def iteration_generator(seed, it):  # the top of each iteration of the loop
+        on["it"] = it
+        return generator(seed, it)
+
+    argv = tiny_argv(tiny, tmp_path / "run", "--iterations", "3", "--eval-every", "2", "--save-every", "1")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(nft, "iteration_generator", iteration_generator)
+        sys.setprofile(profile)
+        try:
+            script.train(script.parse_args(argv), extra_rewards=TINY_REWARDS)
+        finally:
+            sys.setprofile(None)
+    assert entered == {"prompts_for", "permuted", "stop_if_a_reward_failed", "finish_iteration"}
