@@ -186,8 +186,9 @@ def pipeline_from_configs(transformer, vae, clips, t5, tokenizers, seed=0, devic
     pattern; nothing downloaded): the tests' tiny pipeline (conftest.py), the GPU profiler's SD3.5-M-shaped one
     (experiments/bench_gpu.py). transformer, vae: SD3Transformer2DModel and AutoencoderKL config dicts; clips: two
     CLIPTextConfig dicts (CLIP-L, CLIP-G), t5: a T5Config dict; tokenizers: (CLIP-L's, CLIP-G's, T5's), built by the
-    caller from a vocabulary. After torch.manual_seed(seed) the modules are created on `device` in the order
-    transformer, VAE, CLIP-L, CLIP-G, T5; the scheduler is SD3's (shift 3)."""
+    caller from a vocabulary. seed: an int (torch.manual_seed once, then the modules created on `device` in the order
+    transformer, VAE, CLIP-L, CLIP-G, T5), or one seed per module {"transformer": .., "vae": .., "text_encoder": ..,
+    "text_encoder_2": .., "text_encoder_3": ..} (the embedded world's build); the scheduler is SD3's (shift 3)."""
     from diffusers import (
         AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
@@ -196,15 +197,22 @@ def pipeline_from_configs(transformer, vae, clips, t5, tokenizers, seed=0, devic
     )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    torch.manual_seed(seed)
+    make = dict(
+        transformer=lambda: SD3Transformer2DModel(**transformer),
+        vae=lambda: AutoencoderKL(**vae),
+        text_encoder=lambda: CLIPTextModelWithProjection(CLIPTextConfig(**clips[0])),
+        text_encoder_2=lambda: CLIPTextModelWithProjection(CLIPTextConfig(**clips[1])),
+        text_encoder_3=lambda: T5EncoderModel(T5Config(**t5)),
+    )
+    seeds = seed if isinstance(seed, dict) else None
+    if seeds is None:
+        torch.manual_seed(seed)
+    modules = {}
     with torch.device(device):
-        modules = dict(
-            transformer=SD3Transformer2DModel(**transformer),
-            vae=AutoencoderKL(**vae),
-            text_encoder=CLIPTextModelWithProjection(CLIPTextConfig(**clips[0])),
-            text_encoder_2=CLIPTextModelWithProjection(CLIPTextConfig(**clips[1])),
-            text_encoder_3=T5EncoderModel(T5Config(**t5)),
-        )
+        for name in make:
+            if seeds is not None:
+                torch.manual_seed(seeds[name])
+            modules[name] = make[name]()
     names = ("tokenizer", "tokenizer_2", "tokenizer_3")
     return StableDiffusion3Pipeline(
         **modules, **dict(zip(names, tokenizers)), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0)

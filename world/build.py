@@ -82,6 +82,9 @@ def build_tokenizers():
     return clip, t5
 
 
+SEED_ORDER = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae", "transformer")  # seed, seed + 1, ...
+
+
 def tiny_sd3(
     clip_tokenizer,
     t5_tokenizer,
@@ -106,30 +109,55 @@ def tiny_sd3(
     2 t5_width), an AutoencoderKL res x res x 3 -> (res / 2)^2 x 4 (``vae_channels``, scaling 1, shift 0: set after
     its training), an SD3 MMDiT transformer (patch 2, ``transformer_layers`` x ``transformer_heads`` heads of
     ``head_dim``, joint attention t5_width, pooled 2 clip_width), a shift-3 flow-matching scheduler; the text
-    encoders frozen (requires_grad off, eval). Text of ``text_len`` tokens. The defaults are the shipped world's."""
-    import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    encoders frozen (requires_grad off, eval). Text of ``text_len`` tokens. The defaults are the shipped world's. Built by
+    the project's one builder of random SD3 pipelines, `sd3.pipeline_from_configs`."""
+    import sd3
 
-    clip_cfg = dict(
-        vocab_size=len(clip_tokenizer),
-        hidden_size=clip_width,
-        intermediate_size=2 * clip_width,
-        num_hidden_layers=clip_layers,
-        num_attention_heads=clip_heads,
-        max_position_embeddings=text_len,
-        projection_dim=clip_width,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
-    )
-    torch.manual_seed(seed)
-    te1 = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
-    torch.manual_seed(seed + 1)
-    te2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
-    torch.manual_seed(seed + 2)
-    te3 = T5EncoderModel(
-        T5Config(
+    pipe = sd3.pipeline_from_configs(
+        transformer=dict(
+            sample_size=res // 2,
+            patch_size=2,
+            in_channels=4,
+            out_channels=4,
+            num_layers=transformer_layers,
+            attention_head_dim=head_dim,
+            num_attention_heads=transformer_heads,
+            joint_attention_dim=t5_width,
+            caption_projection_dim=caption_dim,
+            pooled_projection_dim=2 * clip_width,
+            pos_embed_max_size=res // 2,
+            qk_norm="rms_norm",
+        ),
+        vae=dict(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            block_out_channels=tuple(vae_channels),
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=16,
+            sample_size=res,
+            mid_block_add_attention=False,
+            scaling_factor=1.0,
+            shift_factor=0.0,
+        ),
+        clips=[
+            dict(
+                vocab_size=len(clip_tokenizer),
+                hidden_size=clip_width,
+                intermediate_size=2 * clip_width,
+                num_hidden_layers=clip_layers,
+                num_attention_heads=clip_heads,
+                max_position_embeddings=text_len,
+                projection_dim=clip_width,
+                bos_token_id=0,
+                eos_token_id=1,
+                pad_token_id=1,
+            )
+        ]
+        * 2,
+        t5=dict(
             vocab_size=len(t5_tokenizer),
             d_model=t5_width,
             d_kv=16,
@@ -140,52 +168,13 @@ def tiny_sd3(
             pad_token_id=0,
             eos_token_id=1,
             decoder_start_token_id=0,
-        )
+        ),
+        tokenizers=(clip_tokenizer, clip_tokenizer, t5_tokenizer),
+        seed={name: seed + k for k, name in enumerate(SEED_ORDER)},
     )
-    torch.manual_seed(seed + 3)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=tuple(vae_channels),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=16,
-        sample_size=res,
-        mid_block_add_attention=False,
-        scaling_factor=1.0,
-        shift_factor=0.0,
-    )
-    torch.manual_seed(seed + 4)
-    transformer = SD3Transformer2DModel(
-        sample_size=res // 2,
-        patch_size=2,
-        in_channels=4,
-        out_channels=4,
-        num_layers=transformer_layers,
-        attention_head_dim=head_dim,
-        num_attention_heads=transformer_heads,
-        joint_attention_dim=t5_width,
-        caption_projection_dim=caption_dim,
-        pooled_projection_dim=2 * clip_width,
-        pos_embed_max_size=res // 2,
-        qk_norm="rms_norm",
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
-    for m in (te1, te2, te3):
+    for m in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
         m.requires_grad_(False).eval()
-    return dict(
-        transformer=transformer,
-        vae=vae,
-        text_encoder=te1,
-        text_encoder_2=te2,
-        text_encoder_3=te3,
-        tokenizer=clip_tokenizer,
-        tokenizer_2=clip_tokenizer,
-        tokenizer_3=t5_tokenizer,
-        scheduler=scheduler,
-    )
+    return {name: getattr(pipe, name) for name in (*SEED_ORDER, "tokenizer", "tokenizer_2", "tokenizer_3", "scheduler")}
 
 
 def build_components(seed: int = 0) -> dict:
