@@ -109,8 +109,8 @@ def tiny_sd3(
     2 t5_width), an AutoencoderKL res x res x 3 -> (res / 2)^2 x 4 (``vae_channels``, scaling 1, shift 0: set after
     its training), an SD3 MMDiT transformer (patch 2, ``transformer_layers`` x ``transformer_heads`` heads of
     ``head_dim``, joint attention t5_width, pooled 2 clip_width), a shift-3 flow-matching scheduler; the text
-    encoders frozen (requires_grad off, eval). Text of ``text_len`` tokens. The defaults are the shipped world's. Built by
-    the project's one builder of random SD3 pipelines, `sd3.pipeline_from_configs`."""
+    encoders frozen (requires_grad off, eval). Text of ``text_len`` tokens. The defaults are the shipped world's.
+    Built by the project's one builder of random SD3 pipelines, `sd3.pipeline_from_configs`."""
     import sd3
 
     pipe = sd3.pipeline_from_configs(
