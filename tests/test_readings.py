@@ -363,3 +363,36 @@ def test_rvge_at_a_fifth_ends_below_the_pretrained_model_on_the_weighted_reward(
         quoted = text(doc)
         assert f"({change['rvge_fifth']}" in quoted and change["nft"] in quoted, doc
         assert "12 against 60 iterations" in quoted, doc
+
+
+def test_recast_protocols_n80_range_quoted_with_its_effect():
+    """RESULTS.md's claim 3 names the effect N80 is computed at (`stats.effect_of_interest`) and quotes the Power
+    table of recast-protocol: 6 seeds for the median of its unresolved comparisons, 3 to 797 over all of them."""
+    table = (RESULTS / "recast-protocol" / "table.md").read_text()
+    power = table.split("## Power")[1]
+    count = re.search(r"(\d+) paired difference\(s\) above are unresolved", power)[1]
+    sizes = {which: n for n, which in re.findall(r"\| (\d+) \| (smallest|median|largest) \|", power)}
+    quoted = text(ROOT / "experiments" / "RESULTS.md")
+    assert (
+        "at the larger of the observed difference and two noise floors of one evaluation, `stats.effect_of_interest`"
+        in quoted
+    )
+    assert f"of {sizes['median']} seeds for the median unresolved comparison of setting A" in quoted
+    assert f"{sizes['smallest']} to {sizes['largest']} over all {count}," in quoted
+
+
+def test_todays_defaults_move_grain_late_and_detail_early():
+    """RESULTS.md's claim 1: with today's defaults (first-run's arm M) W ends with grain's credit late and detail's
+    early in each of the three seeds (W / its uniform row, the first four steps against the last three), not
+    saturation's (no longer a default reward)."""
+    sys.path.insert(0, str(RESULTS / "first-run"))
+    import first_run
+
+    conf = json.loads((RESULTS / "first-run" / "arms.json").read_text())[first_run.CHOSEN]
+    assert "saturation" not in conf["rewards"]
+    for label in first_run.seed_runs(first_run.CHOSEN, [f"main-{first_run.CHOSEN}-{s}" for s in range(3)]):
+        W = np.asarray(first_run.run_log(label)[-1]["recast/W"])
+        rel = W / W.mean(axis=1, keepdims=True)
+        grain, detail = rel[conf["rewards"].index("grain")], rel[conf["rewards"].index("detail")]
+        assert grain[:4].mean() < 1 < grain[-4:-1].mean() and detail[:4].mean() > 1 > detail[-4:-1].mean(), label
+    assert "W moves grain's credit late and detail's early on evidence" in text(ROOT / "experiments" / "RESULTS.md")
