@@ -335,6 +335,9 @@ def test_the_toy_online_w_against_the_exact_ws_advantage():
     readme = text(ROOT / "README.md")
     assert f"recovers none ({share[0]:.0%}), {share[1]:.0%} and {share[2]:.0%} of the exact W's advantage" in readme
     assert f"gains at most {exact:.2%} there" in readme
+    for doc in (ROOT / "experiments" / "RESULTS.md", RESULTS / "toy-train" / "README.md"):
+        assert f"recovers none ({share[0]:.0%}), {share[1]:.0%} and {share[2]:.0%} at 8, 32 and 128 groups" in text(doc)
+    assert f"the exact W gains at most {exact:.2%};" in text(ROOT / "experiments" / "RESULTS.md")
     assert f"(+{rel[(2, 'grad_uniform')]:.1%} / +{rel[(8, 'grad_uniform')]:.1%} of its gain" in readme
     assert f"exact W's +{rel[(2, 'exact')]:.1%} / +{rel[(8, 'exact')]:.1%})" in readme
 
