@@ -269,6 +269,7 @@ def test_recasts_late_credit_lowered_grain_in_the_grain_cell():
     for doc in (ROOT / "README.md", ROOT / "experiments" / "RESULTS.md"):
         assert "-0.0050 [-0.0064, -0.0036], Holm 0.00063" in text(doc)
     assert "-0.0035 [-0.0132, +0.0061]" in text(ROOT / "experiments" / "RESULTS.md")
+    assert "-0.0050 [-0.0064, -0.0036], Holm 0.00063, all 8 seeds" in text(RESULTS / "recast-reversed" / "README.md")
     assert "No method moved the world's late rewards" not in text(ROOT / "README.md")
 
 
@@ -362,6 +363,7 @@ def test_rvge_at_a_fifth_ends_below_the_pretrained_model_on_the_weighted_reward(
         settings = [json.loads(gzip.open(p).read())["settings"] for p in runs.glob(f"joint_{label}-seed*.json.gz")]
         iterations = {a[a.index("--iterations") + 1] for a in settings}
         assert iterations == {"60" if label == "nft" else "12"}
+    assert f"{change['rvge_fifth']} (noise set 1" in text(RESULTS / "rvge-joint" / "README.md")
     for doc in (ROOT / "README.md", ROOT / "experiments" / "RESULTS.md"):
         quoted = text(doc)
         assert f"({change['rvge_fifth']}" in quoted and change["nft"] in quoted, doc
