@@ -2,7 +2,7 @@
 trainable toy `toy_train.py`, the results folders' scripts); the math checks (`toy_gaussian.py`) use none of them.
 
 Every interval is a t interval at 95% over seeds of paired differences (`mean_ci`) with its paired-t p (`p_value`);
-beside it, at the seed counts these experiments run (<= 8), the exact sign-flip test of the same differences
+beside it, at the seed counts these experiments run (3-20), the exact sign-flip test of the same differences
 (`sign_flip_p`: no normal model; its smallest p at n seeds is 2 / 2^n), so that a table says whether a decision rests
 on the normal model. A family of tests read together is corrected by Holm's step-down (`holm`); an unresolved
 difference is sized by the seeds a paired t test needs for 80% power (`seeds_for_power`, noncentral t) at
@@ -105,7 +105,8 @@ def sign_flip_p(values, alternative="two-sided", draws=200_000):
     the 2^n sums sum_i e_i |d_i| (e_i = +-1); p = the share of them at least as extreme as the observed one
     ("two-sided": |sum|, "greater": sum, "less": -sum). No normal model: a zero-variance set of n equal differences
     gets 2 / 2^n (n = 3: 0.25, 5: 0.0625, 8: 0.0078), where the t test's p is 0. NaN below 1 finite value.
-    Exact up to EXACT_UP_TO values (all patterns), else `draws` random patterns of a fixed generator."""
+    Exact up to EXACT_UP_TO values (all patterns), else `draws` random patterns of a fixed generator, with the
+    observed pattern counted among them: p = (k + 1) / (draws + 1) for k draws at least as extreme, never 0."""
     v = np.asarray(values, dtype=float)
     v = np.abs(v[np.isfinite(v)]), v[np.isfinite(v)].sum()
     (a, observed), n = v, len(v[0])
@@ -115,14 +116,17 @@ def sign_flip_p(values, alternative="two-sided", draws=200_000):
         sums = np.zeros(1)
         for x in a:
             sums = np.concatenate([sums + x, sums - x])
+        exact = True
     else:
-        sums = np.random.default_rng(0).choice([-1, 1], size=(draws, n)) @ a
+        sums, exact = np.random.default_rng(0).choice([-1, 1], size=(draws, n)) @ a, False
     tol = 1e-9 * max(float(a.sum()), 1e-300)  # ties (equal |d|, zeros) counted as at least as extreme
     if alternative == "greater":
-        return float(np.mean(sums >= observed - tol))
-    if alternative == "less":
-        return float(np.mean(sums <= observed + tol))
-    return float(np.mean(np.abs(sums) >= abs(observed) - tol))
+        k = np.sum(sums >= observed - tol)
+    elif alternative == "less":
+        k = np.sum(sums <= observed + tol)
+    else:
+        k = np.sum(np.abs(sums) >= abs(observed) - tol)
+    return float(k / len(sums)) if exact else float((k + 1) / (len(sums) + 1))
 
 
 def holm(pvalues):
@@ -414,11 +418,33 @@ def paired_speedup(base: dict, other: dict):
     return float(np.exp(m)), float(np.exp(lo)), float(np.exp(hi)), n, p_value(m, lo, hi, n), sign_flip_p(logs)
 
 
+def log_ratios_at_most(base: dict, other: dict) -> list:
+    """Per seed (both have it), the largest log(base's time / other's time) to a level that the data allow, from
+    {seed: (time, reached)}: the log ratio where both reach the level; where only `other` never reaches it, the bound
+    log(t_base / c_other) its censoring point gives, unclipped; where `base` never reaches it, +inf (its time is
+    anything beyond its bound). The values to test "below a claim" with (`below_claim`): `paired_log_ratios` clips a
+    censored seed's bound towards 0, which is conservative for "faster than 1x" but not for "slower than 2.1x" (issue
+    62: the baseline censored at its bound made the claim look excluded at levels it never reached). A time <= 0
+    (reached before training) gives no ratio (dropped)."""
+    out = []
+    for s in sorted(set(base) & set(other)):
+        (tb, rb), (to, _) = base[s], other[s]
+        if not rb:
+            out.append(np.inf)
+        elif tb > 0 and to > 0:
+            out.append(float(np.log(tb / to)))
+    return out
+
+
 def below_claim(logs, claim):
-    """One-sided p of H0 "the speed-up is at least `claim`" from per-seed log ratios (`paired_log_ratios`): the paired
-    t on log ratio - log(claim), and the exact sign-flip test of the same ("less"). (t p, exact p)."""
+    """One-sided p of H0 "the speed-up is at least `claim`" from per-seed log ratios (`log_ratios_at_most`: each seed's
+    largest log ratio the data allow): the paired t on log ratio - log(claim), and the exact sign-flip test of the same
+    ("less"). (t p, exact p). NaN, NaN (not tested) where a seed's ratio is unbounded (+inf: the baseline never reached
+    the level in that seed), so a level the baseline does not reach in every seed is refused, never read as below."""
     from scipy import stats
 
+    if np.any(np.isposinf(np.asarray(logs, dtype=float))):
+        return np.nan, np.nan
     d = np.asarray(logs, dtype=float) - np.log(claim)
     m, lo, hi, n = mean_ci(d)
     if n < 2:

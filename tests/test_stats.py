@@ -108,6 +108,9 @@ def test_the_sign_flip_test_by_hand_against_scipy_and_at_zero_variance():
     many = np.random.default_rng(1).normal(0.4, 1.0, 30)  # past EXACT_UP_TO: fixed Monte Carlo draws, near the t's p
     assert stats.sign_flip_p(many) == stats.sign_flip_p(many)
     assert stats.sign_flip_p(many) == pytest.approx(stats.p_value(*stats.mean_ci(many)), abs=0.02)
+    # Monte Carlo never says 0 (issue 62): the observed pattern counts among the draws, p = (k + 1) / (draws + 1)
+    assert stats.sign_flip_p([1.0] * 30, draws=1000) == 1 / 1001
+    assert stats.sign_flip_p([1.0] * 30, alternative="greater", draws=1000) == 1 / 1001
 
 
 def test_N80_comes_with_the_range_its_estimated_sd_allows():
@@ -230,6 +233,17 @@ def test_the_paired_time_test_sees_a_speed_up_that_log_rank_misses():
     assert stats.paired_log_ratios({s: (0.008, True) for s in range(5)}, stalled) == [0.0] * 5
     assert stats.paired_log_ratios(stalled, {s: (0.001, True) for s in range(5)}) == pytest.approx([np.log(3)] * 5)
     assert stats.paired_log_ratios(stalled, {s: (0.006, True) for s in range(5)}) == [0.0] * 5
+    # the claim's test counts each seed by the largest ratio its data allow (issue 62): a method that never reaches
+    # by its bound, unclipped; a baseline that never reaches makes the ratio unbounded and the level is not tested
+    # (its bound clipped, as paired_log_ratios has it, read 2.1x as excluded where the baseline never got there)
+    assert stats.log_ratios_at_most(base, other) == pytest.approx([np.log(1.25)] * 5)
+    assert stats.log_ratios_at_most({s: (0.008, True) for s in range(5)}, stalled) == pytest.approx([np.log(8 / 3)] * 5)
+    assert stats.log_ratios_at_most(never, base) == [np.inf] * 5
+    assert stats.below_claim(stats.paired_log_ratios(never, base), 2.1)[0] < 0.05  # anti-conservative: "excluded"
+    assert all(np.isnan(stats.below_claim(stats.log_ratios_at_most(never, base), 2.1)))
+    half = {s: (10.0 * (s + 1), s < 4) for s in range(5)}  # the baseline reaches in 4 of 5 seeds: not tested
+    assert all(np.isnan(stats.below_claim(stats.log_ratios_at_most(half, other), 2.1)))
+    assert stats.below_claim(stats.log_ratios_at_most(base, other), 2.1) == (1 / 2**5, 1 / 2**5)
     text = stats.fmt_speedup(stats.censored_speedup(base, other), stats.paired_speedup(base, other), 0.3, 0.3)
     assert text == "KM 1.25x [1.25, 1.25]; paired 1.25x [1.25, 1.25] p 0.062 Holm 0.3, exact p 0.062 Holm 0.3 (n=5)"
 
