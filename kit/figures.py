@@ -6,20 +6,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+import nft
 from kit.checks import read_prompts
+from kit.records import metrics_lines, save_atomic
 from kit.worlds import is_embedded, load_world
 
-if TYPE_CHECKING:
-    from kit.session import Run
-import nft
-from kit.records import metrics_lines, save_atomic
 
-
-def start_trackers(run: Run, args):
+def start_trackers(run, args):
     """--report-to tensorboard | wandb: accelerate's tracker, started with the run's flags (TensorBoard: event files
     in <run>/tensorboard; W&B: a run named after the run folder, in project <script>). Nothing for none."""
     if args.report_to == "none":
@@ -59,7 +55,7 @@ def log_images(acc, images, step):
                 tracker.log_images({tag: [image]}, step)
 
 
-def show_evaluation(run: Run, it, evaluated, state):
+def show_evaluation(run, it, evaluated, state):
     """An evaluation's figures (main process), drawn while the run goes on: samples.png (the first SHOWN held-out
     samples of the first evaluation above this one's, each with its budget-weighted reward and prompt), the run's
     figures (`plot_run`), all logged as images to the --report-to tracker at step `it` (None: the first evaluation,

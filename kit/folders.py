@@ -13,7 +13,6 @@ import threading
 import uuid
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -22,9 +21,6 @@ from kit.checkpoints import check_checkpoints_are_there, load_checkpoint
 from kit.figures import FIGURES, start_trackers
 from kit.flags import is_script
 from kit.records import git_sha, keep_metrics_until, run_id, write_atomic
-
-if TYPE_CHECKING:
-    from kit.session import Run
 
 
 def is_run(folder):
@@ -270,7 +266,7 @@ def lock_run(out):
     return handle
 
 
-def start_or_resume(run: Run, args):
+def start_or_resume(run, args):
     """Restore the newest intact checkpoint when resuming (metrics cut back to it), or clear the folder
     for --overwrite; remove this program's .tmp leftovers; write config.json; start the --report-to tracker.
     Returns (first iteration, state)."""
