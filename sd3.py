@@ -2,9 +2,13 @@
 
 Loading (the diffusers pipeline, frozen VAE and text encoders, LoRA adapters "default" (trained), "old" (sampling) and
 "ema" on the transformer), precision (--mixed-precision, --dtype) and the gradient scaler, the sampler's sigmas, the
-transformer call (`velocity`: timestep = 1000 t, dtype, chunks), text encoding, decoding, the LoRA parameters and the
-adapter copy (DiffusionNFT's soft update), and `tiny_sd3`, the one builder of a tiny random SD3 pipeline (the tests,
-the GPU profiler's smoke size). diffusers, transformers and peft load where first used.
+transformer call (`velocity`: timestep = 1000 t, dtype, chunks) and its autocast, text encoding, decoding, the LoRA
+parameters and the adapter copy (DiffusionNFT's soft update), and `pipeline_from_configs`, the one builder of a random
+SD3 pipeline from configs (the tests' tiny one, the embedded world's before its training, the GPU profiler's
+SD3.5-M-shaped one). diffusers, transformers and peft load where first used.
+
+Shapes: latents x (N, C, h, w) float32 (C = 16 for SD3.5-M, 4 for the embedded model); sigmas s (N,) in [0, 1] (t = 1
+is pure noise; the transformer takes timestep 1000 s); text conditioning emb (N, L, D), pooled (N, D').
 """
 
 from __future__ import annotations

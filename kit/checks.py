@@ -1,6 +1,5 @@
 """The input checks every script makes before any model loads (ranges, device, model, budgets, rewards, prompt files),
-the model folder's world (`load_world`), and --dry-run's memory plan for SD3.5-Medium. Each refusal names the problem
-and the fix."""
+the prompt files' readers, and --dry-run's memory plan for SD3.5-Medium. Each refusal names the problem and the fix."""
 
 from __future__ import annotations
 

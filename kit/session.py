@@ -13,42 +13,19 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
+import nft
+import sd3
 from kit.checkpoints import save_checkpoint
 from kit.checks import distinct_prompts, read_prompts
+from kit.figures import log_to_trackers, show_evaluation
+from kit.folders import is_first_process, lock_run, process_state
+from kit.records import append_metrics
 from kit.reward_models import build_rewards
 from kit.worlds import load_world, reward_extras
 
 if TYPE_CHECKING:  # the types Run's fields name; diffusers and accelerate load when a run starts (`load_run`)
     from accelerate import Accelerator
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
-import nft
-import sd3
-from kit.figures import log_to_trackers, show_evaluation
-from kit.folders import is_first_process, lock_run, process_state
-from kit.records import append_metrics
-
-
-def permute_within_groups(R, groups, names, permute, seed, it, rank=0):
-    """--permute-rewards, the control that could prove a method wrong: the columns of R (N, K) named in `permute`
-    (comma-separated, from `names`) shuffled among the leaves of each prompt group by a permutation fixed by
-    (seed, iteration, process). Each group keeps its values (its mean and spread, so the optimality's scale), which
-    no longer belong to its images. Returns R itself when nothing is permuted, else a copy."""
-    cols = [names.index(n.strip()) for n in permute.split(",") if n.strip()]
-    if not cols:
-        return R
-    out = R.copy()
-    out[:, cols] = shuffle_within_groups(R[:, cols], groups, np.random.default_rng([seed, it, rank, 7]))
-    return out
-
-
-def shuffle_within_groups(R, groups, rng):
-    """R (N, ...) with each group's rows shuffled among themselves: one rng.permutation per group, in the order of
-    np.unique(groups). Returns a copy. (--permute-rewards; the trainable toy's permuted control.)"""
-    out, groups = R.copy(), np.asarray(groups)
-    for g in np.unique(groups):
-        rows = np.flatnonzero(groups == g)
-        out[rows] = R[rng.permutation(rows)]
-    return out
 
 
 @dataclass
@@ -271,3 +248,31 @@ def evaluate_before(run: Run, args, sample, state):
         state["samples_before"] = (np.stack([np.asarray(im.convert("RGB")) for im in images]), R[: len(images)])
         show_evaluation(run, None, (metrics, images, R), state)
     return metrics
+
+
+# =============================================================================
+# The experiments' control (--permute-rewards), applied through `Run.permuted`
+# =============================================================================
+
+
+def permute_within_groups(R, groups, names, permute, seed, it, rank=0):
+    """--permute-rewards, the control that could prove a method wrong: the columns of R (N, K) named in `permute`
+    (comma-separated, from `names`) shuffled among the leaves of each prompt group by a permutation fixed by
+    (seed, iteration, process). Each group keeps its values (its mean and spread, so the optimality's scale), which
+    no longer belong to its images. Returns R itself when nothing is permuted, else a copy."""
+    cols = [names.index(n.strip()) for n in permute.split(",") if n.strip()]
+    if not cols:
+        return R
+    out = R.copy()
+    out[:, cols] = shuffle_within_groups(R[:, cols], groups, np.random.default_rng([seed, it, rank, 7]))
+    return out
+
+
+def shuffle_within_groups(R, groups, rng):
+    """R (N, ...) with each group's rows shuffled among themselves: one rng.permutation per group, in the order of
+    np.unique(groups). Returns a copy. (--permute-rewards; the trainable toy's permuted control.)"""
+    out, groups = R.copy(), np.asarray(groups)
+    for g in np.unique(groups):
+        rows = np.flatnonzero(groups == g)
+        out[rows] = R[rng.permutation(rows)]
+    return out
