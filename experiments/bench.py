@@ -20,11 +20,13 @@
     python experiments/bench.py recast-units     # the same two W with columns equal in gradient units
     # credit where a reward is decided, or where it is learnable? saturation's weight at steps 1-2 vs 3-4
     python experiments/bench.py recast-steps
+    # the same on the late reward grain: its weight where decided (steps 7-8) or where consistent (5-6)
+    python experiments/bench.py grain-steps
     # the embedded default for 100 iterations: DiffusionNFT vs uniform W vs ReCAST
     python experiments/bench.py recast-100
     python experiments/bench.py nft-steps        # DiffusionNFT with 1 vs 8 optimizer steps per iteration
     options: [--quick] [--jobs N] [--seeds N] [--out DIR] [--tables-only] [--iterations N] [--prompts-per-iter N]
-             [--results-md FILE] [--replace-results]
+             [--results-md FILE] [--replace-results] [--dry-run]
 
 An experiment is data (`EXPERIMENTS`): a list of cells, each (script, extra flags, label, group),
 plus iterations, prompt groups per iteration, held-out evaluation cadence and seeds. Every cell
@@ -103,6 +105,7 @@ Sizes (`estimate_minutes`; `test_bench.py` checks each stays under the hour):
     recast-matched       12      8       24 x 3                  8         96   ~31 min (+ final evaluation; 48 taken)
     recast-units         12      8       24 x 3                  8         96   ~31 min (+ final evaluation; 48 taken)
     recast-steps          2     20       24 x 3                  8         40   ~26 min (+ final evaluation)
+    grain-steps           2     20       24 x 3                  8         40   ~26 min (+ final evaluation)
     recast-100            3      3      100 x 8                 10          9   ~59 min
     nft-steps             2      3      100 x 8                 10          6   ~35 min
 
@@ -301,8 +304,16 @@ def effective_budgets(W, sigmas):
 # (sum_j W_sj g_j over steps 1-4 kept); every other reward's weights as in that W. The loss is normalised by W's
 # total (`recast.mix_optimality`, `equal_columns`), so each file's W is scaled to the budgets' sum: every reward's
 # share of the update is then the same in both arms, and only where saturation's share acts differs.
+# grain-steps (issue 62 item 1): the same design on the late reward the model learns, grain. Its weight on steps 5-8
+# all moved to steps 5-6 (t = 0.790, 0.707: where its split-half gradient is consistent, 0.14 of its D(0) decided
+# there: consistent) or to steps 7-8 (t = 0.602, 0.465: 0.44 of D(0) decided there, its gradient not consistent:
+# decided); steps 4 (t = 0.858: neither) and 9 (t = 0.278: both) keep the profiles' W (results/grain-steps/README.md).
 STEPS_CELL, STEPS_REWARD = "A-uniform", "saturation"
 STEPS_ARMS = {"early12": (0, 1), "early34": (2, 3)}  # label -> the W columns (steps) saturation's weight goes to
+STEPS_DESIGNS = {  # experiment -> (the reward whose weight moves, {label: the W columns it goes to}), in setting A
+    "recast-steps": (STEPS_REWARD, STEPS_ARMS),
+    "grain-steps": (SMOOTH_REWARD, {"consistent": (4, 5), "decided": (6, 7)}),
+}
 SPLIT_HALF = ROOT / "experiments/results/late-reward/splithalf_round1.json"  # the measured gradient sizes
 
 
@@ -315,15 +326,18 @@ def measured_step_sizes(path=SPLIT_HALF):
     return np.asarray(res["sigmas"]), np.mean([n / n.mean() for n in norms], 0)
 
 
-def steps_W(profiles: Path) -> dict:
-    """recast-steps' two W (label -> (K, T)) from the pretrained profiles (`protocol.setting_W`) and measured g_j."""
+def steps_W(profiles: Path, reward=STEPS_REWARD, arms=STEPS_ARMS) -> dict:
+    """A steps experiment's W (label -> (K, T)), from the pretrained profiles (`protocol.setting_W`, setting A at
+    uniform budgets) and measured g_j: `reward`'s weight on every step some arm names is all moved to each arm's
+    steps, equal on them, at the same share sum_j W_kj g_j over those steps; then each W is scaled to the budgets'
+    sum (recast-steps' defaults; grain-steps: `STEPS_DESIGNS`)."""
     rewards, budgets = SETTINGS["A"], [0.25] * len(SETTINGS["A"])
     W0, _ = protocol.setting_W(json.loads(Path(profiles).read_text()), rewards, budgets)
-    g, k = measured_step_sizes()[1], rewards.index(STEPS_REWARD)
-    moved = sorted(j for steps in STEPS_ARMS.values() for j in steps)
+    g, k = measured_step_sizes()[1], rewards.index(reward)
+    moved = sorted(j for steps in arms.values() for j in steps)
     share = W0[k, moved] @ g[moved]
     out = {}
-    for label, steps in STEPS_ARMS.items():
+    for label, steps in arms.items():
         W = W0.copy()
         W[k, moved] = 0.0
         W[k, list(steps)] = share / g[list(steps)].sum()
@@ -331,23 +345,23 @@ def steps_W(profiles: Path) -> dict:
     return out
 
 
-def write_steps_W(exp_dir: Path, profiles: Path):
-    """recast-steps' --credit-file files, exp_dir/W_<label>.json, written before its runs (atomically)."""
+def write_steps_W(exp_dir: Path, profiles: Path, reward=STEPS_REWARD, arms=STEPS_ARMS):
+    """A steps experiment's --credit-file files, exp_dir/W_<label>.json, written before its runs (atomically)."""
     from kit.records import write_atomic
 
     exp_dir.mkdir(parents=True, exist_ok=True)
-    for label, W in steps_W(profiles).items():
+    for label, W in steps_W(profiles, reward, arms).items():
         write_atomic(exp_dir / f"W_{label}.json", json.dumps({"rewards": list(SETTINGS["A"]), "W": W.tolist()}) + "\n")
 
 
-def _steps_cells():
-    """recast-steps: setting A's uniform cell, --credit file with each of `steps_W`'s two W."""
+def _steps_cells(arms=STEPS_ARMS):
+    """A steps experiment: setting A's uniform cell, --credit file with each of `steps_W`'s W (one per arm)."""
     rewards = ("--rewards", ",".join(SETTINGS["A"]), "--budgets", budget_vectors()["uniform"])
     return tuple(
         Cell(
             "recast", (*rewards, "--credit", "file", "--credit-file", f"{{exp_dir}}/W_{label}.json"), label, STEPS_CELL
         )
-        for label in STEPS_ARMS
+        for label in arms
     )
 
 
@@ -549,6 +563,12 @@ EXPERIMENTS = {
             _steps_cells(),
             **{**CONTROL_RUNS, "seeds": 20},
             pairs=(("early34", "early12"),),
+        ),
+        Experiment(  # the same on the late reward grain: where decided (steps 7-8) or consistent (5-6)? (issue 62)
+            "grain-steps",
+            _steps_cells(STEPS_DESIGNS["grain-steps"][1]),
+            **{**CONTROL_RUNS, "seeds": 20},
+            pairs=(("decided", "consistent"),),
         ),
         Experiment(
             "recast-100",
@@ -1179,6 +1199,44 @@ def estimate_minutes(exp: Experiment, jobs=2):
 # =============================================================================
 
 
+def dry_run_lines(exp: Experiment, exp_dir: Path, planned: list[Run], jobs: int) -> list[str]:
+    """--dry-run: the experiment's plan and cost, and for a steps experiment (`STEPS_DESIGNS`) its W files' content
+    from the committed profiles, without running, measuring or writing anything."""
+    lines = [
+        f"{exp.name} (dry run: nothing is run or written): {len(planned)} runs ({len(exp.cells)} cells x {exp.seeds} "
+        f"seeds, paired by seed), {exp.iterations} iterations x {exp.prompts_per_iter} prompt groups, held-out "
+        f"evaluation every {exp.eval_every}"
+        + (f", final evaluation every held-out caption x {exp.final_noises} noises" if exp.final_noises else "")
+        + (f"; identical runs taken from {exp.reuse} where it holds them" if exp.reuse else ""),
+        f"cost: ~{estimate_minutes(exp, jobs):.0f} min with --jobs {jobs}, ~{estimate_minutes(exp, 2):.0f} min with "
+        "--jobs 2 at the measured 2-core CPU rate" + (" (+ the final evaluation)" if exp.final_noises else ""),
+    ]
+    if exp.name in STEPS_DESIGNS:
+        reward, arms = STEPS_DESIGNS[exp.name]
+        profiles = exp_dir.parent / PROFILES_DIR / "profiles.json"
+        profiles = profiles if profiles.is_file() else HERE / "results" / PROFILES_DIR / "profiles.json"
+        sigmas, g = measured_step_sizes()
+        k, Ws = SETTINGS["A"].index(reward), steps_W(profiles, reward, arms)
+        moved = sorted(j for steps in arms.values() for j in steps)
+        lines.append(
+            f"W ({profiles}; written to {exp_dir}/W_<arm>.json before the runs): {reward}'s weight on steps "
+            + ", ".join(f"{j + 1} (t = {sigmas[j]:.3f})" for j in moved)
+            + f" moved, at an equal share under the measured g_j ({', '.join(f'{g[j]:.2f}' for j in moved)})"
+        )
+        for label, W in Ws.items():
+            shares = W @ g / (W @ g).sum()
+            lines.append(
+                f"  {label}: {reward} at steps {', '.join(str(j + 1) for j in arms[label])}, W "
+                + ", ".join(f"{W[k, j]:.4f}" for j in moved)
+                + "; every reward's share under g_j "
+                + ", ".join(f"{r} {x:.3f}" for r, x in zip(SETTINGS["A"], shares))
+            )
+    first = [run for run in planned if run.seed == 0]
+    lines += ["the runs of seed 0 (every other seed: the same with its --seed):"]
+    lines += [f"  python {run.cell.script}.py " + " ".join(argv_of(run)) for run in first]
+    return lines
+
+
 def report_of(exp: Experiment):
     """The function that writes the experiment's table.md (`exp.report`): in protocol.py, else in reports.py."""
     return getattr(protocol if hasattr(protocol, exp.report) else reports, exp.report)
@@ -1301,6 +1359,11 @@ def main(argv=None):
         "experiments/results/world-amp0.3; else none)",
     )
     parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (runs, sizes, cost, a steps experiment's W) and the runs' commands; run or write nothing",
+    )
+    parser.add_argument(
         "--replace-results",
         action="store_true",
         help="run even where OUT/<experiment>/runs/ holds results made with other settings or on another embedded "
@@ -1330,6 +1393,9 @@ def main(argv=None):
     sizes = [
         f"--{k.replace('_', '-')} {v}" for k in ("seeds", "iterations", "prompts_per_iter") if (v := getattr(args, k))
     ]
+    if args.dry_run:
+        print("\n".join(dry_run_lines(exp, exp_dir, planned, args.jobs)))
+        return None
     marker = exp.name
     if root in args.out.parents:  # e.g. results/world-amp0.3: an earlier world's results
         sizes.append(f"--out {Path(os.path.relpath(args.out, ROOT)).as_posix()}")
@@ -1376,8 +1442,8 @@ def main(argv=None):
                 protocol.measure_profiles(
                     exp_dir.parent / PROFILES_DIR, replace_results=args.replace_results, **profile_sizes
                 )
-            if exp.name == "recast-steps":  # its two W, from the profiles just measured or committed
-                write_steps_W(exp_dir, exp_dir.parent / PROFILES_DIR / "profiles.json")
+            if exp.name in STEPS_DESIGNS:  # its two W, from the profiles just measured or committed
+                write_steps_W(exp_dir, exp_dir.parent / PROFILES_DIR / "profiles.json", *STEPS_DESIGNS[exp.name])
             failed = execute(planned, args.jobs)
         try:
             text, res = build_report(exp, exp_dir, planned)

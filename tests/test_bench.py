@@ -628,6 +628,55 @@ def test_recast_steps_W_moves_saturations_weight_between_steps_at_equal_measured
         assert (W[k, steps] > W0[k, steps]).all()  # moved in: more than the profiles' W there
 
 
+def test_grain_steps_W_moves_grains_weight_between_consistent_and_decided_steps_at_equal_measured_shares():
+    """grain-steps (issue 62 item 1), recast-steps' design on grain: its weight on steps 5-8 all on steps 5-6 (t =
+    0.790, 0.707: consistent) or 7-8 (t = 0.602, 0.465: decided), every other weight the profiles' W's up to the common
+    scale, every reward's share under the measured g_j that of the profiles' W in both arms; the committed W files
+    (written before any run) are these W, and the experiment is recast-steps' but for its two cells."""
+    results = Path(bench.__file__).resolve().parent / "results"
+    profiles = results / bench.PROFILES_DIR / "profiles.json"
+    reward, arms = bench.STEPS_DESIGNS["grain-steps"]
+    Ws = bench.steps_W(profiles, reward, arms)
+    W0 = protocol.setting_W(json.loads(profiles.read_text()), bench.SETTINGS["A"], [0.25] * 4)[0]
+    sigmas, g = bench.measured_step_sizes()
+    k = bench.SETTINGS["A"].index("grain")
+    assert reward == bench.SMOOTH_REWARD == "grain" and list(Ws) == ["consistent", "decided"]
+    assert [round(float(sigmas[j]), 3) for j in (4, 5, 6, 7)] == [0.79, 0.707, 0.602, 0.465]
+    for label, W in Ws.items():
+        assert W.sum() == pytest.approx(1.0, abs=1e-12) and (W >= 0).all()
+        steps = list(arms[label])
+        others = [j for j in range(4, 8) if j not in steps]
+        assert (W[k, others] == 0).all() and W[k, steps[0]] == W[k, steps[1]] > 0
+        keep = np.ones_like(W, dtype=bool)
+        keep[k, 4:8] = False
+        assert np.allclose(W[keep], W[0, 0] / W0[0, 0] * W0[keep], rtol=1e-12, atol=0)
+        assert np.allclose(W @ g / (W @ g).sum(), W0 @ g / (W0 @ g).sum(), rtol=1e-12, atol=0)
+        assert (W[k, steps] > W0[k, steps]).all()  # moved in: more than the profiles' W there
+        committed = json.loads((results / "grain-steps" / f"W_{label}.json").read_text())
+        assert committed == {"rewards": list(bench.SETTINGS["A"]), "W": W.tolist()}
+    exp, steps_exp = bench.EXPERIMENTS["grain-steps"], bench.EXPERIMENTS["recast-steps"]
+    assert exp.pairs == (("decided", "consistent"),) and exp.seeds == steps_exp.seeds == 20
+    assert bench.replace(exp, name="x", cells=(), pairs=()) == bench.replace(steps_exp, name="x", cells=(), pairs=())
+    assert [c.flags[:4] for c in exp.cells] == [c.flags[:4] for c in steps_exp.cells]
+    assert bench.STEPS_DESIGNS["recast-steps"] == (bench.STEPS_REWARD, bench.STEPS_ARMS)
+    for label, W in bench.steps_W(profiles, *bench.STEPS_DESIGNS["recast-steps"]).items():  # its files as committed
+        assert json.loads((results / "recast-steps" / f"W_{label}.json").read_text())["W"] == W.tolist()
+
+
+def test_dry_run_prints_the_plan_and_runs_or_writes_nothing(tmp_path, capsys):
+    """--dry-run: the runs, sizes and cost, a steps experiment's W (grain's share equal in both arms) and seed 0's
+    commands; no folder, W file, lock or result is made."""
+    assert bench.main(["grain-steps", "--dry-run", "--out", str(tmp_path)]) is None
+    out = capsys.readouterr().out
+    assert "grain-steps (dry run: nothing is run or written): 40 runs (2 cells x 20 seeds" in out
+    assert f"~{bench.estimate_minutes(bench.EXPERIMENTS['grain-steps'], 2):.0f} min with --jobs 2" in out
+    assert "grain's weight on steps 5 (t = 0.790), 6 (t = 0.707), 7 (t = 0.602), 8 (t = 0.465) moved" in out
+    shares = re.findall(r"every reward's share under g_j (.*)", out)
+    assert len(shares) == 2 and shares[0] == shares[1]
+    assert out.count("python recast.py ") == 2 and f"--credit-file {tmp_path / 'grain-steps' / 'W_decided.json'}" in out
+    assert not any(tmp_path.iterdir())
+
+
 def test_matched_budgets_are_the_effective_budgets_of_recast_reversed_runs():
     """bench.MATCHED_BUDGETS, typed into the experiment, are the gradient-weighted shares of the committed
     recast-reversed runs' W (means over seeds and iterations), to the 3 decimals written; the two arms of a cell

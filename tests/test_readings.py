@@ -401,3 +401,66 @@ def test_todays_defaults_move_grain_late_and_detail_early():
         grain, detail = rel[conf["rewards"].index("grain")], rel[conf["rewards"].index("detail")]
         assert grain[:4].mean() < 1 < grain[-4:-1].mean() and detail[:4].mean() > 1 > detail[-4:-1].mean(), label
     assert "W moves grain's credit late and detail's early on evidence" in text(ROOT / "experiments" / "RESULTS.md")
+
+
+def power_at(effect, sd, n=20, alpha=0.05):
+    """The power of a two-sided paired t test at n seeds (`stats.seeds_for_power`'s noncentral t, at a fixed n)."""
+    from scipy import stats as st
+
+    crit, nc = st.t.ppf(1 - alpha / 2, n - 1), effect * np.sqrt(n) / sd
+    return st.nct.sf(crit, n - 1, nc) + st.nct.cdf(-crit, n - 1, nc)
+
+
+def interval_factors(n):
+    """The sd's 95% interval from n paired seeds as factors of the sd (`stats.seeds_for_power_range`'s)."""
+    from scipy import stats as st
+
+    return tuple(np.sqrt((n - 1) / st.chi2.ppf(q, n - 1)) for q in (0.975, 0.025))
+
+
+def test_grain_steps_plan_numbers_from_the_files_they_come_from():
+    """Issue 62 item 1: grain-steps' plan (written before any run) quotes grain's step profile, split-half cosines and
+    gradient sizes, the arms' W, and its power from recast-steps' grain differences; each is recomputed here. Its
+    `readings.py` reproduces recast-steps' table on noise set 1."""
+    sys.path.insert(0, str(RESULTS / "grain-steps"))
+    import readings
+
+    from experiments import bench, protocol
+
+    plan = text(RESULTS / "grain-steps" / "README.md")
+    runs = RESULTS / "recast-steps" / "runs"
+    per_set = {
+        n: [
+            readings.mean_over(readings.final(runs, "early34", s), "grain", (n,))
+            - readings.mean_over(readings.final(runs, "early12", s), "grain", (n,))
+            for s in range(20)
+        ]
+        for n in readings.NOISES
+    }
+    d1, d2 = np.asarray(per_set["1"]), np.asarray(per_set["2"])
+    table_cell = rows_of(RESULTS / "recast-steps" / "table.md", "early34 − early12")[0][1][5]  # grain, noise set 1
+    m, lo, hi, _ = stats.mean_ci(d1)
+    assert table_cell.startswith(f"{m:+.4f} [{lo:+.4f}, {hi:+.4f}] sd {np.std(d1, ddof=1):.4f}")
+    assert f"+0.0051 [-0.0002, +0.0103] on set 1 and {stats.mean_ci(d2)[0]:+.4f} [" in plan
+    for d, power in ((d1, "0.47 [0.25, 0.70]"), ((d1 + d2) / 2, "0.88 [0.57, 0.98]")):
+        sd = np.std(d, ddof=1)
+        low, high = stats.seeds_for_power_range(0.005, sd, 20)
+        assert f"sd {sd:.4f}" in plan and f"{stats.seeds_for_power(0.005, sd)} [{low}, {high}]" in plan
+        at = [power_at(0.005, sd * f) for f in (1, *interval_factors(20)[::-1])]
+        assert power == "{:.2f} [{:.2f}, {:.2f}]".format(*at) and f"power {power}" in plan
+    assert f"(r {np.corrcoef(d1, d2)[0, 1]:.2f}; saturation's 0.99)" in plan
+    prof = RESULTS / bench.PROFILES_DIR / "profiles.json"
+    assert prof.read_bytes() == (ROOT / "world" / "assets" / "profiles.json").read_bytes()
+    W0 = protocol.setting_W(json.loads(prof.read_text()), bench.SETTINGS["A"], [0.25] * 4)[0]
+    sigmas, g = bench.measured_step_sizes()
+    for j in range(3, 9):
+        row = f"| {j + 1} | {sigmas[j]:.3f} |"
+        assert row in plan.replace("**", ""), row
+        assert f"| {g[j]:.2f} | {W0[3, j]:.4f} |" in plan
+    Ws = bench.steps_W(prof, *bench.STEPS_DESIGNS["grain-steps"])
+    assert f"{Ws['consistent'][3, 4]:.4f} each (`consistent`), {Ws['decided'][3, 6]:.4f} each (`decided`" in plan
+    shares = Ws["decided"] @ g / (Ws["decided"] @ g).sum()
+    assert "geneval {:.3f}, saturation {:.3f}, texture {:.3f}, grain {:.3f}".format(*shares) in plan
+    cos = json.loads((RESULTS / "late-reward" / "phase_gate_splithalf.json").read_text())["cos"]["grain"]
+    for j in (3, 4, 5, 6, 7, 8):
+        assert f"{cos['median'][j]:+.2f} (p {cos['p'][j]:.2f})" in plan
