@@ -1,0 +1,249 @@
+"""Tables and figure of the toy dose-response (PLAN.md), from the result files only.
+
+    python experiments/results/scale-law/summarize.py   # -> tables.md, advantage_vs_M.png, summary.json
+
+Reads toy/runs.csv, toy/credit.jsonl (run_toy.py) and measure.json (measure.py predict: the predicted crossing).
+The analysis is PLAN.md's, fixed before the runs: per batch size M, each run's weighted-reward gain read at equal KL
+(toy_train's rule: the level 0.5 x uniform's median final KL at that M, linear between evaluations), paired by seed;
+primary: exact - uniform, as a share of uniform's gain, Holm over the sizes; secondary (each its own Holm family over
+the sizes): exact - reversed, grad_uniform - uniform, online - uniform. The law's curve A(M) = A_max M / (M + M*) is
+fitted to the primary means, with a bootstrap over seeds (the same seeds at every size) for M*. Only seeds finished
+at a size enter that size's rows; the fit uses the seeds finished at every size.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[2]))
+
+from experiments import toy_train as tt  # noqa: E402
+from kit.stats import holm, mean_ci, p_value, seeds_for_power, sign_flip_p  # noqa: E402
+
+ARMS = ("uniform", "exact", "online", "grad_uniform", "reversed")
+PRIMARY = ("exact", "uniform")
+SECONDARY = (("exact", "reversed"), ("grad_uniform", "uniform"), ("online", "uniform"))
+EFFECT = 0.02  # PLAN.md: 2% of uniform's gain at the primary level, at each M
+LEVEL = 0.5  # the primary KL fraction
+PLANNED_SIZES = (2, 8, 32, 128)
+PLANNED_SEEDS = 64
+
+
+def read_runs(path):
+    with open(path) as f:
+        return [
+            {
+                k: (v if k in ("family", "arm") else (int(v) if k in ("groups", "seed", "iteration") else float(v)))
+                for k, v in row.items()
+            }
+            for row in csv.DictReader(f)
+        ]
+
+
+def at_level(records, M, frac=LEVEL):
+    """{arm: {seed: weighted gain at the level}}, the level, and uniform's mean gain there."""
+    cur = {a: tt.gains(tt.run_curves(records, "recast", M, a, "weighted")) for a in ARMS}
+    cur = {a: c for a, c in cur.items() if c}
+    level = frac * float(np.median([kl[-1] for _, kl, _ in cur["uniform"].values()]))
+    at = {a: {s: tt.value_at_level(kl, y, level) for s, (_, kl, y) in c.items()} for a, c in cur.items()}
+    return at, level, tt.nan_mean(list(at["uniform"].values()))
+
+
+def fit_law(M, y):
+    """Least squares of y = A M / (M + Ms) over A and log Ms (grid over Ms, A closed form). Returns (A, Ms)."""
+    M, y = np.asarray(M, float), np.asarray(y, float)
+    best = (np.inf, np.nan, np.nan)
+    for Ms in np.exp(np.linspace(np.log(0.01), np.log(1e5), 2001)):
+        f = M / (M + Ms)
+        A = float(f @ y / (f @ f))
+        sse = float(((y - A * f) ** 2).sum())
+        if sse < best[0]:
+            best = (sse, A, Ms)
+    return best[1], best[2]
+
+
+def main():
+    runs = HERE / "toy" / "runs.csv"
+    records = read_runs(runs)
+    measure = json.loads((HERE / "measure.json").read_text())
+    pred = measure["predicted_crossing"]["toy_fine"]
+    sizes = sorted({r["groups"] for r in records})
+    comps = (PRIMARY,) + SECONDARY
+    rows, per_seed = [], {}
+    for M in sizes:
+        at, level, ug = at_level(records, M)
+        seeds = sorted(set.intersection(*(set(at[a]) for a in ARMS if a in at)))
+        for a, b in comps:
+            if a not in at or b not in at:
+                continue
+            d = np.array([at[a][s] - at[b][s] for s in seeds])
+            m, lo, hi, n = mean_ci(d)
+            sd = float(np.nanstd(d, ddof=1)) if n > 1 else np.nan
+            rows.append(
+                dict(
+                    groups=M,
+                    a=a,
+                    b=b,
+                    n=n,
+                    kl_level=level,
+                    uniform_gain=ug,
+                    mean=m,
+                    lo=lo,
+                    hi=hi,
+                    rel=m / ug,
+                    rel_lo=lo / ug,
+                    rel_hi=hi / ug,
+                    sd=sd,
+                    p=p_value(m, lo, hi, n) if n > 1 else np.nan,
+                    exact_p=sign_flip_p(d[np.isfinite(d)]) if n > 1 else np.nan,
+                    reached={x: int(np.isfinite(list(at[x].values())).sum()) for x in (a, b)},
+                    runs=len(seeds),
+                )
+            )
+            if (a, b) == PRIMARY:
+                per_seed[M] = {s: at[a][s] - at[b][s] for s in seeds}
+                per_seed[M] = {s: v / ug for s, v in per_seed[M].items()}
+    for a, b in comps:
+        fam = [r for r in rows if (r["a"], r["b"]) == (a, b) and np.isfinite(r["p"])]
+        for r, ph in zip(fam, holm([r["p"] for r in fam])):
+            r["p_holm"] = float(ph)
+        for r, ph in zip(fam, holm([r["exact_p"] for r in fam])):
+            r["exact_p_holm"] = float(ph)
+        for r in fam:
+            r["n80"] = seeds_for_power(EFFECT * abs(r["uniform_gain"]), r["sd"], alpha=0.05 / len(fam))
+    # the law's curve on the primary advantage (share of uniform's gain), seeds finished at every size
+    common = sorted(set.intersection(*(set(v) for v in per_seed.values()))) if per_seed else []
+    fit = None
+    if len(sizes) >= 3 and len(common) >= 4:
+        Y = np.array([[per_seed[M][s] for M in sizes] for s in common])  # (seeds, sizes)
+        ok = np.isfinite(Y).all(1)
+        Y = Y[ok]
+        A, Ms = fit_law(sizes, Y.mean(0))
+        rng = np.random.default_rng(0)
+        boot = np.array([fit_law(sizes, Y[rng.integers(0, len(Y), len(Y))].mean(0)) for _ in range(400)])
+        hi_lo = Y[:, -1] - Y[:, 0]
+        m, lo, hi, n = mean_ci(hi_lo)
+        fit = dict(
+            seeds=int(len(Y)),
+            A_max=A,
+            A_max_ci=np.quantile(boot[:, 0], [0.025, 0.975]).tolist(),
+            M_star=Ms,
+            M_star_ci=np.quantile(boot[:, 1], [0.025, 0.975]).tolist(),
+            largest_minus_smallest=dict(mean=m, lo=lo, hi=hi, n=n, p=p_value(m, lo, hi, n)),
+        )
+    counts = {M: len({r["seed"] for r in records if r["groups"] == M}) for M in sizes}
+    summary = dict(sizes=sizes, seeds_finished=counts, rows=rows, fit=fit, predicted=pred)
+    (HERE / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
+    write_tables(summary)
+    plot(summary)
+    print((HERE / "tables.md").read_text())
+
+
+def fmt(m, lo, hi, d=4, pct=False):
+    if pct:
+        return f"{100 * m:+.2f}% [{100 * lo:+.2f}, {100 * hi:+.2f}]"
+    return f"{m:+.{d}f} [{lo:+.{d}f}, {hi:+.{d}f}]"
+
+
+def write_tables(S):
+    pred = S["predicted"]
+    L = ["# scale-law: the toy dose-response (generated by `summarize.py` from toy/runs.csv and measure.json)", ""]
+    L.append(
+        "Seeds finished per size (planned: "
+        f"{PLANNED_SEEDS} at each of {list(PLANNED_SIZES)}): "
+        + ", ".join(f"M = {M}: {n}" for M, n in S["seeds_finished"].items())
+        + ". Only finished seeds are read; a size with fewer than the planned seeds is PARTIAL."
+    )
+    L.append("")
+    L.append(
+        "Predicted crossing (measure.json, the toy's fine reward, M* = 1 / s(t), params space): "
+        + "; ".join(
+            f"{k}: {v['M_star']:.0f} [{v['M_star_ci'][0]:.0f}, {v['M_star_ci'][1]:.0f}]" for k, v in pred.items()
+        )
+    )
+    L.append("")
+    L.append(
+        "Paired differences of the weighted-reward gain at equal KL (0.5 x uniform's median final KL at that M), "
+        "mean [95% t]; `share`: of uniform's gain at the level; Holm over the sizes within each comparison (the "
+        "primary family is exact - uniform); exact: the sign-flip test; N80: seeds for 80% power at 2% of uniform's "
+        "gain, alpha 0.05 / sizes, at the observed sd."
+    )
+    L.append("")
+    L += tt.table_header(
+        "M", "a - b", "n", "difference", "share of uniform's gain", "p", "p Holm", "exact p Holm", "N80", "reached"
+    )
+    for r in S["rows"]:
+        n80 = r.get("n80")
+        L.append(
+            f"| {r['groups']} | {r['a']} - {r['b']} | {r['n']} | {fmt(r['mean'], r['lo'], r['hi'])} | "
+            f"{fmt(r['rel'], r['rel_lo'], r['rel_hi'], pct=True)} | {r['p']:.3g} | {r.get('p_holm', np.nan):.3g} | "
+            f"{r.get('exact_p_holm', np.nan):.3g} | {n80 if n80 else '> 10000'} | "
+            + ", ".join(f"{k} {v}/{r['runs']}" for k, v in r["reached"].items())
+            + " |"
+        )
+    f = S["fit"]
+    L.append("")
+    if f:
+        lm = f["largest_minus_smallest"]
+        L.append(
+            f"The law's curve fitted to exact - uniform (share of uniform's gain; {f['seeds']} seeds finished at every "
+            f"size, bootstrap over seeds): A_max {100 * f['A_max']:+.2f}% [{100 * f['A_max_ci'][0]:+.2f}, "
+            f"{100 * f['A_max_ci'][1]:+.2f}], M* {f['M_star']:.3g} [{f['M_star_ci'][0]:.3g}, {f['M_star_ci'][1]:.3g}]; "
+            f"largest minus smallest M, per seed: {fmt(lm['mean'], lm['lo'], lm['hi'], pct=True)} (p {lm['p']:.3g})."
+        )
+    else:
+        L.append("The law's curve is not fitted yet (needs >= 3 sizes and >= 4 seeds finished at every size).")
+    (HERE / "tables.md").write_text("\n".join(L) + "\n")
+
+
+def plot(S):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    styles = {
+        PRIMARY: ("k", "o", "exact - uniform (primary)"),
+        ("exact", "reversed"): ("tab:red", "s", "exact - reversed"),
+        ("grad_uniform", "uniform"): ("tab:blue", "^", "grad_uniform - uniform"),
+        ("online", "uniform"): ("tab:green", "v", "online - uniform"),
+    }
+    for k, (c, mk, lab) in styles.items():
+        rs = [r for r in S["rows"] if (r["a"], r["b"]) == k]
+        if not rs:
+            continue
+        x = np.array([r["groups"] for r in rs], float) * (1 + 0.04 * list(styles).index(k))
+        y = np.array([r["rel"] for r in rs]) * 100
+        e = np.array([[r["rel"] - r["rel_lo"], r["rel_hi"] - r["rel"]] for r in rs]).T * 100
+        ax.errorbar(x, y, yerr=e, color=c, marker=mk, capsize=3, ls="-" if k == PRIMARY else ":", label=lab)
+    f = S["fit"]
+    if f:
+        xs = np.exp(np.linspace(np.log(1), np.log(max(S["sizes"]) * 1.5), 200))
+        ax.plot(xs, 100 * f["A_max"] * xs / (xs + f["M_star"]), "k--", lw=0.8, label=f"fit, M* = {f['M_star']:.3g}")
+    for key, v in S["predicted"].items():
+        if key.startswith("t=0.25"):
+            ax.axvline(v["M_star"], color="tab:purple", lw=1.2, label=f"predicted M* ({key}) = {v['M_star']:.0f}")
+            lo, hi = v["M_star_ci"]
+            ax.axvspan(lo, min(hi, 1e4), color="tab:purple", alpha=0.12)
+    ax.axhline(0, color="grey", lw=0.6)
+    ax.axhline(100 * EFFECT, color="grey", lw=0.6, ls="--", label="effect that matters (2%)")
+    ax.set_xscale("log")
+    ax.set_xlabel("groups per update M")
+    ax.set_ylabel("advantage at equal KL, % of uniform's gain")
+    n = ", ".join(f"{M}: {k}" for M, k in S["seeds_finished"].items())
+    ax.set_title(f"toy: late credit vs batch size (seeds finished {n})", fontsize=8)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(HERE / "advantage_vs_M.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
