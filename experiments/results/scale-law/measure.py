@@ -377,9 +377,34 @@ def predict(a):
             M_s=M_sd * s8 * scale,
             M_s_ci=[M_sd * c * scale for c in ci],
         )
+    # the committed estimate of the x0 error's spread (late-reward README section 8): N(t) = E|e|^2 (1 - t)^2 / t^2
+    # latent numbers as unknown as the noise at t (150 at t = 0.465, 670 at 0.278); spread evenly over N(t)
+    # directions, lambda_max / tr = 1 / N(t) and the bound is (n - 1) / N(t)
+    se = json.loads((LATE / "signed_errors.json").read_text())
+    iso = []
+    for t, e2 in zip(se["sigmas"], se["x0_error_sq_mean"]):
+        n_t = e2 * (1 - t) ** 2 / t**2
+        b8, b24 = (k / n_t if n_t > 0 else None for k in (7, 23))  # t = 1: nothing known, no bound
+        iso.append(dict(t=t, x0_error_sq=e2, N=n_t, bound_8_leaves=b8, bound_24_leaves=b24))
+    sd_bound = []
+    if emb:
+        for x in emb["spectrum"]:
+            ceiling = 23 * x["lam_ratio_bc"]
+            sd_bound.append(
+                dict(
+                    t=x["t"],
+                    s_ceiling_24_leaves=ceiling,
+                    s_ceiling_24_leaves_ci=[23 * c for c in x["lam_ratio_ci"]],
+                    M_s_ceiling=M_sd * ceiling,
+                    M_s_ceiling_ci=[M_sd * 23 * c for c in x["lam_ratio_ci"]],
+                )
+            )
     out = dict(
         command=" ".join(["python", *sys.argv]),
         law="late credit pays when M s(t) >~ 1 (M groups per update); crossing M* = 1 / s(t)",
+        embedded_isotropic_bound=dict(
+            source="experiments/results/late-reward/signed_errors.json (x0_error_sq_mean, 128 groups)", by_t=iso
+        ),
         rows=rows,
         toy_spectrum=toy_m["spectrum"],
         embedded_spectrum=emb["spectrum"] if emb else None,
@@ -392,6 +417,7 @@ def predict(a):
                 leaves_per_group=n_sd,
                 note="prediction, not a result: grain-like late reward, s scaled from the embedded model by (n-1)",
                 by_t=sd,
+                bound_from_embedded_spectrum=sd_bound,
             ),
         ),
     )

@@ -218,6 +218,17 @@ def measure_lines(measure):
                 f"{x['lam_ratio_crossfit_ci'][1]:.4f}] | {x['participation_bc']:.0f} | {7 * x['lam_ratio_bc']:.3f} |"
             )
         L.append("")
+    L.append(
+        "embedded, the committed estimate (late-reward README section 8, from signed_errors.json's E|e|^2): "
+        "N(t) = E|e|^2 (1 - t)^2 / t^2 latent numbers as unknown as the noise; spread evenly, lambda_max / tr = 1 / N "
+        "and the bound (n - 1) / N (N above 1,024, the latent's size, is not a count of directions: t = 0.009):"
+    )
+    L.append("")
+    L += tt.table_header("t", "E sum e^2", "N(t)", "bound, 8 leaves", "bound, 24 leaves")
+    for x in measure["embedded_isotropic_bound"]["by_t"]:
+        b8, b24 = (f"{x[k]:.4f}" if x[k] is not None else "-" for k in ("bound_8_leaves", "bound_24_leaves"))
+        L.append(f"| {x['t']:.3f} | {x['x0_error_sq']:.1f} | {x['N']:.0f} | {b8} | {b24} |")
+    L.append("")
     pc = measure["predicted_crossing"]
     L += ["## Predicted crossings M* = 1 / s(t) (measure.json `predicted_crossing`)", ""]
     L += tt.table_header("model, reward", "t", "M* [from s's 95% interval]")
@@ -234,6 +245,17 @@ def measure_lines(measure):
         )
         + "."
     )
+    if sd.get("bound_from_embedded_spectrum"):
+        L.append("")
+        L.append(
+            "The bound's ceiling there, with the embedded model's spectrum standing in for SD3.5-M's: M (n - 1) "
+            "lambda_max / tr = "
+            + "; ".join(
+                f"t={x['t']:.3f}: {x['M_s_ceiling']:.2f} [{x['M_s_ceiling_ci'][0]:.2f}, {x['M_s_ceiling_ci'][1]:.2f}]"
+                for x in sd["bound_from_embedded_spectrum"]
+            )
+            + "."
+        )
     L.append("")
     return L
 
