@@ -145,10 +145,41 @@ def main(argv=None):
         )
     counts = {M: len({r["seed"] for r in records if r["groups"] == M}) for M in sizes}
     summary = dict(sizes=sizes, seeds_finished=counts, rows=rows, fit=fit, predicted=pred)
+    summary["verdict"] = verdict(summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
     write_tables(summary, out, measure)
     plot(summary, out)
     print((out / "tables.md").read_text())
+
+
+def verdict(S):
+    """PLAN.md's rules on the primary (exact - uniform, share of uniform's gain): (a) the rise, per-seed D(largest) -
+    D(smallest) resolved above 0; (b) the low end, D(smallest)'s upper 95% bound below half of D(largest); (c) the
+    fitted M*'s interval overlapping [5, 100]; (d) D(largest) resolved above 0 after Holm. Reproduced: all four;
+    partly: (a) without (b) and (c) both; not reproduced (a flat line): D(smallest) resolved above 0 after Holm and
+    D(largest) - D(smallest) below +2% (its upper bound); otherwise not shown at this size. PARTIAL when a planned size
+    or seed is missing."""
+    prim = {r["groups"]: r for r in S["rows"] if (r["a"], r["b"]) == PRIMARY}
+    f = S["fit"]
+    if not f or not prim:
+        return dict(verdict="not readable yet", partial=True)
+    lo_M, hi_M = min(prim), max(prim)
+    lm = f["largest_minus_smallest"]
+    a = lm["lo"] > 0
+    b = prim[lo_M]["rel_hi"] < 0.5 * prim[hi_M]["rel"]
+    c = f["M_star_ci"][0] <= 100 and f["M_star_ci"][1] >= 5
+    d = prim[hi_M]["rel_lo"] > 0 and prim[hi_M].get("p_holm", 1) < 0.05
+    flat = prim[lo_M]["rel_lo"] > 0 and prim[lo_M].get("p_holm", 1) < 0.05 and lm["hi"] < EFFECT
+    if a and b and c and d:
+        v = "reproduced"
+    elif flat:
+        v = "not reproduced (a flat line)"
+    elif a:
+        v = "partly"
+    else:
+        v = "not shown at this size"
+    partial = tuple(S["sizes"]) != PLANNED_SIZES or any(n < PLANNED_SEEDS for n in S["seeds_finished"].values())
+    return dict(verdict=v, rise=a, low_end=b, crossing=c, largest_resolved=d, flat=flat, partial=partial)
 
 
 def fmt(m, lo, hi, d=4, pct=False):
@@ -313,6 +344,18 @@ def write_tables(S, out, measure):
         )
     else:
         L.append("The law's curve is not fitted yet (needs >= 3 sizes and >= 4 seeds finished at every size).")
+    v = S["verdict"]
+    L.append("")
+    L.append(
+        f"PLAN.md's rules on these seeds: **{v['verdict']}**"
+        + (" (PARTIAL: fewer seeds or sizes than planned)" if v.get("partial") else "")
+        + (
+            f"; (a) rise {v['rise']}, (b) low end below half {v['low_end']}, (c) crossing in [5, 100] {v['crossing']}, "
+            f"(d) largest size resolved {v['largest_resolved']}, flat line {v['flat']}."
+            if "rise" in v
+            else "."
+        )
+    )
     (out / "tables.md").write_text("\n".join(L) + "\n")
 
 
@@ -346,6 +389,7 @@ def plot(S, out):
             ax.axvline(v["M_star"], color="tab:purple", lw=1.2, label=f"predicted M* ({key}) = {v['M_star']:.0f}")
             lo, hi = v["M_star_ci"]
             ax.axvspan(lo, min(hi, 1e4), color="tab:purple", alpha=0.12)
+    ax.axvspan(5, 100, color="tab:purple", alpha=0.05, label="crossing read as in [5, 100] (PLAN.md)")
     ax.axhline(0, color="grey", lw=0.6)
     ax.axhline(100 * EFFECT, color="grey", lw=0.6, ls="--", label="effect that matters (2%)")
     ax.set_xscale("log")
