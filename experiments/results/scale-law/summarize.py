@@ -444,6 +444,11 @@ def plot(S, out):
     if f:
         xs = np.exp(np.linspace(np.log(1), np.log(max(S["sizes"]) * 1.5), 200))
         ax.plot(xs, 100 * f["A_max"] * xs / (xs + f["M_star"]), "k--", lw=0.8, label=f"fit, M* = {f['M_star']:.3g}")
+        ms = S["predicted"].get("t=0.250", {}).get("M_star")
+        if ms:
+            ax.plot(
+                xs, 100 * f["A_max"] * xs / (xs + ms), color="tab:purple", ls=":", lw=1.2, label=f"law, M* = {ms:.0f}"
+            )
     for key, v in S["predicted"].items():
         if key.startswith("t=0.25"):
             ax.axvline(v["M_star"], color="tab:purple", lw=1.2, label=f"predicted M* ({key}) = {v['M_star']:.0f}")
