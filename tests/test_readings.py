@@ -464,3 +464,40 @@ def test_grain_steps_plan_numbers_from_the_files_they_come_from():
     cos = json.loads((RESULTS / "late-reward" / "phase_gate_splithalf.json").read_text())["cos"]["grain"]
     for j in (3, 4, 5, 6, 7, 8):
         assert f"{cos['median'][j]:+.2f} (p {cos['p'][j]:.2f})" in plan
+
+
+def test_the_scale_law_sentences_quote_the_scale_law_files():
+    """README's and RESULTS' scale sentence: the toy dose-response's M = 1 advantage and fitted crossing, the predicted
+    crossing, the plan's verdict (summary.json); grain's LoRA s at t = 0.278 and its predicted crossing, saturation's
+    LoRA s against the x0 bound's ceiling (measure.json)."""
+    folder = RESULTS / "scale-law"
+    summary, measure = (json.loads((folder / f).read_text()) for f in ("summary.json", "measure.json"))
+    first = next(r for r in summary["rows"] if (r["groups"], r["a"], r["b"]) == (1, "exact", "uniform"))
+    quoted = f"+{100 * first['rel']:.2f}% [+{100 * first['rel_lo']:.2f}, +{100 * first['rel_hi']:.2f}]"
+    crossing = (
+        f"M = {summary['fit']['M_star']:.2f} against the predicted {summary['predicted']['t=0.250']['M_star']:.0f}"
+    )
+    grain = measure["predicted_crossing"]["embedded_grain"]["t=0.278"]
+    predicted = f"{grain['M_star']:.0f} [{grain['M_star_ci'][0]:.0f}, {grain['M_star_ci'][1]:.0f}]"
+    assert quoted == "+1.77% [+1.16, +2.39]" and summary["verdict"]["verdict"] == "not shown at this size"
+    for doc in (ROOT / "README.md", ROOT / "experiments" / "RESULTS.md"):
+        said = text(doc)
+        assert quoted in said and predicted in said, doc.name
+        assert crossing.replace("M = ", "") in said or crossing in said, doc.name
+    assert "fitted crossing M = 0.50 against the predicted 16" in text(ROOT / "README.md")
+
+    def s_at(reward, space):
+        return next(
+            r["s"]
+            for r in measure["rows"]
+            if r.get("reward") == reward
+            and r.get("space") == space
+            and r.get("estimate") == "phase_gate_lora_256"
+            and abs(r["t"] - 0.278) < 1e-3
+        )
+
+    assert f"{s_at('grain', 'lora'):.4f}" == "0.0027" and "0.0027 at t = 0.278" in text(
+        ROOT / "experiments" / "RESULTS.md"
+    )
+    ceiling = 7 * next(e["lam_ratio_bc"] for e in measure["embedded_spectrum"] if abs(e["t"] - 0.278) < 1e-3)
+    assert round(s_at("saturation", "lora") / ceiling) == 16 and "16x the x0 ceiling" in text(ROOT / "README.md")

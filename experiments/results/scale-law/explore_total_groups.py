@@ -23,10 +23,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 sys.path.insert(0, str(HERE))
 
+from kit.stats import mean_ci  # noqa: E402
 from summarize import at_level, read_runs  # noqa: E402
 
 from experiments import toy_train as tt  # noqa: E402
-from kit.stats import mean_ci  # noqa: E402
 
 CUTS = (5, 10, 15, 20, 30, 40, 60)
 

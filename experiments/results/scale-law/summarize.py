@@ -23,8 +23,9 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 
-from experiments import toy_train as tt  # noqa: E402
 from kit.stats import holm, mean_ci, p_value, seeds_for_power, sign_flip_p  # noqa: E402
+
+from experiments import toy_train as tt  # noqa: E402
 
 ARMS = ("uniform", "exact", "online", "grad_uniform", "reversed")
 PRIMARY = ("exact", "uniform")
