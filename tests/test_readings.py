@@ -501,3 +501,8 @@ def test_the_scale_law_sentences_quote_the_scale_law_files():
     )
     ceiling = 7 * next(e["lam_ratio_bc"] for e in measure["embedded_spectrum"] if abs(e["t"] - 0.278) < 1e-3)
     assert round(s_at("saturation", "lora") / ceiling) == 16 and "16x the x0 ceiling" in text(ROOT / "README.md")
+    ceilings = {
+        t: 7 * e["lam_ratio_bc"] for e in measure["embedded_spectrum"] for t in (0.465, 0.278) if abs(e["t"] - t) < 1e-3
+    }
+    late = text(ROOT / "experiments" / "RESULTS.md")
+    assert f"{ceilings[0.465]:.3f} at t = 0.465 and {ceilings[0.278]:.4f} at 0.278 with 8 leaves" in late
