@@ -648,7 +648,8 @@ class Args(NFTArgs, RunArgs):
     (a control of the experiments)"""
     credit_file: str = flag("", "controls")
     """--credit file's W: a JSON {"rewards": [names in --rewards order], "W": K x T entries >= 0 summing to the
-    budgets' sum}; its rows need not sum to each budget nor its columns be equal (a column's sum weights its step)"""
+    budgets' sum}; its rows need not sum to each budget nor its columns be equal (a column's sum weights its step; a
+    column of zeros: no weight at that step). Read when the run starts: a --resume trains the W it started with"""
     gain_estimator: str = flag("pairs", "method", choices=["pairs", "denoised"])
     """pairs: sibling-leaf pair products (alpha = 2; levels exact as the SDE steps shrink, see --sde-substeps);
     denoised: rewards of decoded x0_hat at the layout's steps (any alpha, plug-in biased)"""
@@ -769,10 +770,13 @@ def equal_columns(W):
     """Split a W with unequal column sums c_j into the step weight omega_j = T c_j / Lam and the equal-column
     W' = W Lam / (T c_j). The NFT loss is linear in r (derivations.ipynb §4), so
     sum_k (T / Lam) W_kj L(r_k) = omega_j L(r~'_j) with r~'_j = mix_optimality(r, W', j) in [0, 1].
-    W (K, T) -> (omega (T,), W')."""
+    A column of zeros (a --credit file's "no weight at these steps") gets omega_j = 0 and the uniform column
+    Lam / (K T) in W' (any column would do: the step's loss is multiplied by 0, so its samples carry no policy
+    gradient). W (K, T) -> (omega (T,), W')."""
     W = np.asarray(W, dtype=np.float64)
-    Lam, T, c = W.sum(), W.shape[1], W.sum(0)
-    return T * c / Lam, W * (Lam / T) / c
+    Lam, (K, T), c = W.sum(), W.shape, W.sum(0)
+    used = c > 0
+    return T * c / Lam, np.where(used, W * (Lam / T) / np.where(used, c, 1.0), Lam / (K * T))
 
 
 def fixed_W_of(args, names, budgets):

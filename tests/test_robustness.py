@@ -480,3 +480,116 @@ def test_the_sampling_line_uses_the_runs_settings_not_the_pipelines_defaults():
     line = figures.sampling_line(asdict(recast.Args()), embedded=True)
     kwargs = ", ".join(f"{k}={v}" for k, v in shapes_world.GEN_KWARGS.items())
     assert f"{kwargs}).images[0]  # as trained and evaluated (the world's GEN_KWARGS): no CFG, 10 steps" in line
+
+
+# -----------------------------------------------------------------------------
+# issue 64: runs never train on settings they did not start with (round 5)
+# -----------------------------------------------------------------------------
+
+
+def write_credit_file(path, W):
+    path.write_text(json.dumps({"rewards": ["brightness", "redness"], "W": np.asarray(W).tolist()}))
+
+
+def recorded_W(monkeypatch):
+    """[W (K, T)] of each iteration's update from now on; the update itself is skipped (its losses zero)."""
+    got = []
+
+    def record(run, b, r_train, W_train, args, gen, on_step):
+        got.append(np.asarray(W_train))
+        return {"loss/policy": 0.0, "loss/base_reg": 0.0, "train/opt_steps": 0, "train/samples": 0}
+
+    monkeypatch.setattr(recast, "nft_update", record)
+    return got
+
+
+def test_resume_trains_the_credit_files_W_the_run_started_with(tiny, tmp_path, monkeypatch, capsys):
+    """A --credit-file edited (still valid), moved or deleted between a run and its --resume: the resumed iterations
+    train the W the run started with (recorded in its checkpoints), and a changed file is named; a relative path
+    is recorded absolute, so that a resume from another folder finds the same run."""
+    T = recast.parse_args(tiny_argv(tiny, tmp_path / "x")).steps
+    W0 = np.random.default_rng(0).random((2, T)) + 0.1
+    W0 /= W0.sum()  # the budgets' sum, 0.6 + 0.4
+    write_credit_file(tmp_path / "W.json", W0)
+    got = recorded_W(monkeypatch)
+    out = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    argv = tiny_argv(tiny, out, "--iterations", "2", "--save-every", "1", "--eval-every", "0", "--credit", "file")
+    recast.train(recast.parse_args([*argv, "--credit-file", "W.json"]), extra_rewards=TINY_REWARDS)
+    assert json.loads((out / "config.json").read_text())["args"]["credit_file"] == str(tmp_path / "W.json")
+    W1 = np.zeros((2, T))
+    W1[0] = 1.0 / T  # rows 1/0: another valid W
+    write_credit_file(tmp_path / "W.json", W1)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    recast.train(recast.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+    said = capsys.readouterr()
+    assert len(got) == 3 and all(np.array_equal(g, W0) for g in got)
+    assert [np.array(m["recast/W"]).tolist() for m in read_metrics(out)] == [W0.tolist()] * 3
+    assert "differs from the W the run started with" in said.out + said.err
+    (tmp_path / "W.json").unlink()  # gone: the recorded W still trains
+    recast.train(recast.parse_args(["--resume", str(out), "--iterations", "4"]), extra_rewards=TINY_REWARDS)
+    assert len(got) == 4 and np.array_equal(got[3], W0)
+
+
+def test_a_credit_file_W_with_a_zero_column_trains_and_that_steps_samples_carry_no_policy_gradient(
+    tiny, tmp_path, monkeypatch
+):
+    """A W with an all-zero column ("no weight at these steps"): equal_columns gives those steps the weight 0 and a
+    finite equal-column W; the policy loss's gradient of their samples is exactly 0, the others' is not; a run of it
+    trains with finite losses."""
+    T = recast.parse_args(tiny_argv(tiny, tmp_path / "x")).steps
+    W = np.random.default_rng(1).random((2, T)) + 0.1
+    W[:, 3] = 0.0
+    W /= W.sum()
+    omega, W_eq = recast.equal_columns(W)
+    assert (
+        np.isfinite(omega).all() and np.isfinite(W_eq).all() and omega[3] == 0 and (omega[np.arange(T) != 3] > 0).all()
+    )
+    assert np.allclose(W_eq.sum(0), W.sum() / T)
+    losses = []
+
+    def capture(run, b, args, gen, on_step, policy_loss):  # the policy loss nft_update hands the shared loop
+        g = torch.Generator().manual_seed(0)
+        N = 2 * T
+        nb = SimpleNamespace(i=torch.arange(N) % 2, j=torch.arange(N) % T, s=torch.rand(N, generator=g))
+        nb.x0, nb.x_t = torch.randn(N, 4, 2, 2, generator=g), torch.randn(N, 4, 2, 2, generator=g)
+        v_theta = torch.randn(N, 4, 2, 2, generator=g, requires_grad=True)
+        loss = policy_loss(nb, v_theta, torch.randn(N, 4, 2, 2, generator=g))
+        loss.sum().backward()
+        losses.append((nb.j, loss.detach(), v_theta.grad.flatten(1).abs().sum(1)))
+        return {"loss/policy": 0.0, "loss/base_reg": 0.0, "train/opt_steps": 0, "train/samples": 0}
+
+    r = np.random.default_rng(2).random((2, 2))
+    with monkeypatch.context() as m:
+        m.setattr(recast.nft, "update_loop", capture)
+        recast.nft_update(None, None, r, W, recast.parse_args([]), None, None)
+    j, loss, grad = losses[0]
+    assert torch.isfinite(loss).all() and (grad[j == 3] == 0).all() and (grad[j != 3] > 0).all()
+    write_credit_file(tmp_path / "W.json", W)
+    out = tmp_path / "run"
+    argv = tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0", "--credit", "file")
+    recast.train(recast.parse_args([*argv, "--credit-file", str(tmp_path / "W.json")]), extra_rewards=TINY_REWARDS)
+    assert np.isfinite(read_metrics(out)[0]["loss/policy"])
+
+
+def test_resume_needs_no_gain_init_file_and_a_relative_one_is_recorded_absolute(tiny, tmp_path, monkeypatch):
+    """--gain-init seeds iteration 0 only: a resume from a checkpoint trains on without the file (moved, deleted or
+    re-measured: its statistics are in the checkpoint), from another folder too; the run records its absolute path."""
+    T = recast.parse_args(tiny_argv(tiny, tmp_path / "x")).steps
+    s1 = np.ones((2, T + 1))
+    saved = {"names": ["brightness", "redness"], "steps": T, "n": [4.0] * (T + 1), "s1": s1.tolist(), "s2": s1.tolist()}
+    (tmp_path / "levels.json").write_text(json.dumps(saved))
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    argv = tiny_argv(tiny, out, "--iterations", "1", "--save-every", "1", "--eval-every", "0", "--gain-init")
+    recast.train(recast.parse_args([*argv, "levels.json"]), extra_rewards=TINY_REWARDS)
+    assert json.loads((out / "config.json").read_text())["args"]["gain_init"] == str(tmp_path / "levels.json")
+    (tmp_path / "levels.json").unlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    recast.train(recast.parse_args(["--resume", str(out), "--iterations", "2"]), extra_rewards=TINY_REWARDS)
+    assert [m["iteration"] for m in read_metrics(out)] == [0, 1]
