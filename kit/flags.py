@@ -13,6 +13,7 @@ import functools
 import inspect
 import json
 import math
+import os
 import textwrap
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -203,21 +204,25 @@ def help_epilog():
 FIXED_ON_RESUME = ("model", "rewards", "steps", "lora_rank", "lora_alpha", "permute_rewards")
 
 
-def resume_value(name, value):
-    """A setting as --resume compares it: --permute-rewards as its set of names (order and spaces aside)."""
+def resume_value(name, value, paths=()):
+    """A setting as --resume compares it: --permute-rewards as its set of names (order and spaces aside); a flag of
+    `paths` (a file a script records absolute when its run starts) as an absolute path, so that the same file given
+    relative to this folder is the same setting."""
     if name == "permute_rewards" and isinstance(value, str):
         return sorted({n.strip() for n in value.split(",") if n.strip()})
+    if name in paths and isinstance(value, str) and value:
+        return os.path.abspath(value)
     return value
 
 
 NOT_ON_RESUME = ("name", "overwrite")  # they choose or replace a run folder; --resume continues its own
 
 
-def parse_flags(argv, Args, groups, doc, script, fixed=()):
+def parse_flags(argv, Args, groups, doc, script, fixed=(), paths=()):
     """A script's Args (the class; `groups` and `doc` as make_parser's) from the command line. With --resume DIR the
     settings come from DIR/config.json and flags given now override them, except FIXED_ON_RESUME and the script's
-    `fixed` (refused with both
-    values named); the run must be one of `script`'s; the run folder is DIR itself, wherever it lies now. With
+    `fixed` (refused with both values named; those of `paths`, files, compared as absolute paths); the run must be
+    one of `script`'s; the run folder is DIR itself, wherever it lies now. With
     --config FILE the file's values replace the defaults and flags given on the command line override them."""
     parser = make_parser(Args, groups, doc)
     config = vars(parser.parse_args(argv)).get("config")
@@ -256,7 +261,7 @@ def parse_flags(argv, Args, groups, doc, script, fixed=()):
     changed = [
         f"--{k.replace('_', '-')}: saved {saved.get(k, defaults.get(k))!r}, given {given[k]!r}"
         for k in (*FIXED_ON_RESUME, *fixed)
-        if k in given and resume_value(k, given[k]) != resume_value(k, saved.get(k, defaults.get(k)))
+        if k in given and resume_value(k, given[k], paths) != resume_value(k, saved.get(k, defaults.get(k)), paths)
     ]
     if changed:
         raise SystemExit(

@@ -593,3 +593,33 @@ def test_resume_needs_no_gain_init_file_and_a_relative_one_is_recorded_absolute(
     monkeypatch.chdir(elsewhere)
     recast.train(recast.parse_args(["--resume", str(out), "--iterations", "2"]), extra_rewards=TINY_REWARDS)
     assert [m["iteration"] for m in read_metrics(out)] == [0, 1]
+    shutil.rmtree(out / "checkpoints")  # no checkpoint: the resume starts at iteration 0 and reads the file
+    (out / "metrics.jsonl").unlink()
+    with pytest.raises(SystemExit, match="has no checkpoint yet, so it starts at iteration 0 .* put it back"):
+        recast.train(recast.parse_args(["--resume", str(out), "--iterations", "2"]), extra_rewards=TINY_REWARDS)
+
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+
+
+@pytest.mark.parametrize(
+    "script, more, words",
+    [
+        ("recast", ["--budgets", "1,2"], "2 budgets for 4 rewards"),
+        ("recast", ["--credit", "file", "--credit-file", "missing.json"], "needs --credit-file, a JSON file"),
+        ("recast", ["--gain-init", "missing.json"], "--gain-init .*missing.json: not a readable level-statistics"),
+        ("recast", ["--branch-steps", "0,12"], "--branch-steps must lie strictly between"),
+        ("rvge", ["--budgets", "1,-1,1,1,1"], "budget 2 is negative"),
+    ],
+)
+def test_dry_run_makes_the_input_checks_that_need_no_model_first(tmp_path, monkeypatch, capsys, script, more, words):
+    """--dry-run refuses what the run would refuse before any model loads (budgets, rewards, the method's flags, the
+    --credit-file and --gain-init files); what it cannot check without the model, a GPU or the user's files (prompt
+    files, reward-model weights and servers) it leaves to the run: the recipe's own dry run still prints its plan."""
+    monkeypatch.chdir(tmp_path)
+    config = str(CONFIGS / f"{script}-sd35m.yaml")
+    with pytest.raises(SystemExit, match=words):
+        __import__(script).main(["--config", config, "--dry-run", *more])
+    assert "memory" not in capsys.readouterr().out.lower()
+    assert __import__(script).main(["--config", config, "--dry-run"])["trainable_params"] > 0
+    assert not (tmp_path / "runs").exists()
