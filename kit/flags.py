@@ -342,7 +342,8 @@ class UniqueKeys(yaml.SafeLoader):
 def read_config_file(path, Args, script):
     """{field: value} of a --config file: YAML (.yaml, .yml) or JSON (.json) holding flag names (dashes or
     underscores) and values, or a run's config.json (its "args", less NEW_RUN_ONLY, so that the new run gets a
-    folder of its own); a byte-order mark is dropped. Unknown keys, a key given twice (also one flag spelled with
+    folder of its own); a byte-order mark is dropped. A `script` key (every recipe in configs/ has one) names the
+    script the file is for: another script refuses it. Unknown keys, a key given twice (also one flag spelled with
     dashes and with underscores), `overwrite` (it is given on the command line), values of the wrong type and values
     outside a flag's range are refused naming the file, the key and the fix."""
     suffix = Path(path).suffix.lower()
@@ -361,6 +362,18 @@ def read_config_file(path, Args, script):
         data = {k: v for k, v in data["args"].items() if k not in NEW_RUN_ONLY}
     if not isinstance(data, dict):
         raise SystemExit(f"--config {path}: the file must hold key: value lines (a mapping), not {type(data).__name__}")
+    if "script" in data:  # a recipe names the script it is for (configs/*.yaml); a file without the key is not checked
+        data = dict(data)
+        named = data.pop("script")
+        if not is_script(named):
+            raise SystemExit(
+                f"--config {path}: script {named!r} is not a training script here (recast, rvge). Fix the file"
+            )
+        if named != script:
+            raise SystemExit(
+                f"--config {path}: a recipe for {named}.py (its `script: {named}`); give it to {named}.py, or give "
+                f"{script}.py a recipe of its own"
+            )
     known = {f.name: f for f in fields(Args)}
     values = {}
     for key, value in data.items():

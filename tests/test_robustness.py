@@ -19,6 +19,7 @@ import matplotlib.figure
 import numpy as np
 import pytest
 import torch
+import yaml
 
 import evaluate
 import recast
@@ -623,3 +624,35 @@ def test_dry_run_makes_the_input_checks_that_need_no_model_first(tmp_path, monke
     assert "memory" not in capsys.readouterr().out.lower()
     assert __import__(script).main(["--config", config, "--dry-run"])["trainable_params"] > 0
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_recipe_names_its_script_and_the_other_script_refuses_it(tmp_path):
+    """Every shipped recipe says which script it is for (`script:`); the other script refuses it, naming both; a
+    file of flags without the key (the user's own) is read as before."""
+    for recipe in sorted(CONFIGS.glob("*.yaml")):
+        own = recipe.name.split("-")[0] if recipe.name.startswith("rvge") else "recast"
+        other = "recast" if own == "rvge" else "rvge"
+        assert yaml.safe_load(recipe.read_text()).get("script") == own, recipe.name
+        with pytest.raises(SystemExit, match=f"a recipe for {own}.py .*give it to {own}.py"):
+            __import__(other).parse_args(["--config", str(recipe)])
+    (tmp_path / "c.yaml").write_text("script: nowhere\nseed: 3\n")
+    with pytest.raises(SystemExit, match="script 'nowhere' is not a training script here"):
+        recast.parse_args(["--config", str(tmp_path / "c.yaml")])
+    (tmp_path / "c.yaml").write_text("seed: 3\n")
+    assert recast.parse_args(["--config", str(tmp_path / "c.yaml")]).seed == 3
+
+
+def test_resume_with_fewer_iterations_than_trained_is_refused_and_changes_nothing(evaluated_run, tmp_path, capsys):
+    """--resume RUN --iterations 1 of a run that trained 2: refused before any file changes (config.json would say 1
+    while metrics.jsonl holds 2 lines), naming what was trained and the fix; --iterations 2 (as many as trained) says
+    that nothing is left to train."""
+    out = copy_of(evaluated_run, tmp_path)
+    before = snapshot(out)
+    with pytest.raises(SystemExit, match="trained 2 iterations .* --iterations 1 .* Give --iterations 3 or more"):
+        recast.train(recast.parse_args(["--resume", str(out), "--iterations", "1"]), extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
+    capsys.readouterr()
+    recast.train(recast.parse_args(["--resume", str(out), "--iterations", "2"]), extra_rewards=TINY_REWARDS)
+    said = capsys.readouterr()
+    assert "nothing is left to train" in said.out + said.err
+    assert [m["iteration"] for m in read_metrics(out)] == [0, 1]
