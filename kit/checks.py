@@ -116,6 +116,11 @@ def check_common(args, extra_rewards=None):
     except ValueError as err:
         raise SystemExit(f"--budgets: {err}") from None
     names = [n.strip() for n in args.rewards.split(",") if n.strip()]
+    if args.rewards.strip() and not names:
+        raise SystemExit(
+            f"--rewards {args.rewards!r} names no reward: give comma-separated reward names, or omit --rewards for "
+            "the model's defaults"
+        )
     if not names:
         if not is_embedded(args.model):
             raise SystemExit("--rewards is required for this model, e.g. --rewards pickscore,clipscore,aesthetic,ocr")

@@ -14,6 +14,8 @@ import inspect
 import json
 import math
 import os
+import re
+import sys
 import textwrap
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -215,6 +217,14 @@ def resume_value(name, value, paths=()):
     return value
 
 
+def shown_setting(name, value, model):
+    """A setting as a --resume refusal names it: its repr, and for an empty --rewards the rewards it stands for (the
+    embedded world's defaults)."""
+    if name == "rewards" and isinstance(value, str) and not value.strip() and is_embedded(model):
+        return f"{value!r} (the default: {','.join(load_world(model).DEFAULT_REWARDS)})"
+    return repr(value)
+
+
 NOT_ON_RESUME = ("name", "overwrite")  # they choose or replace a run folder; --resume continues its own
 
 
@@ -224,6 +234,7 @@ def parse_flags(argv, Args, groups, doc, script, fixed=(), paths=()):
     `fixed` (refused with both values named; those of `paths`, files, compared as absolute paths); the run must be
     one of `script`'s; the run folder is DIR itself, wherever it lies now. With
     --config FILE the file's values replace the defaults and flags given on the command line override them."""
+    argv = dash_values(argv, Args)
     parser = make_parser(Args, groups, doc)
     config = vars(parser.parse_args(argv)).get("config")
     if config is not None:
@@ -258,8 +269,10 @@ def parse_flags(argv, Args, groups, doc, script, fixed=(), paths=()):
             "To branch a run, copy its folder and resume the copy"
         )
     defaults = {f.name: f.default for f in fields(Args)}
+    model = saved.get("model", defaults["model"])
     changed = [
-        f"--{k.replace('_', '-')}: saved {saved.get(k, defaults.get(k))!r}, given {given[k]!r}"
+        f"--{k.replace('_', '-')}: saved {shown_setting(k, saved.get(k, defaults.get(k)), model)}, "
+        f"given {shown_setting(k, given[k], model)}"
         for k in (*FIXED_ON_RESUME, *fixed)
         if k in given and resume_value(k, given[k], paths) != resume_value(k, saved.get(k, defaults.get(k)), paths)
     ]
@@ -272,6 +285,23 @@ def parse_flags(argv, Args, groups, doc, script, fixed=(), paths=()):
     args = Args(**{**{k: v for k, v in saved.items() if k in known and k not in NOT_ON_RESUME}, **given})
     args.out, args.resume = str(args.resume), str(args.resume)
     return args
+
+
+def dash_values(argv, Args):
+    """The command line (sys.argv's when argv is None) with `--flag -0.1,1.1` written `--flag=-0.1,1.1` where a flag
+    that takes a value is followed by one that starts with a dash and a digit or a dot: argparse takes such a value
+    for an option ("expected one argument"), so the flag's own check (a negative budget) never saw it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    valued = {"--" + f.name.replace("_", "-") for f in fields(Args) if f.type not in (bool, "bool")}
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in valued and i + 1 < len(argv) and re.match(r"-[0-9.]", argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 def is_script(name):

@@ -656,3 +656,43 @@ def test_resume_with_fewer_iterations_than_trained_is_refused_and_changes_nothin
     said = capsys.readouterr()
     assert "nothing is left to train" in said.out + said.err
     assert [m["iteration"] for m in read_metrics(out)] == [0, 1]
+
+
+def test_resume_names_the_rewards_an_empty_saved_rewards_stands_for(tmp_path):
+    """--resume with --rewards of a run saved with --rewards '' (the embedded world's defaults): the refusal says which
+    rewards '' stands for."""
+    (tmp_path / "run").mkdir()
+    saved = {"args": {**asdict(recast.parse_args([])), "rewards": ""}, "script": "recast"}
+    (tmp_path / "run" / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(SystemExit, match=re.escape("saved '' (the default: geneval,grain,detail,shape), given 'g")):
+        recast.parse_args(["--resume", str(tmp_path / "run"), "--rewards", "geneval,grain"])
+
+
+def test_a_negative_budget_after_a_space_and_rewards_that_name_none_are_named(capsys):
+    """--budgets -0.1,1.1,0,0 (a value that starts with a dash) reads as --budgets=-0.1,... does: the budgets' own
+    message, not argparse's "expected one argument"; --rewards ',' names no reward and is refused, not trained as
+    the defaults."""
+    for script in (recast, rvge):
+        args = script.parse_args(["--budgets", "-0.1,1.1,0,0"])
+        assert args.budgets == "-0.1,1.1,0,0"
+        with pytest.raises(SystemExit, match="budget 1 is negative"):
+            script.main(["--budgets", "-0.1,1.1,0,0", "--dry-run"])
+        with pytest.raises(SystemExit, match="--rewards ',' names no reward"):
+            script.main(["--rewards", ",", "--budgets", "1", "--dry-run"])
+    with pytest.raises(SystemExit):  # a flag where a value belongs is still argparse's error
+        recast.parse_args(["--out", "--seed", "1"])
+    assert "expected one argument" in capsys.readouterr().err
+
+
+def test_the_closing_lines_are_valid_python_for_a_folder_with_a_quote(evaluated_run, tmp_path, capsys):
+    """The closing line that loads the trained LoRA is Python that names the folder exactly, whatever its name holds
+    (a double quote, a backslash); an ordinary folder reads as before, in double quotes."""
+    import ast
+
+    out = copy_of(evaluated_run, tmp_path, 'l4 "q" \\run')
+    line = next(x for x in figures.print_summary(out) if "load_lora_adapter" in x)
+    calls = [n for n in ast.walk(ast.parse(line.strip())) if isinstance(n, ast.Call)]
+    named = {n.func.attr: n.args[0].value for n in calls if isinstance(n.func, ast.Attribute) and n.args}
+    assert named["load_lora_adapter"] == str(out / "checkpoints" / "iter_000001")
+    plain = next(x for x in figures.print_summary(evaluated_run.out) if "load_lora_adapter" in x)
+    assert f'load_lora_adapter("{evaluated_run.out / "checkpoints" / "iter_000001"}"' in plain
