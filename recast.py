@@ -878,15 +878,18 @@ def read_credit_file(path_name, names, T, budgets):
     total, so the total fixes nothing but this check)."""
     path = Path(path_name)
     if not path_name or not path.is_file():
-        raise SystemExit(f"--credit file needs --credit-file, a JSON file with the W to train with; {path} is not one")
+        what = f"{path} is not one" if path_name else "none was given"
+        raise SystemExit(f"--credit file needs --credit-file, a JSON file with the W to train with; {what}")
     try:
         spec = json.loads(path.read_text())
         W = np.asarray(spec["W"], dtype=np.float64)
-        rewards = list(spec["rewards"])
+        rewards = spec["rewards"]
     except (ValueError, KeyError, TypeError) as err:
         raise SystemExit(f'--credit-file {path}: not {{"rewards": [...], "W": [[...]]}} JSON ({err}); fix the file')
     problem = (
-        f"its rewards {rewards} are not --rewards {list(names)} (in that order)"
+        f"its rewards is {rewards!r}, not a list of names ({list(names)})"
+        if not isinstance(rewards, list) or not all(isinstance(n, str) for n in rewards)
+        else f"its rewards {rewards} are not --rewards {list(names)} (in that order)"
         if rewards != list(names)
         else f"W has shape {W.shape}, not ({len(names)}, {T}) (rewards x --steps)"
         if W.shape != (len(names), T)

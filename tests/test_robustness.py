@@ -696,3 +696,45 @@ def test_the_closing_lines_are_valid_python_for_a_folder_with_a_quote(evaluated_
     assert named["load_lora_adapter"] == str(out / "checkpoints" / "iter_000001")
     plain = next(x for x in figures.print_summary(evaluated_run.out) if "load_lora_adapter" in x)
     assert f'load_lora_adapter("{evaluated_run.out / "checkpoints" / "iter_000001"}"' in plain
+
+
+def test_a_credit_file_whose_rewards_is_a_string_and_credit_file_without_a_file_are_named(tmp_path):
+    """--credit-file with "rewards": "brightness,redness" (a string): named as such, not as a list of characters;
+    --credit file without --credit-file says that none was given, not that `.` is not one."""
+    path = tmp_path / "W.json"
+    path.write_text(json.dumps({"rewards": "brightness,redness", "W": (np.ones((2, 10)) / 20).tolist()}))
+    with pytest.raises(SystemExit) as err:
+        recast.read_credit_file(str(path), ["brightness", "redness"], 10, [0.6, 0.4])
+    assert "rewards is 'brightness,redness', not a list of names" in str(err.value) and "['b'" not in str(err.value)
+    with pytest.raises(SystemExit) as err:
+        recast.read_credit_file("", ["brightness", "redness"], 10, [0.6, 0.4])
+    assert "none was given" in str(err.value) and " . " not in str(err.value) and ". is not" not in str(err.value)
+
+
+def test_two_evaluations_of_one_checkpoint_never_write_over_each_other(evaluated_run, tmp_path, monkeypatch):
+    """Two evaluate.py of one checkpoint at once, both past the check that the result is new: the second to start is
+    refused before its model loads (the first holds <result>.lock); one whose result another wrote meanwhile is
+    refused at the write, the other's result kept (exclusive create), and neither leaves a .tmp or .lock behind."""
+    import fcntl
+
+    from kit import session
+
+    out = copy_of(evaluated_run, tmp_path)
+    result = out / "eval-iter_000001.json"
+    with open(out / "eval-iter_000001.json.lock", "w") as held:  # another evaluate.py at work on the same result
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit, match="another evaluate.py is writing .*eval-iter_000001.json"):
+            evaluate.main([str(out)], extra_rewards=TINY_REWARDS)
+    (out / "eval-iter_000001.json.lock").unlink()
+    real = session.evaluate
+
+    def the_other_finishes_first(*args, **kwargs):
+        done = real(*args, **kwargs)
+        result.write_text("the other's")
+        return done
+
+    monkeypatch.setattr(session, "evaluate", the_other_finishes_first)
+    with pytest.raises(SystemExit, match="written meanwhile"):
+        evaluate.main([str(out)], extra_rewards=TINY_REWARDS)
+    assert result.read_text() == "the other's"
+    assert not [p.name for p in out.iterdir() if p.name.endswith((".tmp", ".json.lock"))]
