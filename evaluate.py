@@ -10,10 +10,12 @@ On the run's settings the numbers are the eval/* the run logged at that iteratio
 Writes <run>/eval-<checkpoint>.json (the metrics and every image's rewards), the first samples beside it as .png,
 and prints a table beside what the run logged. Everything is checked before any model loads: the checkpoint (a run
 folder gives its newest loadable one, as --resume finds it, and says which; a run still training may rotate
-checkpoints meanwhile), and the result path (never one of the run's own files; an earlier result only with --replace).
+checkpoints meanwhile), and the result path (never one of the run's own files; an earlier result only with --replace;
+two evaluations of one checkpoint at once never write over each other: the second is refused).
 """
 
 import argparse
+import fcntl
 import importlib
 import json
 import os
@@ -143,6 +145,55 @@ def result_path(out, cli, label):
     return path
 
 
+def claim_result(path):
+    """An exclusive lock on <path>.lock for this process's lifetime (released by `release`, which removes the file; a
+    killed process's lock is released with it): two evaluate.py of one checkpoint would both pass result_path's
+    check, then write over each other. Returns (the open lock file, its path). SystemExit when another holds it."""
+    lock = path.with_name(path.name + ".lock")
+    handle = open(lock, "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise SystemExit(
+            f"another evaluate.py is writing {path} (it holds {lock}): wait for it to finish, or give --json another "
+            "path"
+        ) from None
+    return handle, lock
+
+
+def release(claim):
+    """The end of `claim_result`'s lock: its file removed, then the lock released."""
+    handle, lock = claim
+    lock.unlink(missing_ok=True)
+    handle.close()
+
+
+def write_result(path, text, replace):
+    """The result file: with --replace written over (atomically); else created only where no file is (a link of a
+    complete .tmp, exclusive), so that a result another evaluation wrote meanwhile is never replaced (SystemExit)."""
+    if replace:
+        records.write_atomic(path, text)
+        return
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.link(tmp, path)
+    except FileExistsError:
+        raise SystemExit(
+            f"{path} was written meanwhile (another evaluation?); this evaluation's result is not written. Give "
+            "--replace to write over it, or --json another path"
+        ) from None
+    except OSError:  # a file system without hard links: the check under the claim, then the atomic write
+        if path.exists():
+            raise SystemExit(
+                f"{path} was written meanwhile (another evaluation?); give --replace, or --json another path"
+            )
+        records.write_atomic(path, text)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def in_own_terms(err, out):
     """A check's SystemExit whose fix names flags evaluate.py does not take (they are the run's settings, from its
     config.json), with a line that says so."""
@@ -186,6 +237,20 @@ def main(argv=None, extra_rewards=None, judges=None):
     ckpt, state = (None, None) if cli.base else read_checkpoint(out, ckpt)
     label = "base" if cli.base else ckpt.name
     path = result_path(out, cli, label)  # before the model loads
+    first = folders.is_first_process(args)  # the one that writes the result (every process evaluates its share)
+    claim = claim_result(path) if first else None  # a second evaluate.py of the same result is refused here
+    try:
+        if first:
+            result_path(out, cli, label)  # again, under the claim: another evaluate.py may have finished meanwhile
+        return evaluate_into(path, cli, out, config, args, names, budgets, branch, state, label, extra_rewards, judges)
+    finally:
+        if claim:
+            release(claim)
+
+
+def evaluate_into(path, cli, out, config, args, names, budgets, branch, state, label, extra_rewards, judges):
+    """Evaluate the checkpoint (`state`; the pretrained model with --base) and write the result to `path` and its PNG
+    (`write_result`). Returns the metrics."""
     existed = path.exists() or path.with_suffix(".png").exists()
     run = session.load_run(args, names, budgets, branch, config["script"], extra_rewards, judges, lock=False)
     iteration = -1
@@ -220,7 +285,7 @@ def main(argv=None, extra_rewards=None, judges=None):
         "metrics": metrics,
         "images": [{"prompt": q, **{n: float(r) for n, r in zip(names, row)}} for q, row in zip(run.eval_prompts, R)],
     }
-    records.write_atomic(path, json.dumps(result, indent=2))
+    write_result(path, json.dumps(result, indent=2), cli.replace)
     figures.save_grid(
         images,
         path.with_suffix(".png"),

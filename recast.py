@@ -49,6 +49,7 @@ Where to change what (nft.x: in nft.py; sd3.x: in sd3.py; flags.x, session.x, ..
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -555,12 +556,9 @@ def train(args: Args, extra_rewards=None, judges=None):
     """The whole run: per iteration rollout -> rewards -> credit (D, W) -> NFT update -> soft update
     of "old" -> log / evaluate / checkpoint. Returns the run folder."""
     run = setup_run(args, extra_rewards, judges)
-    prior = gain_prior(args, run.names)  # --gain-init: the world's pretrained profiles by default, else None
     start, state = start_or_resume(run, args)
     budgets = run.budgets
-    settings = credit_settings(args)._replace(fixed_W=fixed_W_of(args, run.names, budgets))  # --credit file's W
-    if start == 0 and prior is not None:
-        state["level_stats"] = prior
+    settings = credit_settings(args)._replace(fixed_W=started_with(run, args, start, state))  # --credit file's W
 
     def on_step():  # after every optimizer step: the EMA of the trained LoRA (DiffusionNFT's evaluation weights)
         state["opt_steps"] += 1
@@ -648,7 +646,8 @@ class Args(NFTArgs, RunArgs):
     (a control of the experiments)"""
     credit_file: str = flag("", "controls")
     """--credit file's W: a JSON {"rewards": [names in --rewards order], "W": K x T entries >= 0 summing to the
-    budgets' sum}; its rows need not sum to each budget nor its columns be equal (a column's sum weights its step)"""
+    budgets' sum}; its rows need not sum to each budget nor its columns be equal (a column's sum weights its step; a
+    column of zeros: no weight at that step). Read when the run starts: a --resume trains the W it started with"""
     gain_estimator: str = flag("pairs", "method", choices=["pairs", "denoised"])
     """pairs: sibling-leaf pair products (alpha = 2; levels exact as the SDE steps shrink, see --sde-substeps);
     denoised: rewards of decoded x0_hat at the layout's steps (any alpha, plug-in biased)"""
@@ -684,7 +683,8 @@ class Args(NFTArgs, RunArgs):
 def validate(args: Args, extra_rewards=None):
     """Every check on the user's input, before any model is loaded or any file in a run folder changes: the shared
     ones (check_common, check_files) and this method's. Resolves the run folder (args.out). Returns (reward names,
-    budgets, branch steps). Raises SystemExit with the problem and the fix."""
+    budgets, branch steps). Raises SystemExit with the problem and the fix. --dry-run: those that need no model, GPU,
+    prompt file or run folder."""
     names, budgets, branch = check_common(args, extra_rewards)
     if credit_settings(args).learn_W and args.gain_estimator == "pairs" and args.sampler == "ode":
         raise SystemExit(
@@ -699,8 +699,16 @@ def validate(args: Args, extra_rewards=None):
             )
         if args.n_roots < 2 or not branch:
             raise SystemExit("--gain-estimator pairs needs --n-roots >= 2 and at least one --branch-steps entry")
-    gain_prior(args, names)  # --gain-init: refused here when it does not fit the run
-    fixed_W_of(args, names, budgets)  # --credit file: refused here when its W does not fit the run
+    if not args.resume:  # a new run records where its files are, wherever it is resumed from
+        record_absolute_paths(args)
+    if resumes_a_checkpoint(args):  # its checkpoint holds what --gain-init and --credit-file gave (`started_with`)
+        if args.credit != "file" and args.credit_file:
+            fixed_W_of(args, names, budgets)  # refused: --credit-file without --credit file
+    else:
+        gain_prior(args, names)  # --gain-init: refused here when it does not fit the run
+        fixed_W_of(args, names, budgets)  # --credit file: refused here when its W does not fit the run
+    if args.dry_run:  # no prompt file, run folder or model: the plan needs none of them
+        return names, budgets, branch
     check_files(args, names)
     args.out = run_folder(args, default_name(args))
     return names, budgets, branch
@@ -719,8 +727,10 @@ def shows_W(args):
 
 # Refused on --resume when they differ from the saved run, beside the kit's (kit.flags.FIXED_ON_RESUME): the level
 # statistics a checkpoint holds were measured with the gain estimator and order; --gain-init only seeds iteration 0;
-# --credit, --credit-file and --column-units say what the run is (its method, or a control).
+# --credit, --credit-file and --column-units say what the run is (its method, or a control). The files of --gain-init
+# and --credit-file are read when the run starts only (`started_with`): a resume from a checkpoint needs neither.
 FIXED_ON_RESUME = ("gain_estimator", "alpha", "gain_init", "credit", "credit_file", "column_units")
+FILE_FLAGS = ("gain_init", "credit_file")  # recorded as absolute paths when a run starts (`record_absolute_paths`)
 
 
 # =============================================================================
@@ -769,10 +779,60 @@ def equal_columns(W):
     """Split a W with unequal column sums c_j into the step weight omega_j = T c_j / Lam and the equal-column
     W' = W Lam / (T c_j). The NFT loss is linear in r (derivations.ipynb §4), so
     sum_k (T / Lam) W_kj L(r_k) = omega_j L(r~'_j) with r~'_j = mix_optimality(r, W', j) in [0, 1].
-    W (K, T) -> (omega (T,), W')."""
+    A column of zeros (a --credit file's "no weight at these steps") gets omega_j = 0 and the uniform column
+    Lam / (K T) in W' (any column would do: the step's loss is multiplied by 0, so its samples carry no policy
+    gradient). W (K, T) -> (omega (T,), W')."""
     W = np.asarray(W, dtype=np.float64)
-    Lam, T, c = W.sum(), W.shape[1], W.sum(0)
-    return T * c / Lam, W * (Lam / T) / c
+    Lam, (K, T), c = W.sum(), W.shape, W.sum(0)
+    used = c > 0
+    return T * c / Lam, np.where(used, W * (Lam / T) / np.where(used, c, 1.0), Lam / (K * T))
+
+
+def record_absolute_paths(args):
+    """A new run's --gain-init and --credit-file as absolute paths (config.json records them so): a --resume from
+    another folder names the same files. --gain-init's world and none stay as they are."""
+    if args.gain_init not in ("", "none", "world"):
+        args.gain_init = os.path.abspath(args.gain_init)
+    if args.credit_file:
+        args.credit_file = os.path.abspath(args.credit_file)
+
+
+def resumes_a_checkpoint(args):
+    """Whether this start continues a run from a checkpoint (--resume of a folder that holds one): --gain-init and
+    --credit-file were read when the run started, and the checkpoint holds what they gave."""
+    return bool(args.resume) and any((Path(args.resume) / "checkpoints").glob("iter_??????"))
+
+
+def started_with(run, args, start, state):
+    """What --gain-init and --credit-file give a run, read once, when it starts (iteration 0), so that a resumed run
+    trains on exactly what it started with, whatever became of the files since. --gain-init: the level statistics
+    iteration 0 starts from (state["level_stats"]; a checkpoint holds the run's own since). --credit file: its W
+    (`fixed_W_of`), recorded in state["credit_W"] and so in every checkpoint; a resume trains the recorded W and says
+    so when the file now differs or is gone (a checkpoint that predates the record reads the file). Returns the W of
+    --credit file, else None."""
+    if start == 0:
+        prior = gain_prior(args, run.names)  # the world's pretrained profiles by default, else None
+        if prior is not None:
+            state["level_stats"] = prior
+    if args.credit != "file":
+        return None
+    W = state.get("credit_W") if start > 0 else None
+    if W is None:
+        W = fixed_W_of(args, run.names, run.budgets)
+    elif run.acc.is_main_process:
+        try:
+            now = read_credit_file(args.credit_file, run.names, args.steps, run.budgets)
+            by = np.abs(now - W).max()
+            change = f"differs from the W the run started with (entries by up to {by:.3g})" if by > 0 else None
+        except SystemExit as err:
+            change = f"no longer gives a W for this run ({err})"
+        if change:
+            tqdm.write(
+                f"--credit-file {args.credit_file} {change}: the run goes on with the W it started with, recorded "
+                "in its checkpoints. To train the file's W, start a new run with it"
+            )
+    state["credit_W"] = np.asarray(W, dtype=np.float64)
+    return state["credit_W"]
 
 
 def fixed_W_of(args, names, budgets):
@@ -794,7 +854,13 @@ def gain_prior(args, names):
     if args.gain_init in ("", "none"):
         return None
     if args.gain_init != "world":
-        return read_level_stats(args.gain_init, names, args.steps)
+        fix = (
+            f"The run {args.resume} has no checkpoint yet, so it starts at iteration 0 and reads the file: put it "
+            "back, or start a new run"
+            if args.resume
+            else None
+        )
+        return read_level_stats(args.gain_init, names, args.steps, fix)
     profiles = load_world(EMBEDDED_MODEL).PROFILES_PATH
     saved = json.loads(profiles.read_text())
     fits = (
@@ -812,15 +878,18 @@ def read_credit_file(path_name, names, T, budgets):
     total, so the total fixes nothing but this check)."""
     path = Path(path_name)
     if not path_name or not path.is_file():
-        raise SystemExit(f"--credit file needs --credit-file, a JSON file with the W to train with; {path} is not one")
+        what = f"{path} is not one" if path_name else "none was given"
+        raise SystemExit(f"--credit file needs --credit-file, a JSON file with the W to train with; {what}")
     try:
         spec = json.loads(path.read_text())
         W = np.asarray(spec["W"], dtype=np.float64)
-        rewards = list(spec["rewards"])
+        rewards = spec["rewards"]
     except (ValueError, KeyError, TypeError) as err:
         raise SystemExit(f'--credit-file {path}: not {{"rewards": [...], "W": [[...]]}} JSON ({err}); fix the file')
     problem = (
-        f"its rewards {rewards} are not --rewards {list(names)} (in that order)"
+        f"its rewards is {rewards!r}, not a list of names ({list(names)})"
+        if not isinstance(rewards, list) or not all(isinstance(n, str) for n in rewards)
+        else f"its rewards {rewards} are not --rewards {list(names)} (in that order)"
         if rewards != list(names)
         else f"W has shape {W.shape}, not ({len(names)}, {T}) (rewards x --steps)"
         if W.shape != (len(names), T)
@@ -835,13 +904,14 @@ def read_credit_file(path_name, names, T, budgets):
     return W
 
 
-def read_level_stats(path, names, T):
+def read_level_stats(path, names, T, fix=None):
     """[n (T+1,), s1 (K, T+1), s2 (K, T+1)]: the rows of `names` from a level-statistics file (experiments/protocol.py
     `measure_profiles`), the gain statistics recast.py starts from with --gain-init. They are discounted by
     --gain-ema like the run's own, so the prior's weight halves every ~7 iterations at 0.9. A file that is missing,
     not JSON, without the run's rewards, of other steps, of the wrong shapes, or with null/NaN/inf statistics (which
-    would switch the credit off: W uniform, evidence 0) is refused naming the file and the field."""
-    fix = "Make one with experiments/protocol.py's measure_profiles, or omit --gain-init"
+    would switch the credit off: W uniform, evidence 0) is refused naming the file and the field, and `fix` (by
+    default: make the file, or omit --gain-init)."""
+    fix = fix or "Make one with experiments/protocol.py's measure_profiles, or omit --gain-init"
     try:
         saved = json.loads(Path(path).read_text())
         rows = [saved["names"].index(k) for k in names]
@@ -853,8 +923,7 @@ def read_level_stats(path, names, T):
         ) from None
     if steps != T or estimator != "pairs":
         raise SystemExit(
-            f"--gain-init {path}: measured with {steps} steps ({estimator}), this run has --steps {T} (pairs): "
-            "measure again with these settings, or omit --gain-init"
+            f"--gain-init {path}: measured with {steps} steps ({estimator}), this run has --steps {T} (pairs). {fix}"
         )
     stats = []
     for key, shape in (("n", (T + 1,)), ("s1", (len(saved["names"]), T + 1)), ("s2", (len(saved["names"]), T + 1))):
@@ -883,7 +952,7 @@ def read_level_stats(path, names, T):
 
 def parse_args(argv=None) -> Args:
     """This script's Args from the command line (`flags.parse_flags`; --resume DIR reads DIR/config.json)."""
-    return parse_flags(argv, Args, ARG_GROUPS, __doc__, Path(__file__).stem, FIXED_ON_RESUME)
+    return parse_flags(argv, Args, ARG_GROUPS, __doc__, Path(__file__).stem, FIXED_ON_RESUME, FILE_FLAGS)
 
 
 def setup_run(args: Args, extra_rewards=None, judges=None) -> Run:
@@ -894,7 +963,8 @@ def setup_run(args: Args, extra_rewards=None, judges=None) -> Run:
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.dry_run:
+    if args.dry_run:  # the input checks that need no model first (`validate`), then the plan
+        validate(args)
         return dry_run(args)
     return train(args)  # the console: one progress bar, then print_summary's lines
 

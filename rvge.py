@@ -539,7 +539,8 @@ class Args(NFTArgs, RunArgs):
 def validate(args: Args, extra_rewards=None):
     """Every check on the user's input, before any model is loaded or any file in a run folder changes: the shared
     ones (check_common, check_files) and this method's. Resolves the run folder (args.out). Returns (reward names,
-    budgets, branch steps). Raises SystemExit with the problem and the fix."""
+    budgets, branch steps). Raises SystemExit with the problem and the fix. --dry-run: those that need no model, GPU,
+    prompt file or run folder."""
     names, budgets, branch = check_common(args, extra_rewards)
     if branch == "rotate":
         raise SystemExit(
@@ -576,6 +577,8 @@ def validate(args: Args, extra_rewards=None):
         raise SystemExit(
             "--credit recast estimates gains from branched pairs: it needs --n-roots >= 2 and a --branch-steps entry"
         )
+    if args.dry_run:  # no prompt file, run folder or model: the plan needs none of them
+        return names, budgets, branch
     check_files(args, names)
     args.out = run_folder(args, default_name(args))
     return names, budgets, branch
@@ -618,7 +621,8 @@ def setup_run(args: Args, extra_rewards=None, judges=None) -> Run:
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.dry_run:
+    if args.dry_run:  # the input checks that need no model first (`validate`), then the plan
+        validate(args)
         return dry_run(args)
     return train(args)  # the console: one progress bar, then print_summary's lines
 

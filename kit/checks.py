@@ -78,8 +78,9 @@ def check_launch():
 def check_common(args, extra_rewards=None):
     """The checks both scripts make on the user's input, before any model is loaded or any file in a run folder
     changes: flag ranges, tracker, resolution, device, model, budgets and rewards (the reward models' weights, files
-    and server there: reward_models.missing_inputs), branch steps. Returns (reward
-    names, budgets, branch steps). Raises SystemExit with the problem and the fix."""
+    and server there: reward_models.missing_inputs), branch steps. With --dry-run only those that need no GPU, no
+    model and no reward model (the plan is made without them). Returns (reward names, budgets, branch steps). Raises
+    SystemExit with the problem and the fix."""
     check_ranges(args)
     check_precision(args)
     check_report_to(args.report_to)
@@ -92,7 +93,7 @@ def check_common(args, extra_rewards=None):
     device = args.device.split(":")[0]
     if device not in ("", "cpu", "cuda"):
         raise SystemExit(f"--device {args.device!r}: give cpu, cuda or cuda:N (or omit it: cuda when available)")
-    if device == "cuda" and not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available() and not args.dry_run:
         raise SystemExit(f"--device {args.device}: no CUDA GPU is visible here. Use --device cpu (or omit --device)")
     model_path = Path(args.model)
     if not args.dry_run:
@@ -114,6 +115,11 @@ def check_common(args, extra_rewards=None):
     except ValueError as err:
         raise SystemExit(f"--budgets: {err}") from None
     names = [n.strip() for n in args.rewards.split(",") if n.strip()]
+    if args.rewards.strip() and not names:
+        raise SystemExit(
+            f"--rewards {args.rewards!r} names no reward: give comma-separated reward names, or omit --rewards for "
+            "the model's defaults"
+        )
     if not names:
         if not is_embedded(args.model):
             raise SystemExit("--rewards is required for this model, e.g. --rewards pickscore,clipscore,aesthetic,ocr")
@@ -143,6 +149,8 @@ def check_common(args, extra_rewards=None):
             "--train-prompts is not used with the embedded model (it samples prompts of its own world): "
             "omit it, or give --model"
         )
+    if args.dry_run:  # the reward models' weights and servers are the run's to check
+        return names, budgets, branch
     problems = missing_inputs([n for n in names if n not in reward_extras(args.model, extra_rewards)], args)
     if problems:  # last: it may ask the hub or the GenEval server
         raise SystemExit(f"--rewards {','.join(names)}: a reward model cannot start:\n  " + "\n  ".join(problems))

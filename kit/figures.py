@@ -280,6 +280,12 @@ def sampling_line(args, embedded):
     )
 
 
+def python_str(text):
+    """A Python string literal of str(text) in double quotes (JSON's escapes are Python's): a path of the closing lines
+    stays valid Python whatever its name holds (a quote, a backslash), and reads as before where it holds none."""
+    return json.dumps(str(text))
+
+
 def print_summary(out, departure=False):
     """The closing lines of a run on the console (first process, after the progress bar), from its config.json and
     metrics.jsonl: the held-out evaluation before -> after per reward, weighted and judge (eval_before/*, logged
@@ -317,8 +323,8 @@ def print_summary(out, departure=False):
         local = ", local_files_only=True" if embedded else ""
         lines.append(f"trained LoRA{' (its EMA, as evaluated)' if args.get('ema') else ''}: {folder}")
         lines.append(  # kit/README.md's lines: the transformer's LoRA only, so diffusers logs no text-encoder notice
-            f'  pipe = StableDiffusion3Pipeline.from_pretrained("{args["model"]}"{local}); '
-            f'pipe.transformer.load_lora_adapter("{folder}", prefix="transformer", '
+            f"  pipe = StableDiffusion3Pipeline.from_pretrained({python_str(args['model'])}{local}); "
+            f'pipe.transformer.load_lora_adapter({python_str(folder)}, prefix="transformer", '
             'weight_name="pytorch_lora_weights.safetensors")'
         )
         lines.append(sampling_line(args, embedded))

@@ -13,6 +13,9 @@ import functools
 import inspect
 import json
 import math
+import os
+import re
+import sys
 import textwrap
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -203,22 +206,35 @@ def help_epilog():
 FIXED_ON_RESUME = ("model", "rewards", "steps", "lora_rank", "lora_alpha", "permute_rewards")
 
 
-def resume_value(name, value):
-    """A setting as --resume compares it: --permute-rewards as its set of names (order and spaces aside)."""
+def resume_value(name, value, paths=()):
+    """A setting as --resume compares it: --permute-rewards as its set of names (order and spaces aside); a flag of
+    `paths` (a file a script records absolute when its run starts) as an absolute path, so that the same file given
+    relative to this folder is the same setting."""
     if name == "permute_rewards" and isinstance(value, str):
         return sorted({n.strip() for n in value.split(",") if n.strip()})
+    if name in paths and isinstance(value, str) and value:
+        return os.path.abspath(value)
     return value
+
+
+def shown_setting(name, value, model):
+    """A setting as a --resume refusal names it: its repr, and for an empty --rewards the rewards it stands for (the
+    embedded world's defaults)."""
+    if name == "rewards" and isinstance(value, str) and not value.strip() and is_embedded(model):
+        return f"{value!r} (the default: {','.join(load_world(model).DEFAULT_REWARDS)})"
+    return repr(value)
 
 
 NOT_ON_RESUME = ("name", "overwrite")  # they choose or replace a run folder; --resume continues its own
 
 
-def parse_flags(argv, Args, groups, doc, script, fixed=()):
+def parse_flags(argv, Args, groups, doc, script, fixed=(), paths=()):
     """A script's Args (the class; `groups` and `doc` as make_parser's) from the command line. With --resume DIR the
     settings come from DIR/config.json and flags given now override them, except FIXED_ON_RESUME and the script's
-    `fixed` (refused with both
-    values named); the run must be one of `script`'s; the run folder is DIR itself, wherever it lies now. With
+    `fixed` (refused with both values named; those of `paths`, files, compared as absolute paths); the run must be
+    one of `script`'s; the run folder is DIR itself, wherever it lies now. With
     --config FILE the file's values replace the defaults and flags given on the command line override them."""
+    argv = dash_values(argv, Args)
     parser = make_parser(Args, groups, doc)
     config = vars(parser.parse_args(argv)).get("config")
     if config is not None:
@@ -253,10 +269,12 @@ def parse_flags(argv, Args, groups, doc, script, fixed=()):
             "To branch a run, copy its folder and resume the copy"
         )
     defaults = {f.name: f.default for f in fields(Args)}
+    model = saved.get("model", defaults["model"])
     changed = [
-        f"--{k.replace('_', '-')}: saved {saved.get(k, defaults.get(k))!r}, given {given[k]!r}"
+        f"--{k.replace('_', '-')}: saved {shown_setting(k, saved.get(k, defaults.get(k)), model)}, "
+        f"given {shown_setting(k, given[k], model)}"
         for k in (*FIXED_ON_RESUME, *fixed)
-        if k in given and resume_value(k, given[k]) != resume_value(k, saved.get(k, defaults.get(k)))
+        if k in given and resume_value(k, given[k], paths) != resume_value(k, saved.get(k, defaults.get(k)), paths)
     ]
     if changed:
         raise SystemExit(
@@ -267,6 +285,23 @@ def parse_flags(argv, Args, groups, doc, script, fixed=()):
     args = Args(**{**{k: v for k, v in saved.items() if k in known and k not in NOT_ON_RESUME}, **given})
     args.out, args.resume = str(args.resume), str(args.resume)
     return args
+
+
+def dash_values(argv, Args):
+    """The command line (sys.argv's when argv is None) with `--flag -0.1,1.1` written `--flag=-0.1,1.1` where a flag
+    that takes a value is followed by one that starts with a dash and a digit or a dot: argparse takes such a value
+    for an option ("expected one argument"), so the flag's own check (a negative budget) never saw it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    valued = {"--" + f.name.replace("_", "-") for f in fields(Args) if f.type not in (bool, "bool")}
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in valued and i + 1 < len(argv) and re.match(r"-[0-9.]", argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 def is_script(name):
@@ -337,7 +372,8 @@ class UniqueKeys(yaml.SafeLoader):
 def read_config_file(path, Args, script):
     """{field: value} of a --config file: YAML (.yaml, .yml) or JSON (.json) holding flag names (dashes or
     underscores) and values, or a run's config.json (its "args", less NEW_RUN_ONLY, so that the new run gets a
-    folder of its own); a byte-order mark is dropped. Unknown keys, a key given twice (also one flag spelled with
+    folder of its own); a byte-order mark is dropped. A `script` key (every recipe in configs/ has one) names the
+    script the file is for: another script refuses it. Unknown keys, a key given twice (also one flag spelled with
     dashes and with underscores), `overwrite` (it is given on the command line), values of the wrong type and values
     outside a flag's range are refused naming the file, the key and the fix."""
     suffix = Path(path).suffix.lower()
@@ -356,6 +392,18 @@ def read_config_file(path, Args, script):
         data = {k: v for k, v in data["args"].items() if k not in NEW_RUN_ONLY}
     if not isinstance(data, dict):
         raise SystemExit(f"--config {path}: the file must hold key: value lines (a mapping), not {type(data).__name__}")
+    if "script" in data:  # a recipe names the script it is for (configs/*.yaml); a file without the key is not checked
+        data = dict(data)
+        named = data.pop("script")
+        if not is_script(named):
+            raise SystemExit(
+                f"--config {path}: script {named!r} is not a training script here (recast, rvge). Fix the file"
+            )
+        if named != script:
+            raise SystemExit(
+                f"--config {path}: a recipe for {named}.py (its `script: {named}`); give it to {named}.py, or give "
+                f"{script}.py a recipe of its own"
+            )
     known = {f.name: f for f in fields(Args)}
     values = {}
     for key, value in data.items():

@@ -268,7 +268,8 @@ def lock_run(out):
 
 def start_or_resume(run, args):
     """Restore the newest intact checkpoint when resuming (metrics cut back to it), or clear the folder
-    for --overwrite; remove this program's .tmp leftovers; write config.json; start the --report-to tracker.
+    for --overwrite; remove this program's .tmp leftovers; write config.json; start the --report-to tracker. A resume
+    whose --iterations is below the iterations its checkpoint has trained is refused before any file changes.
     Returns (first iteration, state)."""
     state = (
         load_checkpoint(run.out, run.transformer, run.opt, args.lr, args.weight_decay, run.scaler)
@@ -278,6 +279,17 @@ def start_or_resume(run, args):
     start = state.pop("iteration") + 1 if state else 0
     if args.resume and state is None:
         tqdm.write(f"{run.out} has no checkpoint yet: training starts at iteration 0")
+    if start > args.iterations:  # before any file changes: config.json would record fewer than metrics.jsonl holds
+        raise SystemExit(
+            f"--resume {run.out}: the run has trained {start} iterations (its newest checkpoint is iteration "
+            f"{start - 1}), and --iterations {args.iterations} asks for fewer: nothing to train, nothing was changed. "
+            f"Give --iterations {start + 1} or more to train on"
+        )
+    if args.resume and start == args.iterations:
+        tqdm.write(
+            f"--resume {run.out}: the run has trained its {start} iterations, so nothing is left to train. Give "
+            f"--iterations {start + 1} or more to train on"
+        )
     if run.acc.is_main_process:
         if args.overwrite:
             set_aside(run.out)  # nothing that predates the new run stays: what is not the old run's own is moved

@@ -19,6 +19,7 @@ import matplotlib.figure
 import numpy as np
 import pytest
 import torch
+import yaml
 
 import evaluate
 import recast
@@ -480,3 +481,260 @@ def test_the_sampling_line_uses_the_runs_settings_not_the_pipelines_defaults():
     line = figures.sampling_line(asdict(recast.Args()), embedded=True)
     kwargs = ", ".join(f"{k}={v}" for k, v in shapes_world.GEN_KWARGS.items())
     assert f"{kwargs}).images[0]  # as trained and evaluated (the world's GEN_KWARGS): no CFG, 10 steps" in line
+
+
+# -----------------------------------------------------------------------------
+# issue 64: runs never train on settings they did not start with (round 5)
+# -----------------------------------------------------------------------------
+
+
+def write_credit_file(path, W):
+    path.write_text(json.dumps({"rewards": ["brightness", "redness"], "W": np.asarray(W).tolist()}))
+
+
+def recorded_W(monkeypatch):
+    """[W (K, T)] of each iteration's update from now on; the update itself is skipped (its losses zero)."""
+    got = []
+
+    def record(run, b, r_train, W_train, args, gen, on_step):
+        got.append(np.asarray(W_train))
+        return {"loss/policy": 0.0, "loss/base_reg": 0.0, "train/opt_steps": 0, "train/samples": 0}
+
+    monkeypatch.setattr(recast, "nft_update", record)
+    return got
+
+
+def test_resume_trains_the_credit_files_W_the_run_started_with(tiny, tmp_path, monkeypatch, capsys):
+    """A --credit-file edited (still valid), moved or deleted between a run and its --resume: the resumed iterations
+    train the W the run started with (recorded in its checkpoints), and a changed file is named; a relative path
+    is recorded absolute, so that a resume from another folder finds the same run."""
+    T = recast.parse_args(tiny_argv(tiny, tmp_path / "x")).steps
+    W0 = np.random.default_rng(0).random((2, T)) + 0.1
+    W0 /= W0.sum()  # the budgets' sum, 0.6 + 0.4
+    write_credit_file(tmp_path / "W.json", W0)
+    got = recorded_W(monkeypatch)
+    out = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    argv = tiny_argv(tiny, out, "--iterations", "2", "--save-every", "1", "--eval-every", "0", "--credit", "file")
+    recast.train(recast.parse_args([*argv, "--credit-file", "W.json"]), extra_rewards=TINY_REWARDS)
+    assert json.loads((out / "config.json").read_text())["args"]["credit_file"] == str(tmp_path / "W.json")
+    W1 = np.zeros((2, T))
+    W1[0] = 1.0 / T  # rows 1/0: another valid W
+    write_credit_file(tmp_path / "W.json", W1)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    recast.train(recast.parse_args(["--resume", str(out), "--iterations", "3"]), extra_rewards=TINY_REWARDS)
+    said = capsys.readouterr()
+    assert len(got) == 3 and all(np.array_equal(g, W0) for g in got)
+    assert [np.array(m["recast/W"]).tolist() for m in read_metrics(out)] == [W0.tolist()] * 3
+    assert "differs from the W the run started with" in said.out + said.err
+    (tmp_path / "W.json").unlink()  # gone: the recorded W still trains
+    recast.train(recast.parse_args(["--resume", str(out), "--iterations", "4"]), extra_rewards=TINY_REWARDS)
+    assert len(got) == 4 and np.array_equal(got[3], W0)
+
+
+def test_a_credit_file_W_with_a_zero_column_trains_and_that_steps_samples_carry_no_policy_gradient(
+    tiny, tmp_path, monkeypatch
+):
+    """A W with an all-zero column ("no weight at these steps"): equal_columns gives those steps the weight 0 and a
+    finite equal-column W; the policy loss's gradient of their samples is exactly 0, the others' is not; a run of it
+    trains with finite losses."""
+    T = recast.parse_args(tiny_argv(tiny, tmp_path / "x")).steps
+    W = np.random.default_rng(1).random((2, T)) + 0.1
+    W[:, 3] = 0.0
+    W /= W.sum()
+    omega, W_eq = recast.equal_columns(W)
+    assert (
+        np.isfinite(omega).all() and np.isfinite(W_eq).all() and omega[3] == 0 and (omega[np.arange(T) != 3] > 0).all()
+    )
+    assert np.allclose(W_eq.sum(0), W.sum() / T)
+    losses = []
+
+    def capture(run, b, args, gen, on_step, policy_loss):  # the policy loss nft_update hands the shared loop
+        g = torch.Generator().manual_seed(0)
+        N = 2 * T
+        nb = SimpleNamespace(i=torch.arange(N) % 2, j=torch.arange(N) % T, s=torch.rand(N, generator=g))
+        nb.x0, nb.x_t = torch.randn(N, 4, 2, 2, generator=g), torch.randn(N, 4, 2, 2, generator=g)
+        v_theta = torch.randn(N, 4, 2, 2, generator=g, requires_grad=True)
+        loss = policy_loss(nb, v_theta, torch.randn(N, 4, 2, 2, generator=g))
+        loss.sum().backward()
+        losses.append((nb.j, loss.detach(), v_theta.grad.flatten(1).abs().sum(1)))
+        return {"loss/policy": 0.0, "loss/base_reg": 0.0, "train/opt_steps": 0, "train/samples": 0}
+
+    r = np.random.default_rng(2).random((2, 2))
+    with monkeypatch.context() as m:
+        m.setattr(recast.nft, "update_loop", capture)
+        recast.nft_update(None, None, r, W, recast.parse_args([]), None, None)
+    j, loss, grad = losses[0]
+    assert torch.isfinite(loss).all() and (grad[j == 3] == 0).all() and (grad[j != 3] > 0).all()
+    write_credit_file(tmp_path / "W.json", W)
+    out = tmp_path / "run"
+    argv = tiny_argv(tiny, out, "--iterations", "1", "--eval-every", "0", "--credit", "file")
+    recast.train(recast.parse_args([*argv, "--credit-file", str(tmp_path / "W.json")]), extra_rewards=TINY_REWARDS)
+    assert np.isfinite(read_metrics(out)[0]["loss/policy"])
+
+
+def test_resume_needs_no_gain_init_file_and_a_relative_one_is_recorded_absolute(tiny, tmp_path, monkeypatch):
+    """--gain-init seeds iteration 0 only: a resume from a checkpoint trains on without the file (moved, deleted or
+    re-measured: its statistics are in the checkpoint), from another folder too; the run records its absolute path."""
+    T = recast.parse_args(tiny_argv(tiny, tmp_path / "x")).steps
+    s1 = np.ones((2, T + 1))
+    saved = {"names": ["brightness", "redness"], "steps": T, "n": [4.0] * (T + 1), "s1": s1.tolist(), "s2": s1.tolist()}
+    (tmp_path / "levels.json").write_text(json.dumps(saved))
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    argv = tiny_argv(tiny, out, "--iterations", "1", "--save-every", "1", "--eval-every", "0", "--gain-init")
+    recast.train(recast.parse_args([*argv, "levels.json"]), extra_rewards=TINY_REWARDS)
+    assert json.loads((out / "config.json").read_text())["args"]["gain_init"] == str(tmp_path / "levels.json")
+    (tmp_path / "levels.json").unlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    recast.train(recast.parse_args(["--resume", str(out), "--iterations", "2"]), extra_rewards=TINY_REWARDS)
+    assert [m["iteration"] for m in read_metrics(out)] == [0, 1]
+    shutil.rmtree(out / "checkpoints")  # no checkpoint: the resume starts at iteration 0 and reads the file
+    (out / "metrics.jsonl").unlink()
+    with pytest.raises(SystemExit, match="has no checkpoint yet, so it starts at iteration 0 .* put it back"):
+        recast.train(recast.parse_args(["--resume", str(out), "--iterations", "2"]), extra_rewards=TINY_REWARDS)
+
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+
+
+@pytest.mark.parametrize(
+    "script, more, words",
+    [
+        ("recast", ["--budgets", "1,2"], "2 budgets for 4 rewards"),
+        ("recast", ["--credit", "file", "--credit-file", "missing.json"], "needs --credit-file, a JSON file"),
+        ("recast", ["--gain-init", "missing.json"], "--gain-init .*missing.json: not a readable level-statistics"),
+        ("recast", ["--branch-steps", "0,12"], "--branch-steps must lie strictly between"),
+        ("rvge", ["--budgets", "1,-1,1,1,1"], "budget 2 is negative"),
+    ],
+)
+def test_dry_run_makes_the_input_checks_that_need_no_model_first(tmp_path, monkeypatch, capsys, script, more, words):
+    """--dry-run refuses what the run would refuse before any model loads (budgets, rewards, the method's flags, the
+    --credit-file and --gain-init files); what it cannot check without the model, a GPU or the user's files (prompt
+    files, reward-model weights and servers) it leaves to the run: the recipe's own dry run still prints its plan."""
+    monkeypatch.chdir(tmp_path)
+    config = str(CONFIGS / f"{script}-sd35m.yaml")
+    with pytest.raises(SystemExit, match=words):
+        __import__(script).main(["--config", config, "--dry-run", *more])
+    assert "memory" not in capsys.readouterr().out.lower()
+    assert __import__(script).main(["--config", config, "--dry-run"])["trainable_params"] > 0
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_recipe_names_its_script_and_the_other_script_refuses_it(tmp_path):
+    """Every shipped recipe says which script it is for (`script:`); the other script refuses it, naming both; a
+    file of flags without the key (the user's own) is read as before."""
+    for recipe in sorted(CONFIGS.glob("*.yaml")):
+        own = recipe.name.split("-")[0] if recipe.name.startswith("rvge") else "recast"
+        other = "recast" if own == "rvge" else "rvge"
+        assert yaml.safe_load(recipe.read_text()).get("script") == own, recipe.name
+        with pytest.raises(SystemExit, match=f"a recipe for {own}.py .*give it to {own}.py"):
+            __import__(other).parse_args(["--config", str(recipe)])
+    (tmp_path / "c.yaml").write_text("script: nowhere\nseed: 3\n")
+    with pytest.raises(SystemExit, match="script 'nowhere' is not a training script here"):
+        recast.parse_args(["--config", str(tmp_path / "c.yaml")])
+    (tmp_path / "c.yaml").write_text("seed: 3\n")
+    assert recast.parse_args(["--config", str(tmp_path / "c.yaml")]).seed == 3
+
+
+def test_resume_with_fewer_iterations_than_trained_is_refused_and_changes_nothing(evaluated_run, tmp_path, capsys):
+    """--resume RUN --iterations 1 of a run that trained 2: refused before any file changes (config.json would say 1
+    while metrics.jsonl holds 2 lines), naming what was trained and the fix; --iterations 2 (as many as trained) says
+    that nothing is left to train."""
+    out = copy_of(evaluated_run, tmp_path)
+    before = snapshot(out)
+    with pytest.raises(SystemExit, match="trained 2 iterations .* --iterations 1 .* Give --iterations 3 or more"):
+        recast.train(recast.parse_args(["--resume", str(out), "--iterations", "1"]), extra_rewards=TINY_REWARDS)
+    assert snapshot(out) == before
+    capsys.readouterr()
+    recast.train(recast.parse_args(["--resume", str(out), "--iterations", "2"]), extra_rewards=TINY_REWARDS)
+    said = capsys.readouterr()
+    assert "nothing is left to train" in said.out + said.err
+    assert [m["iteration"] for m in read_metrics(out)] == [0, 1]
+
+
+def test_resume_names_the_rewards_an_empty_saved_rewards_stands_for(tmp_path):
+    """--resume with --rewards of a run saved with --rewards '' (the embedded world's defaults): the refusal says which
+    rewards '' stands for."""
+    (tmp_path / "run").mkdir()
+    saved = {"args": {**asdict(recast.parse_args([])), "rewards": ""}, "script": "recast"}
+    (tmp_path / "run" / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(SystemExit, match=re.escape("saved '' (the default: geneval,grain,detail,shape), given 'g")):
+        recast.parse_args(["--resume", str(tmp_path / "run"), "--rewards", "geneval,grain"])
+
+
+def test_a_negative_budget_after_a_space_and_rewards_that_name_none_are_named(capsys):
+    """--budgets -0.1,1.1,0,0 (a value that starts with a dash) reads as --budgets=-0.1,... does: the budgets' own
+    message, not argparse's "expected one argument"; --rewards ',' names no reward and is refused, not trained as
+    the defaults."""
+    for script in (recast, rvge):
+        args = script.parse_args(["--budgets", "-0.1,1.1,0,0"])
+        assert args.budgets == "-0.1,1.1,0,0"
+        with pytest.raises(SystemExit, match="budget 1 is negative"):
+            script.main(["--budgets", "-0.1,1.1,0,0", "--dry-run"])
+        with pytest.raises(SystemExit, match="--rewards ',' names no reward"):
+            script.main(["--rewards", ",", "--budgets", "1", "--dry-run"])
+    with pytest.raises(SystemExit):  # a flag where a value belongs is still argparse's error
+        recast.parse_args(["--out", "--seed", "1"])
+    assert "expected one argument" in capsys.readouterr().err
+
+
+def test_the_closing_lines_are_valid_python_for_a_folder_with_a_quote(evaluated_run, tmp_path, capsys):
+    """The closing line that loads the trained LoRA is Python that names the folder exactly, whatever its name holds
+    (a double quote, a backslash); an ordinary folder reads as before, in double quotes."""
+    import ast
+
+    out = copy_of(evaluated_run, tmp_path, 'l4 "q" \\run')
+    line = next(x for x in figures.print_summary(out) if "load_lora_adapter" in x)
+    calls = [n for n in ast.walk(ast.parse(line.strip())) if isinstance(n, ast.Call)]
+    named = {n.func.attr: n.args[0].value for n in calls if isinstance(n.func, ast.Attribute) and n.args}
+    assert named["load_lora_adapter"] == str(out / "checkpoints" / "iter_000001")
+    plain = next(x for x in figures.print_summary(evaluated_run.out) if "load_lora_adapter" in x)
+    assert f'load_lora_adapter("{evaluated_run.out / "checkpoints" / "iter_000001"}"' in plain
+
+
+def test_a_credit_file_whose_rewards_is_a_string_and_credit_file_without_a_file_are_named(tmp_path):
+    """--credit-file with "rewards": "brightness,redness" (a string): named as such, not as a list of characters;
+    --credit file without --credit-file says that none was given, not that `.` is not one."""
+    path = tmp_path / "W.json"
+    path.write_text(json.dumps({"rewards": "brightness,redness", "W": (np.ones((2, 10)) / 20).tolist()}))
+    with pytest.raises(SystemExit) as err:
+        recast.read_credit_file(str(path), ["brightness", "redness"], 10, [0.6, 0.4])
+    assert "rewards is 'brightness,redness', not a list of names" in str(err.value) and "['b'" not in str(err.value)
+    with pytest.raises(SystemExit) as err:
+        recast.read_credit_file("", ["brightness", "redness"], 10, [0.6, 0.4])
+    assert "none was given" in str(err.value) and " . " not in str(err.value) and ". is not" not in str(err.value)
+
+
+def test_two_evaluations_of_one_checkpoint_never_write_over_each_other(evaluated_run, tmp_path, monkeypatch):
+    """Two evaluate.py of one checkpoint at once, both past the check that the result is new: the second to start is
+    refused before its model loads (the first holds <result>.lock); one whose result another wrote meanwhile is
+    refused at the write, the other's result kept (exclusive create), and neither leaves a .tmp or .lock behind."""
+    import fcntl
+
+    from kit import session
+
+    out = copy_of(evaluated_run, tmp_path)
+    result = out / "eval-iter_000001.json"
+    with open(out / "eval-iter_000001.json.lock", "w") as held:  # another evaluate.py at work on the same result
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit, match="another evaluate.py is writing .*eval-iter_000001.json"):
+            evaluate.main([str(out)], extra_rewards=TINY_REWARDS)
+    (out / "eval-iter_000001.json.lock").unlink()
+    real = session.evaluate
+
+    def the_other_finishes_first(*args, **kwargs):
+        done = real(*args, **kwargs)
+        result.write_text("the other's")
+        return done
+
+    monkeypatch.setattr(session, "evaluate", the_other_finishes_first)
+    with pytest.raises(SystemExit, match="written meanwhile"):
+        evaluate.main([str(out)], extra_rewards=TINY_REWARDS)
+    assert result.read_text() == "the other's"
+    assert not [p.name for p in out.iterdir() if p.name.endswith((".tmp", ".json.lock"))]
