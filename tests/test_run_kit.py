@@ -1426,7 +1426,8 @@ def test_one_iteration_enters_the_kit_through_four_calls(tiny, tmp_path, module)
     """Between the top of train's loop and its end, one iteration reads method -> DiffusionNFT -> model and enters the
     kit (a frame of kit/ called from recast.py, rvge.py, nft.py or sd3.py) through four functions only: the prompts,
     the permuted-reward control, the stop when a reward failed, and step 4 (metrics line, evaluation, checkpoint).
-    Counted over iteration 1, the last of the run: it evaluates and checkpoints too."""
+    Counted over iteration 1 of 3 (it evaluates and checkpoints too; the closing summary after the loop is not
+    counted)."""
     script, kit = __import__(module), str(Path(flags.__file__).parent) + os.sep
     method = {str(Path(m.__file__)) for m in (recast, rvge, nft, sd3)}
     entered, on = set(), {"it": None}
@@ -1442,7 +1443,7 @@ def test_one_iteration_enters_the_kit_through_four_calls(tiny, tmp_path, module)
         on["it"] = it
         return generator(seed, it)
 
-    argv = tiny_argv(tiny, tmp_path / "run", "--iterations", "2", "--eval-every", "2", "--save-every", "1")
+    argv = tiny_argv(tiny, tmp_path / "run", "--iterations", "3", "--eval-every", "2", "--save-every", "1")
     with pytest.MonkeyPatch.context() as m:
         m.setattr(nft, "iteration_generator", iteration_generator)
         sys.setprofile(profile)
