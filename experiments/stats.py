@@ -477,3 +477,16 @@ def fmt_speedup(km, pair=None, p_holm=None, exact_holm=None):
 def mean_std(values, digits=4):
     v = np.asarray(values, dtype=float)
     return f"{np.nanmean(v):.{digits}f} ± {np.nanstd(v):.{digits}f}" if np.isfinite(v).any() else "n/a"
+
+
+def rounded(obj, digits=10):
+    """A result file's numbers at `digits` significant digits (dicts, lists and tuples walked; NaN and inf kept): the
+    last float digits differ from CPU to CPU (other kernels, other summation orders), so a rebuild of a committed
+    summary on another machine writes the same bytes. 10 digits keep every quoted number exact."""
+    if isinstance(obj, dict):
+        return {k: rounded(v, digits) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [rounded(v, digits) for v in obj]
+    if isinstance(obj, float) and np.isfinite(obj):
+        return float(f"{obj:.{digits}g}")
+    return obj

@@ -268,3 +268,16 @@ def test_the_statistics_and_the_math_toy_import_no_experiment_code():
         command = [sys.executable, "-c", check.format(module, never, itself)]
         done = subprocess.run(command, cwd=root, capture_output=True, text=True)
         assert done.returncode == 0, f"{module}: {done.stderr[-500:]}"
+
+
+def test_rounded_gives_the_same_digits_for_last_digit_differences_and_keeps_structure():
+    """stats.rounded, the result files' numbers at 10 significant digits: two floats one ulp apart (another CPU's last
+    digit) round alike except in the rare case that straddles a rounding boundary; nesting, ints, NaN and inf kept."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(20_000) * 10.0 ** rng.integers(-6, 6, 20_000)
+    same = np.mean([stats.rounded(float(a)) == stats.rounded(float(np.nextafter(a, np.inf))) for a in x])
+    assert same > 0.999
+    assert all(abs(stats.rounded(float(a)) - a) <= 1e-9 * abs(a) for a in x[:1000])
+    nested = stats.rounded({"a": [1.23456789012345, (2, float("nan"))], "b": float("inf"), "c": 3, "d": "x"})
+    assert nested["a"][0] == 1.234567890 and nested["a"][1][0] == 2 and np.isnan(nested["a"][1][1])
+    assert nested["b"] == float("inf") and nested["c"] == 3 and nested["d"] == "x"
