@@ -920,7 +920,8 @@ def train_report(out, records, cfg, info, seconds):
         seconds=seconds,
     )
     with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(rounded(summary), f, indent=1)  # the same bytes from a rebuild on another CPU
+        exact = {k: summary[k] for k in ("config", "profiles")}  # read back to continue runs: kept as they are
+        json.dump({**rounded(summary), **exact}, f, indent=1)  # the rest: the same bytes on another CPU
     write_tables(os.path.join(out, "tables.md"), cfg, info, recast_rows, per_arm, speed, controls, power, seconds)
     plot_reward_vs_kl(os.path.join(out, "reward_vs_kl.png"), records, cfg.groups)
     print(open(os.path.join(out, "tables.md")).read())
@@ -1210,7 +1211,8 @@ def online_report(out, records, credit, cfg, info, seconds):
         config=asdict(cfg), profiles=info, recast=rows, recast_arms=per_arm, estimator=est, power=power, seconds=seconds
     )
     with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(rounded(summary), f, indent=1)  # the same bytes from a rebuild on another CPU
+        exact = {k: summary[k] for k in ("config", "profiles")}  # read back to continue runs: kept as they are
+        json.dump({**rounded(summary), **exact}, f, indent=1)  # the rest: the same bytes on another CPU
     write_online_tables(os.path.join(out, "tables.md"), cfg, info, rows, per_arm, est, power, seconds)
     print(open(os.path.join(out, "tables.md")).read())
 
