@@ -47,10 +47,10 @@ def parse_flags(argv):
     return parser.parse_args(argv)
 
 
-def find_checkpoint(path):
+def find_checkpoint(path, base=False):
     """(run folder, checkpoint folder) of one of a run's checkpoints/iter_N, or (run folder, None) of a run folder
-    (its newest loadable checkpoint: `read_checkpoint`); SystemExit naming the path and what it should be, or the
-    damaged config.json."""
+    (its newest loadable checkpoint: `read_checkpoint`; with base=True, --base, none is needed: the pretrained model is
+    evaluated on the run's settings); SystemExit naming the path and what it should be, or the damaged config.json."""
     path = Path(path)
     run = path if (path / "config.json").exists() else path.parent.parent if (path / "state.pt").is_file() else None
     if run is None:
@@ -60,7 +60,7 @@ def find_checkpoint(path):
             f"{run / 'config.json'} is damaged (not a run's record: JSON with its args and script); repair it, or "
             "copy it from a backup (the checkpoints are not affected)"
         )
-    if run == path:
+    if run == path and not base:
         root = path / "checkpoints"
         if not (root / "latest").is_file() and not any(root.glob("iter_??????")):
             raise SystemExit(f"{path}: the run has no checkpoint yet; evaluate the pretrained model with --base")
@@ -210,7 +210,7 @@ def in_own_terms(err, out):
 
 def main(argv=None, extra_rewards=None, judges=None):
     cli = parse_flags(argv)
-    out, ckpt = find_checkpoint(cli.checkpoint)
+    out, ckpt = find_checkpoint(cli.checkpoint, cli.base)
     config = json.loads((out / "config.json").read_text())
     script = importlib.import_module(config["script"])
     _, saved = flags.read_run_config(out / "config.json", script.Args)

@@ -811,7 +811,8 @@ def started_with(run, args, start, state):
     so when the file now differs or is gone (a checkpoint that predates the record reads the file). Returns the W of
     --credit file, else None."""
     if start == 0:
-        prior = gain_prior(args, run.names)  # the world's pretrained profiles by default, else None
+        world = run.world.world_id(args.model) if run.world is not None else None
+        prior = gain_prior(args, run.names, run.sigmas.numpy(), world)  # the world's pretrained profiles by default
         if prior is not None:
             state["level_stats"] = prior
     if args.credit != "file":
@@ -847,10 +848,11 @@ def fixed_W_of(args, names, budgets):
     return read_credit_file(args.credit_file, names, args.steps, budgets)
 
 
-def gain_prior(args, names):
+def gain_prior(args, names, sigmas=None, world=None):
     """--gain-init: the discounted level statistics the run starts from (`read_level_stats` refuses a file that
     does not fit), else None. `world` is the embedded world's pretrained profiles (its PROFILES_PATH) where
-    they fit the run, else None; `none` (or empty) is None."""
+    they fit the run, else None; `none` (or empty) is None. sigmas, world: the run's grid and world id, compared with
+    the file's where known (`read_level_stats`)."""
     if args.gain_init in ("", "none"):
         return None
     if args.gain_init != "world":
@@ -860,7 +862,7 @@ def gain_prior(args, names):
             if args.resume
             else None
         )
-        return read_level_stats(args.gain_init, names, args.steps, fix)
+        return read_level_stats(args.gain_init, names, args.steps, fix, sigmas, world)
     profiles = load_world(EMBEDDED_MODEL).PROFILES_PATH
     saved = json.loads(profiles.read_text())
     fits = (
@@ -868,7 +870,7 @@ def gain_prior(args, names):
         and (args.gain_estimator, args.sampler, args.steps) == ("pairs", "tree", saved["steps"])
         and set(names) <= set(saved["names"])
     )
-    return read_level_stats(profiles, names, args.steps) if fits else None
+    return read_level_stats(profiles, names, args.steps, None, sigmas, world) if fits else None
 
 
 def read_credit_file(path_name, names, T, budgets):
@@ -904,13 +906,14 @@ def read_credit_file(path_name, names, T, budgets):
     return W
 
 
-def read_level_stats(path, names, T, fix=None):
+def read_level_stats(path, names, T, fix=None, sigmas=None, world=None):
     """[n (T+1,), s1 (K, T+1), s2 (K, T+1)]: the rows of `names` from a level-statistics file (experiments/protocol.py
     `measure_profiles`), the gain statistics recast.py starts from with --gain-init. They are discounted by
     --gain-ema like the run's own, so the prior's weight halves every ~7 iterations at 0.9. A file that is missing,
-    not JSON, without the run's rewards, of other steps, of the wrong shapes, or with null/NaN/inf statistics (which
-    would switch the credit off: W uniform, evidence 0) is refused naming the file and the field, and `fix` (by
-    default: make the file, or omit --gain-init)."""
+    not JSON, without the run's rewards, of other steps, of the wrong shapes, with null/NaN/inf statistics or negative
+    counts or sums of squares (either would switch the credit off: W uniform, evidence 0), or, where the file records
+    them, measured on another sampler grid (`sigmas`, the run's (T+1,)) or another world (`world`, the run's world id)
+    is refused naming the file and the field, and `fix` (by default: make the file, or omit --gain-init)."""
     fix = fix or "Make one with experiments/protocol.py's measure_profiles, or omit --gain-init"
     try:
         saved = json.loads(Path(path).read_text())
@@ -924,6 +927,16 @@ def read_level_stats(path, names, T, fix=None):
     if steps != T or estimator != "pairs":
         raise SystemExit(
             f"--gain-init {path}: measured with {steps} steps ({estimator}), this run has --steps {T} (pairs). {fix}"
+        )
+    grid = np.asarray(saved.get("sigmas", []), dtype=np.float64)
+    if sigmas is not None and grid.size and (grid.shape != (T + 1,) or not np.allclose(grid, sigmas, atol=1e-5)):
+        raise SystemExit(
+            f"--gain-init {path}: measured on the sampler grid {np.round(grid, 3).tolist()}, this run samples on "
+            f"{np.round(np.asarray(sigmas, dtype=np.float64), 3).tolist()}. {fix}"
+        )
+    if world is not None and saved.get("world") not in (None, world):
+        raise SystemExit(
+            f"--gain-init {path}: measured on world {saved['world']}, this run's model is world {world}. {fix}"
         )
     stats = []
     for key, shape in (("n", (T + 1,)), ("s1", (len(saved["names"]), T + 1)), ("s2", (len(saved["names"]), T + 1))):
@@ -940,6 +953,11 @@ def read_level_stats(path, names, T, fix=None):
             raise SystemExit(
                 f"--gain-init {path}: field {key!r} holds {int((~np.isfinite(value)).sum())} null/NaN/inf entries; "
                 f"they would switch ReCAST's credit off (W uniform). {fix}"
+            )
+        if key in ("n", "s2") and (value < 0).any():
+            raise SystemExit(
+                f"--gain-init {path}: field {key!r} holds {int((value < 0).sum())} negative entries (a count, a sum "
+                f"of squares); they would switch ReCAST's credit off (W uniform). {fix}"
             )
         stats.append(value if key == "n" else value[rows])
     return stats

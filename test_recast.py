@@ -743,6 +743,30 @@ def test_gain_init_reads_the_runs_rewards_rows_and_refuses_a_mismatch(tmp_path):
         recast.read_level_stats(path, ["a"], T)
 
 
+def test_gain_init_refuses_negative_counts_and_another_grid_or_world(tmp_path):
+    """--gain-init: a negative count n or sum of squares s2 (which would switch the credit off, as NaN does) is
+    refused; where the file records its sampler grid and world, another grid or world than the run's is refused, and
+    the same ones are accepted (a file that records neither is read as before)."""
+    T, names = 4, ["a", "b"]
+    grid = [1.0, 0.8, 0.5, 0.2, 0.0]
+    saved = {"names": names, "steps": T, "n": [5.0] * 5, "s1": [[0.1] * 5] * 2, "s2": [[0.2] * 5] * 2}
+    path = tmp_path / "profiles.json"
+    for key, bad in (("n", [5.0, -1.0, 5.0, 5.0, 5.0]), ("s2", [[0.2] * 5, [0.2, 0.2, -0.1, 0.2, 0.2]])):
+        path.write_text(json.dumps({**saved, key: bad}))
+        with pytest.raises(SystemExit, match=f"field '{key}' holds 1 negative entries"):
+            recast.read_level_stats(path, names, T)
+    path.write_text(json.dumps({**saved, "sigmas": grid, "world": "abc"}))
+    assert recast.read_level_stats(path, names, T, sigmas=np.array(grid, dtype=np.float32), world="abc")[0].shape == (
+        5,
+    )
+    with pytest.raises(SystemExit, match="measured on the sampler grid"):
+        recast.read_level_stats(path, names, T, sigmas=np.array([1.0, 0.9, 0.5, 0.2, 0.0]))
+    with pytest.raises(SystemExit, match="measured on world abc, this run's model is world xyz"):
+        recast.read_level_stats(path, names, T, world="xyz")
+    path.write_text(json.dumps(saved))
+    assert recast.read_level_stats(path, names, T, sigmas=np.array(grid), world="xyz")[0].shape == (5,)
+
+
 def test_gain_init_world_starts_the_embedded_defaults_from_the_worlds_profiles_and_nothing_else():
     """--gain-init world (the default): the embedded world's pretrained profiles, this world's (its id), where they fit
     the run (the embedded model, pairs, tree sampler, 10 steps, rewards the file holds); nothing where they do not, and

@@ -252,11 +252,38 @@ def distinct_prompts(prompts, n, seed, rank, world_size):
     return [prompts[i] for i in order[rank * n : (rank + 1) * n]]
 
 
+# SD3.5-Medium's resident parts beside the transformer (parameters): its text encoders at their real sizes (counted
+# from their published configs, not shipped here) and its VAE (counted from its config).
+TEXT_ENCODER_PARAMS = {"t5-xxl encoder": 4.76e9, "clip-g": 0.69e9, "clip-l": 0.12e9}
+VAE_PARAMS = 83.8e6
+# Activations kept for backward per block and sample, in units of tokens x hidden x 2 bytes, fitted from forward and
+# backward passes of SD3.5-Medium's real blocks at 512 px in bfloat16 on the CPU (experiments/results/memory-fit: 30
+# runs, residuals under 1 MiB): blocks with the second attention (dual_attention_layers) and plain ones, a constant
+# per sample, and a constant (MiB); with gradient checkpointing mostly one block recomputed in backward.
+ACTIVATION_UNITS = {False: (32.7, 24.4, -1.9, 26), True: (1.8, 1.2, 37.6, 39)}
+FLOAT32_ACTIVATIONS = 38.4 / 32.7  # float32 weights without autocast keep more (measured on the dual blocks)
+
+
+def activation_bytes(args, config, tokens):
+    """Bytes a micro-batch's forward keeps for its backward (`ACTIVATION_UNITS`): train_batch x tokens x hidden x 2 x
+    (a n_dual + b n_plain + c) + d MiB. The CPU ran PyTorch's flash attention, which keeps what CUDA's flash and
+    memory-efficient kernels keep; fp16 autocast is taken as bfloat16 (not measured), float32 weights scaled by
+    FLOAT32_ACTIVATIONS."""
+    a, b, c, d = ACTIVATION_UNITS[bool(args.gradient_checkpointing)]
+    dual = len(config.get("dual_attention_layers") or ())
+    units = a * dual + b * (config["num_layers"] - dual) + c
+    unit = tokens * config["num_attention_heads"] * config["attention_head_dim"] * 2
+    scale = FLOAT32_ACTIVATIONS if args.dtype == "float32" and args.mixed_precision != "fp16" else 1.0
+    return args.train_batch * unit * units * scale + d * 2**20
+
+
 def dry_run(args):
     """SD3.5-Medium readiness without weights: its transformer (shipped config) on the meta device,
     the LoRA adapters attached ("default", "old", with --ema "ema"), trainable parameters and a memory plan for one
     micro-batch in the run's precision (--mixed-precision fp16: float32 frozen weights and the float16 copies autocast
-    makes of them, kept for backward: of one block at a time with --gradient-checkpointing, which recomputes them)."""
+    makes of them, kept for backward: of one block at a time with --gradient-checkpointing, which recomputes them),
+    the activations as measured (`activation_bytes`), and the text encoders and the VAE resident beside them. The
+    reward models and a GenEval server on the same GPU are not counted."""
     check_precision(args)
     from accelerate import init_empty_weights
     from diffusers import SD3Transformer2DModel
@@ -281,26 +308,24 @@ def dry_run(args):
     fp16 = args.mixed_precision == "fp16"
     weights = "fp32" if fp16 or args.dtype == "float32" else "bf16"  # float16 without a scaler: check_precision
     copies = total / (config["num_layers"] if args.gradient_checkpointing else 1)
+    text, vae = ("fp16", "fp32") if fp16 else (weights, weights)  # sd3.precision: fp16 mode's VAE float32
     plan = {
         f"frozen weights ({weights})": {"fp32": 4, "bf16": 2}[weights] * total / gib,
         **({"their fp16 copies kept for backward (autocast)": 2 * copies / gib} if fp16 else {}),
         f"{len(adapters)} LoRA adapters ({', '.join(adapters)}; fp32)": 4 * len(adapters) * trainable / gib,
         "AdamW state + grads (fp32)": 3 * 4 * trainable / gib,
-        # rough activation size kept for backward: per block ~ 12 tensors of (tokens, hidden) in bf16 (fp16)
-        f"activations, micro-batch {args.train_batch} (estimate)": args.train_batch
-        * config["num_layers"]
-        * 12
-        * tokens
-        * config["num_attention_heads"]
-        * config["attention_head_dim"]
-        * 2
+        f"activations, micro-batch {args.train_batch} (fitted on the CPU)": activation_bytes(args, config, tokens)
         / gib,
+        f"text encoders (T5-XXL, CLIP-G, CLIP-L; {text})": {"fp32": 4, "bf16": 2, "fp16": 2}[text]
+        * sum(TEXT_ENCODER_PARAMS.values())
+        / gib,
+        f"VAE ({vae})": {"fp32": 4, "bf16": 2}[vae] * VAE_PARAMS / gib,
     }
     print(
         f"SD3.5-Medium transformer: {total / 1e6:.1f}M parameters, LoRA on {targets} linear layers "
         f"(r={args.lora_rank}, alpha={args.lora_alpha}): {trainable / 1e6:.2f}M trainable"
     )
-    rows = {**plan, "total (transformer training, excl. VAE/text encoders)": sum(plan.values())}
+    rows = {**plan, "total per GPU (reward models and a GenEval server not counted)": sum(plan.values())}
     width = max(len(key) for key in rows)
     for key, value in rows.items():
         print(f"  {key:<{width}} {value:8.2f} GiB")

@@ -5,7 +5,7 @@ names `world`, a variant built by an experiment names the experiment's module. T
 `load_world`, so it knows none by name; a model folder without `world.json` (SD3.5-Medium) has no world: its rewards
 are the real reward models, its prompts a file. What the kit reads from a world module: DEFAULT_REWARDS, REWARDS
 ({name: (images, prompts) -> (N,)}), JUDGES, frechet_distance, GEN_KWARGS, parse_prompt, sample_prompts,
-PROFILES_PATH.
+PROFILES_PATH, world_id.
 """
 
 from __future__ import annotations

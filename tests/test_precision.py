@@ -197,9 +197,13 @@ def test_the_dry_run_plans_fp16_modes_float32_weights_and_their_autocast_copies(
     assert fp16["frozen weights (fp32)"] == pytest.approx(2 * bf16["frozen weights (bf16)"])
     assert fp16[copies] == pytest.approx(bf16["frozen weights (bf16)"]) and copies not in bf16
     assert ckpt[copies] == pytest.approx(fp16[copies] / 24)
-    assert {k: v for k, v in fp16.items() if "weights" not in k and k != copies} == {
-        k: v for k, v in bf16.items() if "weights" not in k
+    resident = ("weights", "text encoders", "VAE")  # each in the mode's own dtype
+    assert {k: v for k, v in fp16.items() if not k.startswith(resident) and "weights" not in k and k != copies} == {
+        k: v for k, v in bf16.items() if not k.startswith(resident) and "weights" not in k
     }
+    assert fp16["VAE (fp32)"] == pytest.approx(2 * bf16["VAE (bf16)"])  # DiffusionNFT keeps its VAE in float32
+    text = "text encoders (T5-XXL, CLIP-G, CLIP-L; "
+    assert fp16[text + "fp16)"] == pytest.approx(bf16[text + "bf16)"])
     plan = [line for line in capsys.readouterr().out.splitlines() if line.endswith(" GiB")]
     assert any(line.lstrip().startswith(copies) for line in plan)
 

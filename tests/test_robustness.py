@@ -91,6 +91,18 @@ def test_evaluate_base_compares_with_eval_before_when_iteration_0_also_evaluated
     assert snapshot(out) == before
 
 
+def test_evaluate_base_needs_no_checkpoint_and_without_base_says_to_use_it(evaluated_run, tmp_path):
+    """evaluate.py RUN --base on a run that has no checkpoint yet evaluates the pretrained model on the run's settings
+    (it was refused with a message telling the user to give --base, which they had given); without --base the refusal
+    names --base."""
+    out = copy_of(evaluated_run, tmp_path)
+    shutil.rmtree(out / "checkpoints")
+    with pytest.raises(SystemExit, match="no checkpoint yet; evaluate the pretrained model with --base"):
+        evaluate.main([str(out)], extra_rewards=TINY_REWARDS)
+    base = evaluate.main([str(out), "--base", "--json", str(tmp_path / "base.json")], extra_rewards=TINY_REWARDS)
+    assert base and all(np.isfinite(v) for v in base.values())
+
+
 # -----------------------------------------------------------------------------
 # issue 47: --overwrite leaves nothing of the replaced run, and sets aside what was not its own
 # -----------------------------------------------------------------------------
