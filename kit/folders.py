@@ -269,7 +269,9 @@ def lock_run(out):
 def start_or_resume(run, args):
     """Restore the newest intact checkpoint when resuming (metrics cut back to it), or clear the folder
     for --overwrite; remove this program's .tmp leftovers; write config.json; start the --report-to tracker. A resume
-    whose --iterations is below the iterations its checkpoint has trained is refused before any file changes.
+    whose --iterations is below the iterations its checkpoint has trained is refused before any file changes. On
+    resume, config.json's "args" are the values from the resumed iteration on, and "changed_on_resume" keeps, for each
+    flag given a new value, the iteration from which it applies and the value before (`resume_changes`).
     Returns (first iteration, state)."""
     state = (
         load_checkpoint(run.out, run.transformer, run.opt, args.lr, args.weight_decay, run.scaler)
@@ -299,6 +301,7 @@ def start_or_resume(run, args):
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
         config = {
             "args": asdict(args),
+            **({"changed_on_resume": resume_changes(run.out, asdict(args), start)} if args.resume else {}),
             "script": run.script,
             "run_id": run_id(run.out) if args.resume else uuid.uuid4().hex,  # in every checkpoint (save_checkpoint)
             "rewards": run.names,
@@ -315,6 +318,23 @@ def start_or_resume(run, args):
             ) from None
     start_trackers(run, args)
     return start, {"opt_steps": 0, "level_stats": None, **(state or {})}
+
+
+def resume_changes(out, now, start):
+    """config.json's "changed_on_resume" for a resume at iteration `start`: the earlier records of iterations before
+    `start` (those at or after it are trained again, with the values given now), then one entry {"from_iteration",
+    "flag", "before", "after"} per flag whose value `now` differs from the saved config's (the folder flags aside)."""
+    try:
+        saved = json.loads((Path(out) / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    kept = [c for c in saved.get("changed_on_resume", []) if c.get("from_iteration", 0) < start]
+    before = saved.get("args", {})
+    return kept + [
+        {"from_iteration": start, "flag": k, "before": before.get(k), "after": v}
+        for k, v in now.items()
+        if k not in ("out", "resume", "name", "overwrite") and k in before and before[k] != v
+    ]
 
 
 RUN_OWN = (  # what a run writes in its folder (its figures: FIGURES), deleted by --overwrite

@@ -660,16 +660,24 @@ def test_a_runs_lora_loads_in_diffusers_as_the_trained_model(finished_run):
 
 
 def test_resume_applies_a_new_lr_and_weight_decay_and_records_what_it_did(finished_run, tmp_path):
+    """A changed flag applies from the resumed iteration on; config.json's args hold the new value and
+    "changed_on_resume" what iterations 0-1 used and from which iteration the new one applies (issue 64: the old value
+    was lost)."""
     out = copy_of(finished_run, tmp_path)
     script = finished_run.script
+    before = json.loads((out / "config.json").read_text())["args"]
     script.train(
         script.parse_args(["--resume", str(out), "--iterations", "3", "--lr", "0.002", "--weight-decay", "0.25"]),
         extra_rewards=TINY_REWARDS,
     )
     groups = torch.load(out / "checkpoints" / "iter_000002" / "state.pt", weights_only=False)["optimizer"]
     assert [(g["lr"], g["weight_decay"]) for g in groups["param_groups"]] == [(0.002, 0.25)]
-    saved = json.loads((out / "config.json").read_text())["args"]
-    assert (saved["lr"], saved["weight_decay"]) == (0.002, 0.25)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["args"]["lr"], config["args"]["weight_decay"]) == (0.002, 0.25)
+    changed = {c["flag"]: c for c in config["changed_on_resume"]}
+    assert set(changed) == {"lr", "weight_decay", "iterations"}
+    assert changed["lr"] == {"from_iteration": 2, "flag": "lr", "before": before["lr"], "after": 0.002}
+    assert changed["iterations"]["before"] == before["iterations"] == 2
 
 
 @pytest.mark.parametrize(
