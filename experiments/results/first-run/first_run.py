@@ -394,6 +394,21 @@ def timed(name: str) -> tuple[float, str]:
     return float(text.split("wall ")[1].split(" s")[0]), text.splitlines()[1].split("Model name: ")[1].strip()
 
 
+def uniform_control_line():
+    """The README block's words on arm U, the uniform-W control at the defaults (`arm_u.py`'s arm_u.json), or that it
+    has not been run."""
+    path = HERE / "arm_u.json"
+    if not path.is_file():
+        return "a confirmation on fresh seeds and a uniform-W control at these defaults have not been run."
+    u = json.loads(path.read_text())
+    r = u["rows"]["weighted (noise mean)"]
+    return (
+        f"the uniform-W control at these defaults (arm U, `--credit uniform`, {len(u['seeds'])} paired seeds): M - U on "
+        f"the weighted change {r['mean']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}] (both noise sets averaged; "
+        f"`{FOLDER}/arm_u.json`); a confirmation on fresh seeds has not been run."
+    )
+
+
 def timing_line(arm: str) -> str:
     """The main command's time alone on a 2-core machine, measured for the arm itself (main_command_time-<arm>.txt;
     main_command_time.txt for arm TIMED): measured timings only, each with its CPU (issue 62: an estimate scaled from
@@ -465,7 +480,7 @@ def readme_block(arm: str = CHOSEN, kernels=("avx2", "default")) -> str:
         f"{shares[top[0]]:.0%}, `geneval` {shares['geneval']:.0%}.",
         f"These defaults were chosen in sample: arm {arm} was picked after reading the earlier arms of "
         f"`{FOLDER}/arms.json` on the same seeds (0-{n - 1}) and noise set {s1}, and the interval is not corrected for "
-        "that search; a confirmation on fresh seeds and a uniform-W control at these defaults have not been run.",
+        f"that search; {uniform_control_line()}",
     ]
     fr = summary["frechet_ratio"]
     lines += [f"Fréchet distance to the world's images: x{min(fr):.2f}-x{max(fr):.2f} the pretrained model's."]
