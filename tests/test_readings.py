@@ -506,3 +506,17 @@ def test_the_scale_law_sentences_quote_the_scale_law_files():
     }
     late = text(ROOT / "experiments" / "RESULTS.md")
     assert f"{ceilings[0.465]:.3f} at t = 0.465 and {ceilings[0.278]:.4f} at 0.278 with 8 leaves" in late
+
+
+def test_first_run_arm_u_reading_quotes_arm_u_json():
+    """first-run's arm U (the uniform-W control at the defaults): the folder README's numbers are arm_u.py's, which
+    recomputes them from final/*.json (run here: the committed file must be what the script writes)."""
+    folder = RESULTS / "first-run"
+    committed = (folder / "arm_u.json").read_text()
+    subprocess.run([sys.executable, str(folder / "arm_u.py")], check=True, capture_output=True)
+    assert (folder / "arm_u.json").read_text() == committed
+    rows = json.loads(committed)["rows"]
+    said = text(folder / "README.md")
+    for key, quoted in (("weighted (noise mean)", 4), ("detail (noise mean)", 3), ("shape (noise mean)", 3)):
+        r = rows[key]
+        assert f"{r['mean']:+.{quoted}f} [{r['lo']:+.{quoted}f}, {r['hi']:+.{quoted}f}]" in said, key
