@@ -15,7 +15,6 @@ two evaluations of one checkpoint at once never write over each other: the secon
 """
 
 import argparse
-import fcntl
 import importlib
 import json
 import os
@@ -150,16 +149,10 @@ def claim_result(path):
     killed process's lock is released with it): two evaluate.py of one checkpoint would both pass result_path's
     check, then write over each other. Returns (the open lock file, its path). SystemExit when another holds it."""
     lock = path.with_name(path.name + ".lock")
-    handle = open(lock, "w")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
-        raise SystemExit(
-            f"another evaluate.py is writing {path} (it holds {lock}): wait for it to finish, or give --json another "
-            "path"
-        ) from None
-    return handle, lock
+    refusal = (
+        f"another evaluate.py is writing {path} (it holds {lock}): wait for it to finish, or give --json another path"
+    )
+    return folders.exclusive_lock(lock, refusal), lock
 
 
 def release(claim):

@@ -252,18 +252,25 @@ def is_first_process(args):
     return process_state(args).process_index == 0
 
 
-def lock_run(out):
-    """An exclusive lock on out/.lock for this process's lifetime: a second live process on the same
-    folder (e.g. two --resume) is refused. Returns the open file (keep it referenced)."""
-    handle = open(Path(out) / ".lock", "w")
+def exclusive_lock(path, refusal):
+    """An exclusive lock on the file `path` for this process's lifetime (the kernel releases it with a killed
+    process); SystemExit(refusal) when another live process holds it. Returns the open file (keep it referenced)."""
+    handle = open(path, "w")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         handle.close()
-        raise SystemExit(
-            f"{out} is in use by another live process (it holds {out}/.lock); wait for it to finish or stop it"
-        ) from None
+        raise SystemExit(refusal) from None
     return handle
+
+
+def lock_run(out):
+    """An exclusive lock on out/.lock for this process's lifetime: a second live process on the same
+    folder (e.g. two --resume) is refused. Returns the open file (keep it referenced)."""
+    return exclusive_lock(
+        Path(out) / ".lock",
+        f"{out} is in use by another live process (it holds {out}/.lock); wait for it to finish or stop it",
+    )
 
 
 def start_or_resume(run, args):
