@@ -377,8 +377,20 @@ def ocr_reward(opts):
 def load_geneval_metadata(path):
     """prompt -> GenEval metadata dict, from a JSONL file of FlowGRPO's dataset/geneval format
     (one object per line: tag, include[, exclude], prompt)."""
+    table = {}
     with open(path) as f:
-        return {m["prompt"]: m for m in map(json.loads, filter(str.strip, f))}
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                meta = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{path}, line {number}: not one JSON object ({err.msg}); two records fused by `cat` of a file "
+                    "whose last line had no newline? Join JSONL files with `awk 1 a.jsonl b.jsonl > both.jsonl`"
+                ) from None
+            table[meta["prompt"]] = meta
+    return table
 
 
 def geneval_request(url, images, metadatas, only_strict=True, timeout=120.0, retries=3):

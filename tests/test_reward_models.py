@@ -310,6 +310,19 @@ def test_geneval_needs_metadata_a_valid_key_and_a_server():
         reward_models.geneval_request("http://127.0.0.1:9", [Image.new("RGB", (8, 8))], [{}], retries=1, timeout=2)
 
 
+def test_jsonl_joined_by_awk_reads_and_fused_by_cat_is_refused_naming_the_line(tmp_path):
+    """configs/README.md joins two metadata files with `awk 1`: a first file without its final newline stays two
+    records; `cat` fuses them, and the reader names the line and the fix instead of JSONDecodeError's "Extra data"."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"prompt": "a cat", "tag": "single_object"}\n{"prompt": "a dog", "tag": "single_object"}')
+    b.write_text('{"prompt": "two cats", "tag": "counting"}\n')
+    joined, fused = tmp_path / "joined.jsonl", tmp_path / "fused.jsonl"
+    subprocess.run(f"awk 1 {a} {b} > {joined} && cat {a} {b} > {fused}", shell=True, check=True)
+    assert set(reward_models.load_geneval_metadata(str(joined))) == {"a cat", "a dog", "two cats"}
+    with pytest.raises(ValueError, match=r"fused.jsonl, line 2: not one JSON object \(Extra data\).*awk 1"):
+        reward_models.load_geneval_metadata(str(fused))
+
+
 @pytest.fixture
 def offline_hub(tmp_path, monkeypatch):
     """An empty hub cache and HF_HUB_OFFLINE: nothing here may reach the network."""
