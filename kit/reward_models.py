@@ -444,6 +444,46 @@ def geneval_reward(opts):
     return lambda images, prompts: _batched(score, images, prompts, batch=64)
 
 
+GENEVAL_TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")  # the server's
+
+
+def geneval_judges(opts, prompts):
+    """GenEval's accuracies as DiffusionNFT reports them (the benchmark's numbers, beside the training reward's partial
+    credit), as held-out judges {name: (images, prompts) -> (N,)} for evaluate.py: geneval_accuracy (GenEval's own
+    all-clauses check: the server's "rewards" with only_strict=False), geneval_strict_accuracy ("strict_rewards"), and
+    for each tag of `prompts`' metadata geneval_<tag>_accuracy and geneval_<tag>_strict_accuracy ("group_rewards",
+    "group_strict_rewards"), NaN on the images of other tags (the server's -10; DiffusionNFT's mean leaves them out
+    too). Their means over the held-out images are DiffusionNFT's eval_reward_accuracy, _strict_accuracy and
+    _<tag>_strict_accuracy. The names share one request per batch of 64 (the first name asked for a list of images
+    makes it; the others read it)."""
+    url, path = _opt(opts, "geneval_url"), _opt(opts, "geneval_metadata")
+    table = load_geneval_metadata(str(path))
+    last = {}
+
+    def replies(images, prompts):
+        if last.get("images") is not images:  # a new list of images (held while cached: its id is not reused)
+            parts = [
+                geneval_request(url, images[i : i + 64], [table[p] for p in prompts[i : i + 64]], only_strict=False)
+                for i in range(0, len(images), 64)
+            ]
+            merged = {key: np.concatenate([r[key] for r in parts]) for key in ("rewards", "strict_rewards")}
+            for group in ("group_rewards", "group_strict_rewards"):
+                for tag in GENEVAL_TAGS:
+                    values = np.concatenate([r[group].get(tag, [-10.0] * len(r["rewards"])) for r in parts])
+                    merged[group, tag] = np.where(values == -10.0, np.nan, values)
+            last.update(images=images, merged=merged)
+        return last["merged"]
+
+    def judge(*key):
+        return lambda images, prompts: replies(images, prompts)[key[0] if len(key) == 1 else key]
+
+    judges = {"geneval_accuracy": judge("rewards"), "geneval_strict_accuracy": judge("strict_rewards")}
+    for tag in sorted({table[p]["tag"] for p in prompts if p in table} & set(GENEVAL_TAGS)):
+        judges[f"geneval_{tag}_accuracy"] = judge("group_rewards", tag)
+        judges[f"geneval_{tag}_strict_accuracy"] = judge("group_strict_rewards", tag)
+    return judges
+
+
 REWARD_MODELS = {
     "pickscore": pickscore_reward,
     "clipscore": clipscore_reward,
