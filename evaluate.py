@@ -424,9 +424,10 @@ def evaluate_into(path, cli, out, script, args, setting, extra_rewards, judges):
         logged = {k.replace("eval_before/", "eval/"): v for k, v in logged.items() if k.startswith("eval_before/")}
     steps, processes = len(run.eval_sigmas) - 1, run.acc.num_processes
     print(f"{label} of {out}: {len(run.eval_prompts)} prompts, {steps} steps, {processes} process(es)")
-    print(f"{'metric':<28}{'evaluated':>12}{'run logged':>12}")
+    width = max(28, 2 + max(map(len, metrics)))
+    print(f"{'metric':<{width}}{'evaluated':>12}{'run logged':>12}")
     for key, value in metrics.items():
-        print(f"{key:<28}{value:>12.4f}{logged[key] if key in logged else float('nan'):>12.4f}")
+        print(f"{key:<{width}}{value:>12.4f}{logged[key] if key in logged else float('nan'):>12.4f}")
     result = {
         "run": str(out),
         "checkpoint": label,

@@ -2,7 +2,10 @@
 DiffusionNFT's checkpoint-N/lora, each holding a tiny run's LoRA and evaluated as the run's own checkpoint is; the
 guidance option; GenEval's accuracies as DiffusionNFT reports them."""
 
+import http.server
 import json
+import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -202,3 +205,66 @@ def test_geneval_accuracies_are_read_as_diffusionnft_reads_them(tmp_path, monkey
     assert np.nanmean(got["geneval_counting_strict_accuracy"]) == pytest.approx(np.mean((i % 2 == 0)[counting]))
     judges["geneval_accuracy"](list(images), prompts)  # a new list of images: asked again
     assert len(requests) == 4
+
+
+class _GenEvalServer(http.server.BaseHTTPRequestHandler):
+    """The reward server's protocol (reward_server/gen_eval.py's compute_geneval): each prompt's metadata says what
+    it scores ("want": partial credit; correct and strict-correct from it)."""
+
+    def do_POST(self):
+        data = pickle.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        metas = data["meta_datas"]
+        self.server.requests.append((len(metas), data["only_strict"]))
+        scores = [m["want"] for m in metas]
+        correct, strict = [float(s >= 0.5) for s in scores], [float(s == 1.0) for s in scores]
+        tags = ("single_object", "counting")
+        group = lambda v: {t: [x if m["tag"] == t else -10.0 for x, m in zip(v, metas)] for t in tags}  # noqa: E731
+        body = pickle.dumps(
+            {
+                "scores": scores,
+                "rewards": correct,
+                "strict_rewards": strict,
+                "group_rewards": group(correct),
+                "group_strict_rewards": group(strict),
+            }  # fmt: skip
+        )
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_evaluate_with_the_geneval_reward_reports_diffusionnfts_accuracies(tiny, lora, tmp_path):
+    """A recipe with the geneval reward: evaluate.py logs the partial credit (eval/geneval) and, as held-out judges,
+    the accuracy, strict accuracy and each tag's of the held-out prompts, from the server's replies."""
+    prompts = (tiny / "prompts.txt").read_text().splitlines()  # 4 prompts: tags and credits below
+    wants, tags = [1.0, 0.5, 0.25, 1.0], ["single_object", "counting", "counting", "counting"]
+    metadata = tmp_path / "meta.jsonl"
+    metadata.write_text(
+        "".join(json.dumps({"prompt": p, "tag": t, "want": w}) + "\n" for p, t, w in zip(prompts, tags, wants))
+    )
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _GenEvalServer)
+    server.requests = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        recipe = tmp_path / "geneval.yaml"
+        text = lora[0].read_text().replace("rewards: pixel,contrast", "rewards: geneval").replace('"0.5,0.5"', '"1"')
+        recipe.write_text(text + f"geneval-url: {url}\ngeneval-metadata: {metadata}\n")
+        got = evaluate.main([str(lora[1]["diffusers"]), "--config", str(recipe), "--json", str(tmp_path / "g.json")])
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert server.requests == [(4, True), (4, False)]  # the training reward's request, then the accuracies'
+    assert got["eval/geneval"] == pytest.approx(np.mean(wants))
+    assert got["eval/judge/geneval_accuracy"] == pytest.approx(0.75)  # correct: credit >= 0.5 here
+    assert got["eval/judge/geneval_strict_accuracy"] == pytest.approx(0.5)
+    assert got["eval/judge/geneval_single_object_strict_accuracy"] == pytest.approx(1.0)
+    assert got["eval/judge/geneval_counting_strict_accuracy"] == pytest.approx(1 / 3)  # the -10 of other tags: left out
+    assert got["eval/judge/geneval_counting_accuracy"] == pytest.approx(2 / 3)
+    assert not [k for k in got if "colors" in k]  # no held-out prompt of that tag
