@@ -10,13 +10,10 @@ On the run's settings the numbers are the eval/* the run logged at that iteratio
     python evaluate.py logs/nft/sd3/geneval/checkpoints/checkpoint-300 --config configs/nft-geneval.yaml
     python evaluate.py runs/recast-recast-0 --guidance-scale 4.5            # with CFG (FlowGRPO's reported setting)
 
-A LoRA folder that is no run's is evaluated with the settings of --config (a recipe, or a run's config.json: model,
-held-out prompts, rewards, steps, resolution): diffusers' layout (pytorch_lora_weights.safetensors, what
-pipe.load_lora_weights reads), PEFT's (adapter_config.json with adapter_model.safetensors or .bin: save_pretrained),
-or DiffusionNFT's checkpoint-N (its lora/ folder, PEFT's layout holding the EMA's weights when it trained with one;
-the adapter "old" in lora/old/ is not read). Its result goes beside the folder (for checkpoint-N: eval-checkpoint-N.json
-in its checkpoints/). With a GenEval reward the result adds DiffusionNFT's accuracies as judges (eval/judge/geneval_*:
-accuracy, strict accuracy, each tag's; `reward_models.geneval_judges`).
+A LoRA folder that is no run's (diffusers', PEFT's, DiffusionNFT's checkpoint-N: `find_lora`) is evaluated with the
+settings of --config (a recipe, or a run's config.json: model, held-out prompts, rewards, steps, resolution); its
+result goes beside the folder (checkpoint-N's: eval-checkpoint-N.json in its checkpoints/). With a GenEval reward the
+result adds DiffusionNFT's accuracies as judges (eval/judge/geneval_*; `reward_models.geneval_judges`).
 
 Writes <run>/eval-<checkpoint>.json (the metrics and every image's rewards), the first samples beside it as .png,
 and prints a table beside what the run logged. Everything is checked before any model loads: the checkpoint (a run
@@ -167,7 +164,12 @@ def load_lora(transformer, lora):
     transformer.set_adapter("default")
 
 
-def lora_args(cli, lora, script_args):
+def given_flags(cli, Args):
+    """evaluate.py's flags that are also the script's (--eval-prompts, --eval-steps, --device), where given."""
+    return {f.name: getattr(cli, f.name) for f in fields(Args) if getattr(cli, f.name, None) is not None}
+
+
+def lora_args(cli, lora):
     """The settings a LoRA folder is evaluated with: --config's (a recipe or a run's config.json, parsed by the script
     its `script:` names), then evaluate.py's own flags; CFG-free and no EMA (the folder's weights are the ones
     evaluated). Returns (script name, Args). SystemExit without --config, naming what to give."""
@@ -183,7 +185,7 @@ def lora_args(cli, lora, script_args):
     if name not in ("recast", "rvge"):
         raise SystemExit(f"--config {cli.config}: script {name!r} is neither recast nor rvge")
     args = importlib.import_module(name).parse_args(["--config", cli.config])
-    args = replace(args, **script_args(args), out=str(lora.results), resume="", report_to="none", ema=False)
+    args = replace(args, **given_flags(cli, args), out=str(lora.results), resume="", report_to="none", ema=False)
     if not args.eval_prompts and not worlds.is_embedded(args.model):
         raise SystemExit(f"--config {cli.config} names no held-out prompts: give --eval-prompts FILE")
     return name, replace(args, train_prompts=args.eval_prompts)  # not trained: the run's loader reads a prompt file
@@ -330,8 +332,7 @@ def run_args(cli, out):
     config = json.loads((out / "config.json").read_text())
     script = importlib.import_module(config["script"])
     _, saved = flags.read_run_config(out / "config.json", script.Args)
-    known = {f.name for f in fields(script.Args)}
-    given = {k: v for k, v in vars(cli).items() if k in known and v is not None}
+    known, given = {f.name for f in fields(script.Args)}, given_flags(cli, script.Args)
     try:
         saved = flags.model_after_a_move(saved, given, out)  # the embedded model, moved with the project
     except SystemExit as err:
@@ -347,8 +348,7 @@ def main(argv=None, extra_rewards=None, judges=None):
         out, ckpt = find_checkpoint(cli.checkpoint, cli.base)
         script, args = run_args(cli, out)
     else:
-        given = lambda args: {k: v for k, v in vars(cli).items() if hasattr(args, k) and v is not None}  # noqa: E731
-        (script, args), out, ckpt = lora_args(cli, lora, given), lora.results, None
+        (script, args), out, ckpt = lora_args(cli, lora), lora.results, None
     try:
         names, budgets, branch = checks.check_common(args, extra_rewards)
         checks.check_files(args, names)
