@@ -102,8 +102,9 @@ class RunArgs:
     memory for the frozen transformer (2 bytes a parameter against 4, plus the 2 of autocast's copies kept for
     backward)"""
     dry_run: bool = flag(False, "I/O")
-    """build SD3.5-Medium's transformer on the meta device, attach the LoRA, print trainable parameters and a memory
-    plan, exit"""
+    """the preflight, no GPU, nothing downloaded: every check the launch makes before the model loads (model access,
+    prompt files, reward weights, GenEval's server), the run's arithmetic, SD3.5-Medium's memory per GPU (on the meta
+    device) and its time at a stated MFU; exits non-zero naming every failure"""
     num_processes: int = flag(0, "I/O", min=0)
     """processes (GPUs) the run is planned for, each drawing --prompts-per-iter prompt groups (every SD3.5-M recipe: 8,
     so 48 groups per iteration); a launch of another count says which global batch it keeps and which it loses, and
@@ -201,7 +202,7 @@ def help_epilog():
             "      --train-steps-per-leaf 2 --updates-per-iter 1 --eval-every 0  # smoke run",
             "  python %(prog)s --config configs/FILE.yaml --seed 1  # a recipe, flags override it",
             "  python %(prog)s --resume runs/RUN --iterations 200  # continue a run in place",
-            "  python %(prog)s --dry-run  # SD3.5-Medium's LoRA and memory plan, no weights",
+            "  python %(prog)s --config configs/FILE.yaml --dry-run  # preflight: checks, batch, memory, time",
             "  accelerate launch --multi_gpu --num_processes 8 %(prog)s --config configs/FILE.yaml",
         ]
     )

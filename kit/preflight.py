@@ -97,6 +97,9 @@ def sd35m_transformer(args):
 # -----------------------------------------------------------------------------
 
 
+DEFAULT_HUB_MODEL = "stabilityai/stable-diffusion-3.5-medium"
+
+
 def model_problem(model):
     """None when the run can load `model` (the embedded one, a diffusers folder, or a hub id in the local cache or
     that the saved token may read: huggingface_hub's auth_check, no download); else one line naming the fix. A gated
@@ -127,16 +130,18 @@ def model_problem(model):
     return None
 
 
-DEFAULT_HUB_MODEL = "stabilityai/stable-diffusion-3.5-medium"
-
-
 def preflight_problems(args, names):
     """Every failure the launch would meet before its first iteration that needs no GPU to see, one line each: the
     model (`model_problem`), the prompt files and --resume's metrics (`checks.file_problems`), each reward model's
     weights, the aesthetic MLP, the GenEval metadata and server (`reward_models.missing_inputs`, a 5 s TCP
     connection)."""
-    real = [n for n in names if n not in reward_extras(args.model)]
+    real = real_rewards(args, names)
     return [p for p in [model_problem(args.model), *file_problems(args, names), *missing_inputs(real, args)] if p]
+
+
+def real_rewards(args, names):
+    """The rewards among `names` that are real reward models (kit.reward_models), not the embedded world's."""
+    return [n for n in names if n not in reward_extras(args.model)]
 
 
 # -----------------------------------------------------------------------------
@@ -302,7 +307,7 @@ def memory_plan(args, names, transformer, config, adapters, trainable, total):
         * sum(TEXT_ENCODER_PARAMS.values())
         / GIB,
         f"VAE ({vae})": {"fp32": 4, "bf16": 2}[vae] * VAE_PARAMS / GIB,
-        **reward_memory(args, names),
+        **reward_memory(args, real_rewards(args, names)),
     }
 
 

@@ -268,3 +268,17 @@ def test_the_counter_stands_in_for_the_transformer_in_the_real_rollout():
     x = torch.zeros(3, 1, 1, 1)
     out = counter(hidden_states=x, timestep=torch.zeros(3), encoder_hidden_states=None, pooled_projections=None)
     assert out[0].shape == x.shape and counter.samples == 3
+
+
+def test_the_launch_names_every_bad_prompt_file_at_once(tmp_path):
+    """checks.check_files (the launch's, before any model loads) names both a missing training file and a held-out
+    file of one prompt, not only the first; each line as before."""
+    (tmp_path / "eval.txt").write_text("one prompt\n")
+    args = SimpleNamespace(
+        train_prompts=str(tmp_path / "none.txt"), eval_prompts=str(tmp_path / "eval.txt"), model=SD35M, resume=""
+    )
+    with pytest.raises(SystemExit) as err:
+        checks.check_files(args, ["pickscore"])
+    first, second = str(err.value).splitlines()
+    assert first.startswith(f"--train-prompts {tmp_path / 'none.txt'}: cannot read it")
+    assert second.startswith(f"--eval-prompts {tmp_path / 'eval.txt'}: give at least 2 prompts")

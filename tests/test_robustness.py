@@ -637,7 +637,7 @@ def test_dry_run_makes_the_input_checks_that_need_no_model_first(tmp_path, monke
     with pytest.raises(SystemExit, match=words):
         __import__(script).main(["--config", config, "--dry-run", *more])
     assert "memory" not in capsys.readouterr().out.lower()
-    with pytest.raises(SystemExit, match=r"preflight: \d+ problem.*\n.*--train-prompts train_prompts.txt: cannot read"):
+    with pytest.raises(SystemExit, match=r"(?s)preflight: \d+ problem.*--train-prompts train_prompts.txt: cannot read"):
         __import__(script).main(["--config", config, "--dry-run"])
     assert "memory per GPU" in capsys.readouterr().out
     assert not (tmp_path / "runs").exists()
