@@ -92,6 +92,17 @@ def sd35m_transformer(args):
     return transformer, config, adapters
 
 
+@functools.cache  # one build per LoRA shape in a process
+def transformer_counts(lora_rank, lora_alpha, ema):
+    """(the transformer's own parameters, one adapter's trainable parameters, the linear layers LoRA targets, the
+    adapters' names) of `sd35m_transformer`."""
+    transformer, _, adapters = sd35m_transformer(SimpleNamespace(lora_rank=lora_rank, lora_alpha=lora_alpha, ema=ema))
+    trainable = sum(p.numel() for p in sd3.lora_params(transformer, "default"))
+    total = sum(p.numel() for p in transformer.parameters()) - len(adapters) * trainable  # the transformer alone
+    targets = sum(1 for n, _ in transformer.named_modules() if n.endswith(".lora_A.default"))
+    return total, trainable, targets, tuple(adapters)
+
+
 # -----------------------------------------------------------------------------
 # The checks: every one the launch makes that needs no GPU, each failure collected
 # -----------------------------------------------------------------------------
@@ -282,7 +293,7 @@ def reward_memory(args, names):
     return plan
 
 
-def memory_plan(args, names, transformer, config, adapters, trainable, total):
+def memory_plan(args, names, config, adapters, trainable, total):
     """{row: GiB} of one GPU: the frozen transformer in the run's precision (--mixed-precision fp16: float32 and the
     float16 copies autocast makes of it, kept for backward, of one block at a time with --gradient-checkpointing),
     the LoRA adapters, AdamW's state, one micro-batch's activations as measured (`checks.activation_bytes`), the text
@@ -359,44 +370,50 @@ def time_estimate(args, plan, flops, eval_prompts):
 # -----------------------------------------------------------------------------
 
 
-def dry_run(args, names):
-    """--dry-run: the preflight (`preflight_problems`), the arithmetic, the memory table and the time for the run
-    the flags describe on SD3.5-Medium, printed; SystemExit naming every failure, else the numbers as a dict."""
-    check_precision(args)
-    problems = preflight_problems(args, names)
-    processes, source = planned_processes(args)
-    transformer, config, adapters = sd35m_transformer(args)
-    trainable = sum(p.numel() for p in sd3.lora_params(transformer, "default"))
-    total = sum(p.numel() for p in transformer.parameters()) - len(adapters) * trainable  # the transformer alone
-    targets = sum(1 for n, _ in transformer.named_modules() if n.endswith(".lora_A.default"))
-    plan = run_arithmetic(args, processes)
-    memory = memory_plan(args, names, transformer, config, adapters, trainable, total)
+def plan_run(args, names):
+    """The numbers the dry run prints for the run the flags describe on SD3.5-Medium: parameters, the arithmetic
+    (`run_arithmetic`, for `planned_processes`), the memory per GPU (`memory_plan`), FLOPs per sample and the time
+    (`time_estimate`, with the held-out evaluation when its prompt file is readable)."""
+    total, trainable, targets, adapters = transformer_counts(args.lora_rank, args.lora_alpha, args.ema)
+    config = json.loads((ROOT / "world/assets/sd3.5-medium-transformer.json").read_text())
+    plan = run_arithmetic(args, planned_processes(args)[0])
     try:
         eval_prompts = len(read_prompts(args.eval_prompts)) if args.eval_prompts else 0
     except SystemExit:
         eval_prompts = 0  # named among the problems
     flops = flops_per_sample(args.resolution or 512, args.max_sequence_length or 128, args.lora_rank, args.lora_alpha)
-    cost = time_estimate(args, plan, flops, eval_prompts)
-    print(
-        f"SD3.5-Medium transformer: {total / 1e6:.1f}M parameters, LoRA on {targets} linear layers "
-        f"(r={args.lora_rank}, alpha={args.lora_alpha}): {trainable / 1e6:.2f}M trainable"
-    )
-    print_arithmetic(args, plan, source)
-    print_memory(args, config, memory, names)
-    print_time(args, plan, flops, cost, eval_prompts)
-    if problems:
-        listed = "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1))
-        raise SystemExit(f"preflight: {len(problems)} problem(s) the launch would stop at:\n{listed}")
-    print("preflight: every check that needs no GPU passed")
     return {
         "total_params": total,
         "trainable_params": trainable,
         "lora_layers": targets,
-        "memory_gib": memory,
+        "memory_gib": memory_plan(args, names, config, adapters, trainable, total),
         "plan": plan,
         "flops_per_sample": flops,
-        "time": cost,
+        "eval_prompts": eval_prompts,
+        "time": time_estimate(args, plan, flops, eval_prompts),
+        "config": config,
     }
+
+
+def dry_run(args, names):
+    """--dry-run: the preflight (`preflight_problems`), then the arithmetic, the memory table and the time of
+    `plan_run`, printed; SystemExit naming every failure, else plan_run's numbers."""
+    check_precision(args)
+    problems = preflight_problems(args, names)
+    numbers = plan_run(args, names)
+    print(
+        f"SD3.5-Medium transformer: {numbers['total_params'] / 1e6:.1f}M parameters, LoRA on {numbers['lora_layers']} "
+        f"linear layers (r={args.lora_rank}, alpha={args.lora_alpha}): {numbers['trainable_params'] / 1e6:.2f}M "
+        "trainable"
+    )
+    print_arithmetic(args, numbers["plan"], planned_processes(args)[1])
+    print_memory(args, numbers["config"], numbers["memory_gib"], names)
+    print_time(args, numbers["plan"], numbers["flops_per_sample"], numbers["time"], numbers["eval_prompts"])
+    if problems:
+        listed = "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1))
+        raise SystemExit(f"preflight: {len(problems)} problem(s) the launch would stop at:\n{listed}")
+    print("preflight: every check that needs no GPU passed")
+    return numbers
 
 
 def print_arithmetic(args, plan, source):
@@ -471,7 +488,8 @@ def print_time(args, plan, flops, cost, eval_prompts):
     run = args.iterations * cost["gpu_hours"]
     print(
         f"  {cost['seconds']:.0f} s per iteration; {cost['gpu_hours']:.3f} GPU-hours per iteration on {n} GPU(s), "
-        f"{100 * cost['gpu_hours']:.1f} per 100 iterations, {run:,.0f} for --iterations {args.iterations} "
+        f"{100 * cost['gpu_hours']:.1f} per 100 iterations, {run:,.{0 if run >= 10 else 2}f} for --iterations "
+        f"{args.iterations} "
         f"({args.iterations * cost['seconds'] / 3600:,.1f} h wall); not counted: decoding, text encoders, rewards, "
         "the gradient all-reduce"
     )

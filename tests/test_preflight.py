@@ -282,3 +282,27 @@ def test_the_launch_names_every_bad_prompt_file_at_once(tmp_path):
     first, second = str(err.value).splitlines()
     assert first.startswith(f"--train-prompts {tmp_path / 'none.txt'}: cannot read it")
     assert second.startswith(f"--eval-prompts {tmp_path / 'eval.txt'}: give at least 2 prompts")
+
+
+def test_the_recipe_table_quotes_the_dry_run(tmp_path, monkeypatch):
+    """configs/README.md's table is the dry run's numbers for each SD3.5-M recipe (launched from a folder without
+    its prompt files, so no evaluation is counted): GPUs, samples per optimizer step, memory per GPU, seconds per
+    iteration and GPU-hours per 100 iterations."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    rows = {
+        cells[0].strip("` "): cells
+        for line in (ROOT / "configs/README.md").read_text().splitlines()
+        if line.startswith("| `") and len(cells := [c.strip() for c in line.strip("|").split("|")]) == 7
+    }
+    recipes = [r for r in rows if r != "recast-embedded.yaml"]
+    assert len(recipes) == 6
+    for recipe in recipes:
+        args, _ = recipe_args(recipe)
+        numbers = preflight.plan_run(args, args.rewards.split(","))
+        plan, cost = numbers["plan"], numbers["time"]
+        _, _, _, gpus, samples, memory, time = rows[recipe]
+        assert int(gpus) == plan["processes"], recipe
+        assert samples.endswith(f"= {plan['samples_per_step']:,.0f}"), recipe
+        assert memory == f"{sum(numbers['memory_gib'].values()):.2f} GiB", recipe
+        assert time == f"{cost['seconds']:.0f} s, {100 * cost['gpu_hours']:.1f}", recipe
