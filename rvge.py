@@ -63,10 +63,11 @@ from tqdm import tqdm
 
 import nft
 import sd3
-from kit.checks import check_common, check_files, dry_run
+from kit.checks import check_common, check_files
 from kit.figures import plot_run, print_summary
 from kit.flags import RUN_ARG_GROUPS, RunArgs, parse_flags
 from kit.folders import run_folder, start_or_resume
+from kit.preflight import dry_run
 from kit.session import Run, evaluate_before, finish_iteration, load_run, stop_if_a_reward_failed
 from nft import NFTArgs, flag
 from recast import CreditSettings, credit
@@ -621,9 +622,8 @@ def setup_run(args: Args, extra_rewards=None, judges=None) -> Run:
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.dry_run:  # the input checks that need no model first (`validate`), then the plan
-        validate(args)
-        return dry_run(args)
+    if args.dry_run:  # the input checks that need no model first (`validate`), then the preflight
+        return dry_run(args, validate(args)[0])
     return train(args)  # the console: one progress bar, then print_summary's lines
 
 

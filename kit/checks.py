@@ -1,20 +1,18 @@
-"""The input checks every script makes before any model loads (ranges, device, model, budgets, rewards, prompt files),
-the prompt files' readers, and --dry-run's memory plan for SD3.5-Medium. Each refusal names the problem and the fix."""
+"""The input checks every script makes before any model loads (ranges, device, model, budgets, rewards, prompt files,
+the process count against the plan), the prompt files' readers, and the activation term of --dry-run's memory plan
+(kit/preflight.py). Each refusal names the problem and the fix."""
 
 from __future__ import annotations
 
 import importlib
-import json
 import math
 import os
-import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-import sd3
 from kit.flags import check_ranges
 from kit.records import metrics_lines
 from kit.reward_models import REWARD_MODELS, missing_inputs, ocr_target
@@ -75,6 +73,36 @@ def check_launch():
         )
 
 
+def warn_process_count(args):
+    """A launch (WORLD_SIZE) of another process count than --num-processes (the recipe's plan) says, once, which
+    global batch it keeps and which it loses (`process_count_note`): each process draws --prompts-per-iter
+    prompt groups, so the count sets the batch of every iteration and optimizer step. --dry-run prints it with its
+    arithmetic."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if args.dry_run or not args.num_processes or not world.isdigit() or int(world) == args.num_processes:
+        return
+    if os.environ.get("RANK", "0") == "0":
+        tqdm.write(process_count_note(args, int(world)))
+
+
+def process_count_note(args, launched):
+    """The global batch a launch of `launched` processes keeps and loses against --num-processes (the recipe's
+    plan: each process draws --prompts-per-iter groups), and the flags that keep the planned one."""
+    P, planned = args.prompts_per_iter, args.num_processes
+    want, got = P * planned, P * launched
+    change = f"loses {want - got} of them" if got < want else f"gains {got - want}"
+    keep = (
+        f"--prompts-per-iter {want // launched} --num-processes {launched}"
+        if want % launched == 0
+        else f"no whole --prompts-per-iter on {launched} processes ({want} / {launched}); launch a divisor of {want}"
+    )
+    return (
+        f"the run is planned for --num-processes {planned} x --prompts-per-iter {P} = {want} prompt groups per "
+        f"iteration; {launched} process(es) draw {got}: every iteration and optimizer step {change}. To keep {want}: "
+        f"{keep}"
+    )
+
+
 def check_common(args, extra_rewards=None):
     """The checks both scripts make on the user's input, before any model is loaded or any file in a run folder
     changes: flag ranges, tracker, resolution, device, model, budgets and rewards (the reward models' weights, files
@@ -85,6 +113,7 @@ def check_common(args, extra_rewards=None):
     check_precision(args)
     check_report_to(args.report_to)
     check_launch()
+    warn_process_count(args)
     if args.resolution % 16:
         raise SystemExit(
             f"--resolution {args.resolution}: SD3 needs a multiple of 16 (VAE 8 x patch 2), "
@@ -175,9 +204,33 @@ def check_precision(args):
 
 
 def check_files(args, names):
-    """The files a run reads, checked before any model loads: prompt files (readable, >= 2 held-out prompts, the
+    """The files a run reads, checked before any model loads (`file_problems`): SystemExit naming each file, its
+    problem and the fix."""
+    problems = file_problems(args, names)
+    if problems:
+        raise SystemExit("\n".join(problems))
+
+
+def file_problems(args, names):
+    """The problems of the files a run reads, one line each: prompt files (readable, >= 2 held-out prompts, the
     embedded world's held-out prompts inside its grammar, quoted text for the ocr reward) and, on --resume, the
-    metrics file (a damaged line is refused; metrics_lines). SystemExit naming the file, the problem and the fix."""
+    metrics file (a damaged line is refused; metrics_lines)."""
+    problems = []
+    for check in (train_prompts_problem, eval_prompts_problem):
+        try:
+            check(args, names)
+        except SystemExit as err:
+            problems.append(str(err))
+    if args.resume:
+        try:
+            metrics_lines(Path(args.resume) / "metrics.jsonl")
+        except SystemExit as err:
+            problems.append(str(err))
+    return problems
+
+
+def train_prompts_problem(args, names):
+    """--train-prompts: readable, and with the ocr reward each prompt quotes its text; SystemExit naming the fix."""
     if args.train_prompts:
         unquoted = [q for q in read_prompts(args.train_prompts, "--train-prompts") if ocr_target(q) is None]
         if "ocr" in names and unquoted:
@@ -185,6 +238,10 @@ def check_files(args, names):
                 f"--train-prompts {args.train_prompts}: the ocr reward scores the text between double quotes, and "
                 f"{len(unquoted)} prompt(s) quote nothing, the first: {clip(unquoted[0])}. Quote the text to render"
             )
+
+
+def eval_prompts_problem(args, names):
+    """--eval-prompts: readable, >= 2 prompts, the embedded world's inside its grammar; SystemExit naming the fix."""
     if args.eval_prompts:
         prompts = read_prompts(args.eval_prompts, "--eval-prompts")
         if len(prompts) < 2:
@@ -201,8 +258,6 @@ def check_files(args, names):
                         "world's captions (e.g. 'two red circles', 'a blue square on the left'); the world's "
                         "rewards cannot score it. Fix the line, or give --model"
                     ) from None
-    if args.resume:
-        metrics_lines(Path(args.resume) / "metrics.jsonl")
 
 
 def clip(text, n=80):
@@ -252,10 +307,6 @@ def distinct_prompts(prompts, n, seed, rank, world_size):
     return [prompts[i] for i in order[rank * n : (rank + 1) * n]]
 
 
-# SD3.5-Medium's resident parts beside the transformer (parameters): its text encoders at their real sizes (counted
-# from their published configs, not shipped here) and its VAE (counted from its config).
-TEXT_ENCODER_PARAMS = {"t5-xxl encoder": 4.76e9, "clip-g": 0.69e9, "clip-l": 0.12e9}
-VAE_PARAMS = 83.8e6
 # Activations kept for backward per block and sample, in units of tokens x hidden x 2 bytes, fitted from forward and
 # backward passes of SD3.5-Medium's real blocks at 512 px in bfloat16 on the CPU (experiments/results/memory-fit: 30
 # runs, residuals under 1 MiB): blocks with the second attention (dual_attention_layers) and plain ones, a constant
@@ -275,58 +326,3 @@ def activation_bytes(args, config, tokens):
     unit = tokens * config["num_attention_heads"] * config["attention_head_dim"] * 2
     scale = FLOAT32_ACTIVATIONS if args.dtype == "float32" and args.mixed_precision != "fp16" else 1.0
     return args.train_batch * unit * units * scale + d * 2**20
-
-
-def dry_run(args):
-    """SD3.5-Medium readiness without weights: its transformer (shipped config) on the meta device,
-    the LoRA adapters attached ("default", "old", with --ema "ema"), trainable parameters and a memory plan for one
-    micro-batch in the run's precision (--mixed-precision fp16: float32 frozen weights and the float16 copies autocast
-    makes of them, kept for backward: of one block at a time with --gradient-checkpointing, which recomputes them),
-    the activations as measured (`activation_bytes`), and the text encoders and the VAE resident beside them. The
-    reward models and a GenEval server on the same GPU are not counted."""
-    check_precision(args)
-    from accelerate import init_empty_weights
-    from diffusers import SD3Transformer2DModel
-    from peft import LoraConfig
-
-    config = json.loads((Path(__file__).parents[1] / "world/assets/sd3.5-medium-transformer.json").read_text())
-    with init_empty_weights(include_buffers=True):  # buffers too: SD3's 384 x 384 position table is not computed
-        transformer = SD3Transformer2DModel.from_config(config)
-        lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=sd3.LORA_TARGETS)
-        transformer.add_adapter(lora, adapter_name="default")
-        adapters = ["default", "old"] + (["ema"] if args.ema else [])
-        with warnings.catch_warnings():  # several adapters on one model are the design here (as in sd3.load_pipeline)
-            warnings.filterwarnings("ignore", message="Already found a `peft_config`")
-            for name in adapters[1:]:
-                transformer.add_adapter(lora, adapter_name=name)
-    trainable = sum(p.numel() for p in sd3.lora_params(transformer, "default"))
-    total = sum(p.numel() for p in transformer.parameters()) - len(adapters) * trainable  # the transformer alone
-    targets = sum(1 for n, _ in transformer.named_modules() if n.endswith(".lora_A.default"))
-    res = args.resolution or 512
-    tokens = (res // 8 // config["patch_size"]) ** 2 + 77 + (args.max_sequence_length or 128)
-    gib = 2**30
-    fp16 = args.mixed_precision == "fp16"
-    weights = "fp32" if fp16 or args.dtype == "float32" else "bf16"  # float16 without a scaler: check_precision
-    copies = total / (config["num_layers"] if args.gradient_checkpointing else 1)
-    text, vae = ("fp16", "fp32") if fp16 else (weights, weights)  # sd3.precision: fp16 mode's VAE float32
-    plan = {
-        f"frozen weights ({weights})": {"fp32": 4, "bf16": 2}[weights] * total / gib,
-        **({"their fp16 copies kept for backward (autocast)": 2 * copies / gib} if fp16 else {}),
-        f"{len(adapters)} LoRA adapters ({', '.join(adapters)}; fp32)": 4 * len(adapters) * trainable / gib,
-        "AdamW state + grads (fp32)": 3 * 4 * trainable / gib,
-        f"activations, micro-batch {args.train_batch} (fitted on the CPU)": activation_bytes(args, config, tokens)
-        / gib,
-        f"text encoders (T5-XXL, CLIP-G, CLIP-L; {text})": {"fp32": 4, "bf16": 2, "fp16": 2}[text]
-        * sum(TEXT_ENCODER_PARAMS.values())
-        / gib,
-        f"VAE ({vae})": {"fp32": 4, "bf16": 2}[vae] * VAE_PARAMS / gib,
-    }
-    print(
-        f"SD3.5-Medium transformer: {total / 1e6:.1f}M parameters, LoRA on {targets} linear layers "
-        f"(r={args.lora_rank}, alpha={args.lora_alpha}): {trainable / 1e6:.2f}M trainable"
-    )
-    rows = {**plan, "total per GPU (reward models and a GenEval server not counted)": sum(plan.values())}
-    width = max(len(key) for key in rows)
-    for key, value in rows.items():
-        print(f"  {key:<{width}} {value:8.2f} GiB")
-    return {"total_params": total, "trainable_params": trainable, "lora_layers": targets, "memory_gib": plan}

@@ -102,8 +102,17 @@ class RunArgs:
     memory for the frozen transformer (2 bytes a parameter against 4, plus the 2 of autocast's copies kept for
     backward)"""
     dry_run: bool = flag(False, "I/O")
-    """build SD3.5-Medium's transformer on the meta device, attach the LoRA, print trainable parameters and a memory
-    plan, exit"""
+    """the preflight, no GPU, nothing downloaded: every check the launch makes before the model loads (model access,
+    prompt files, reward weights, GenEval's server), the run's arithmetic, SD3.5-Medium's memory per GPU (on the meta
+    device) and its time at a stated MFU; exits non-zero naming every failure"""
+    num_processes: int = flag(0, "I/O", min=0)
+    """processes (GPUs) the run is planned for, each drawing --prompts-per-iter prompt groups (every SD3.5-M recipe: 8,
+    so 48 groups per iteration); a launch of another count says which global batch it keeps and which it loses, and
+    --dry-run plans for this count (0: the launch's own, WORLD_SIZE, else 1)"""
+    allow_embedded_defaults: bool = flag(False, "I/O")
+    """let a model other than the embedded one train with the defaults of --lr, --base-reg, --updates-per-iter,
+    --train-steps-per-leaf, --ema and --mixed-precision, which are the embedded model's; without it such a run takes
+    them from a recipe (configs/*.yaml) or the command line"""
     report_to: str = flag("none", "I/O", choices=["none", "tensorboard", "wandb"])
     """also log the metrics' numbers and strings, under the same keys, through accelerate's trackers: TensorBoard
     (event files in <run>/tensorboard, W as an image) or Weights & Biases (project <script>); needs that package"""
@@ -197,7 +206,7 @@ def help_epilog():
             "      --train-steps-per-leaf 2 --updates-per-iter 1 --eval-every 0  # smoke run",
             "  python %(prog)s --config configs/FILE.yaml --seed 1  # a recipe, flags override it",
             "  python %(prog)s --resume runs/RUN --iterations 200  # continue a run in place",
-            "  python %(prog)s --dry-run  # SD3.5-Medium's LoRA and memory plan, no weights",
+            "  python %(prog)s --config configs/FILE.yaml --dry-run  # preflight: checks, batch, memory, time",
             "  accelerate launch --multi_gpu --num_processes 8 %(prog)s --config configs/FILE.yaml",
         ]
     )
@@ -241,10 +250,12 @@ def parse_flags(argv, Args, groups, doc, script, fixed=(), paths=()):
     argv = dash_values(argv, Args)
     parser = make_parser(Args, groups, doc)
     config = vars(parser.parse_args(argv)).get("config")
-    if config is not None:
-        parser.set_defaults(**read_config_file(config, Args, script))
+    from_file = read_config_file(config, Args, script) if config is not None else {}
+    parser.set_defaults(**from_file)
     args = Args(**{k: v for k, v in vars(parser.parse_args(argv)).items() if k != "config"})
     if not args.resume:
+        given = set(vars(make_parser(Args, groups, doc, suppress=True).parse_args(argv)))
+        check_recipe(args, given | set(from_file))
         return args
     if config is not None:
         raise SystemExit(
@@ -289,6 +300,61 @@ def parse_flags(argv, Args, groups, doc, script, fixed=(), paths=()):
     args = Args(**{**{k: v for k, v in saved.items() if k in known and k not in NOT_ON_RESUME}, **given})
     args.out, args.resume = str(args.resume), str(args.resume)
     return args
+
+
+DIFFUSIONNFT = Path(__file__).parents[1] / "configs" / "reference" / "diffusionnft.yaml"  # its SD3.5-M values
+
+
+def diffusionnft_values(steps):
+    """DiffusionNFT's values (DIFFUSIONNFT's `all`, one optimizer step per epoch, int(steps x 0.99) timesteps per
+    image) of the flags whose defaults are the embedded model's: {flag name: value}."""
+    ref = yaml.safe_load(DIFFUSIONNFT.read_text())["all"]
+    return {
+        "lr": ref["lr"],
+        "base_reg": ref["base-reg"],
+        "updates_per_iter": 1,
+        "train_steps_per_leaf": int(steps * ref["timestep-fraction"]),
+        "ema": ref["ema"],
+        "mixed_precision": ref["mixed-precision"],
+    }
+
+
+def needs_a_recipe(model):
+    """Whether `model` is SD3.5-Medium-scale, whose runs take DiffusionNFT's values rather than the embedded model's
+    defaults: a hub id, or a diffusers folder whose transformer has SD3.5-Medium's depth and width (the tests' tiny
+    pipelines do not)."""
+    if is_embedded(model):
+        return False
+    if not Path(model).exists():
+        return not model.startswith((".", "/", "~")) and model.count("/") == 1  # a hub id; a bad path: check_common
+    sd35m = json.loads((Path(__file__).parents[1] / "world/assets/sd3.5-medium-transformer.json").read_text())
+    try:
+        config = json.loads((Path(model) / "transformer" / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    keys = ("num_layers", "num_attention_heads", "attention_head_dim")
+    return all(config.get(k) == sd35m[k] for k in keys)
+
+
+def check_recipe(args, given):
+    """A new run of an SD3.5-Medium-scale model (`needs_a_recipe`) whose optimisation flags the user left at the
+    embedded model's defaults (lr 1e-4, --base-reg 0.1, 8 updates, 4 timesteps, no EMA, no fp16: not DiffusionNFT's)
+    is refused, naming each flag with DiffusionNFT's value, the recipes and --allow-embedded-defaults. `given`: the
+    flags given on the command line or by --config. A refusal rather than DiffusionNFT's values silently: those
+    depend on the reward (b, the decay, 25 steps for the multi-reward run, 2 steps for OCR), which a recipe names."""
+    if args.allow_embedded_defaults or not needs_a_recipe(args.model):
+        return
+    left = [
+        f"--{k.replace('_', '-')} {getattr(args, k)} (DiffusionNFT: {v})"
+        for k, v in diffusionnft_values(args.steps).items()
+        if k not in given and getattr(args, k) != v
+    ]
+    if left:
+        raise SystemExit(
+            f"--model {args.model} would train with the embedded model's defaults: {', '.join(left)}. Start from a "
+            "recipe, --config configs/nft-pickscore.yaml (or another configs/nft-*.yaml, recast-sd35m.yaml, "
+            "rvge-sd35m.yaml; flags given override it), give these flags, or add --allow-embedded-defaults"
+        )
 
 
 def dash_values(argv, Args):

@@ -71,7 +71,9 @@ def test_a_diffusionnft_recipe_has_diffusionnfts_values(recipe):
     cadence = {"eval-every", "save-every", "keep-checkpoints", "iterations", "eval-steps", "ema"}
     assert cadence | {"mixed-precision"} <= checked  # precision: fp16 autocast with a scaler, as DiffusionNFT
     assert args.train_steps_per_leaf == int(values["steps"] * values["timestep-fraction"])  # 9 of 10, 24 of 25
-    assert args.prompts_per_iter * values["gpus"] == values["prompts-per-epoch"]
+    assert (
+        args.prompts_per_iter * values["gpus"] == values["prompts-per-epoch"] and args.num_processes == values["gpus"]
+    )
     assert args.budgets == config.get("budgets", "1")  # DiffusionNFT's reward_fn weights, each 1.0
     assert (args.train_prompts, args.eval_prompts) == (
         f"dataset/{config['dataset']}/train.txt",
@@ -92,6 +94,7 @@ def test_the_projects_sd35m_recipes_train_evaluate_and_save_as_diffusionnft(reci
     for key in (*keys, "mixed-precision"):
         assert getattr(args, key.replace("-", "_")) == ref[key], f"{recipe}: {key}"
     assert args.keep_checkpoints == ref["keep-checkpoints"] and args.iterations == 1000
+    assert args.num_processes * args.prompts_per_iter == ref["prompts-per-epoch"]  # DiffusionNFT's 48 groups
     assert (args.max_sequence_length or 128) == ref["max-sequence-length"]  # 0: the model's default, 128 here
     assert args.rollout_batch == parse("nft-geneval.yaml")[0].rollout_batch
     assert images_per_prompt(args) == ref["n-roots"] and args.prompts_per_iter * ref["gpus"] == ref["prompts-per-epoch"]

@@ -213,6 +213,7 @@ def test_ocr_training_prompts_must_quote_their_text(tmp_path):
     argv = [
         "--model",
         "stabilityai/stable-diffusion-3.5-medium",
+        "--allow-embedded-defaults",
         "--rewards",
         "ocr",
         "--budgets",
@@ -367,7 +368,8 @@ def test_a_reward_without_its_weights_or_server_fails_before_the_pipeline_loads(
     written. A GenEval server that answers passes (here a socket that listens)."""
     prompts = tmp_path / "p.txt"
     prompts.write_text("a cat\na dog\n")
-    argv = ["--model", "stabilityai/stable-diffusion-3.5-medium", "--device", "cpu", "--budgets", "1"]
+    argv = ["--model", "stabilityai/stable-diffusion-3.5-medium", "--allow-embedded-defaults", "--device", "cpu"]
+    argv += ["--budgets", "1"]
     argv += ["--train-prompts", str(prompts), "--out", str(tmp_path / "run")]
     with pytest.raises(SystemExit) as err:
         recast.validate(recast.parse_args([*argv, "--rewards", "pickscore"]))

@@ -627,14 +627,19 @@ CONFIGS = Path(__file__).parents[1] / "configs"
 )
 def test_dry_run_makes_the_input_checks_that_need_no_model_first(tmp_path, monkeypatch, capsys, script, more, words):
     """--dry-run refuses what the run would refuse before any model loads (budgets, rewards, the method's flags, the
-    --credit-file and --gain-init files); what it cannot check without the model, a GPU or the user's files (prompt
-    files, reward-model weights and servers) it leaves to the run: the recipe's own dry run still prints its plan."""
+    --credit-file and --gain-init files) before its plan; the recipe's own dry run in a folder without the user's files
+    prints its plan, then names the missing prompt files (tests/test_preflight.py: every preflight failure)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # nothing reaches the hub
     monkeypatch.chdir(tmp_path)
     config = str(CONFIGS / f"{script}-sd35m.yaml")
     with pytest.raises(SystemExit, match=words):
         __import__(script).main(["--config", config, "--dry-run", *more])
     assert "memory" not in capsys.readouterr().out.lower()
-    assert __import__(script).main(["--config", config, "--dry-run"])["trainable_params"] > 0
+    with pytest.raises(SystemExit, match=r"(?s)preflight: \d+ problem.*--train-prompts train_prompts.txt: cannot read"):
+        __import__(script).main(["--config", config, "--dry-run"])
+    assert "memory per GPU" in capsys.readouterr().out
     assert not (tmp_path / "runs").exists()
 
 

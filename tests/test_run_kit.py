@@ -322,7 +322,7 @@ def test_permuted_reward_control_keeps_the_logged_means_and_changes_the_update(t
         (["--rewards", "brightness,nope"], "unknown or repeated reward"),
         (["--permute-rewards", "nope"], "--permute-rewards nope: name each permuted reward once, from --rewards"),
         (["--model", "/no/such/folder"], "no such folder"),
-        (["--model", "stabilityai/stable-diffusion-3.5-medium"], "needs a CUDA GPU"),
+        (["--model", "stabilityai/stable-diffusion-3.5-medium", "--allow-embedded-defaults"], "needs a CUDA GPU"),
         (["--alpha", "3"], "--alpha 2"),
         (["--branch-steps", "9"], "strictly between"),
         (["--out", "/proc/forbidden/run"], "cannot write"),
@@ -1281,7 +1281,7 @@ def test_resume_never_takes_overwrite_from_the_saved_run(tmp_path, script):
 # --config files: the recipes in configs/, a run's config.json, bad files
 # -----------------------------------------------------------------------------
 
-SD35M = "--model stabilityai/stable-diffusion-3.5-medium --resolution 512 --steps 10"
+SD35M = "--model stabilityai/stable-diffusion-3.5-medium --resolution 512 --steps 10 --num-processes 8"
 CADENCE = "--iterations 100000 --eval-every 10 --save-every 30 --keep-checkpoints 0"  # DiffusionNFT's
 NFT = (
     f"--credit nft --budgets 1 {SD35M} --max-sequence-length 128 --sampler ode --n-roots 24 --prompts-per-iter 6 --ema "
