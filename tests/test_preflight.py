@@ -39,8 +39,9 @@ def offline_hub(tmp_path, monkeypatch):
 
 def test_the_preflight_names_every_missing_input_at_once_and_exits_non_zero(offline_hub, tmp_path, monkeypatch, capsys):
     """nft-multi in a folder with no dataset/ and no reward_ckpts/, offline: one SystemExit that numbers every
-    problem (the gated model with its fix, both prompt files, PickScore's weights and processor, HPSv2's architecture,
-    the CLIP, HPSv2's checkpoint), after the plan was printed; with the files and weights there it passes and exits 0."""
+    problem (the gated model with its fix, both prompt files, PickScore's weights and processor, HPSv2's
+    architecture, the CLIP, HPSv2's checkpoint), after the plan was printed; with the files and weights there it
+    passes and exits 0."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as err:
         recast.main(["--config", str(ROOT / "configs/nft-multi.yaml"), "--dry-run"])
@@ -115,9 +116,10 @@ def test_the_rollout_is_counted_by_running_it():
 
 
 def test_each_sd35m_recipe_prints_its_own_memory_and_time(offline_hub):
-    """The resident reward models differ: nft-multi's PickScore and HPSv2 (two CLIP-H) and CLIPScore's CLIP-L; recast's
-    CLIP-L is shared by CLIPScore and the aesthetic; rvge's five rewards add a local GenEval worker (an assumption, so named); OCR holds nothing on the GPU.
-    Time scales with the passes: nft-multi's 25 steps cost more than nft-geneval's 10."""
+    """The resident reward models differ: nft-multi's PickScore and HPSv2 (two CLIP-H) and CLIPScore's CLIP-L;
+    recast's CLIP-L is shared by CLIPScore and the aesthetic; rvge's five rewards add a local GenEval worker (an
+    assumption, so named); OCR holds nothing on the GPU. Time scales with the passes: nft-multi's 25 steps cost more
+    than nft-geneval's 10."""
     memory, cost = {}, {}
     for recipe in ("nft-geneval.yaml", "nft-ocr.yaml", "nft-multi.yaml", "recast-sd35m.yaml", "rvge-sd35m.yaml"):
         args, script = recipe_args(recipe)
