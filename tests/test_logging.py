@@ -82,8 +82,9 @@ def test_a_run_logs_optimizer_steps_spread_drift_and_rollout_images(tiny, tmp_pa
 def test_the_drift_to_the_old_policy_is_not_the_base_term_when_the_base_term_is_on(tiny, tmp_path):
     """With --base-reg > 0, loss/base_reg is |v_theta - v_base|^2 and train/old_deviate |v_theta - v_old|^2: two
     numbers once the old adapter has moved away from the base (--old-decay 0: old = the trained adapter after each
-    iteration). rvge.py: the same update loop."""
-    out, more = tmp_path / "run", ["--base-reg", "0.1", "--old-decay", "0", "--updates-per-iter", "1"]
+    iteration) and the trained one from the old (the second optimizer step of an iteration). rvge.py: the same update
+    loop."""
+    out, more = tmp_path / "run", ["--base-reg", "0.1", "--old-decay", "0", "--updates-per-iter", "2"]
     argv = tiny_argv(tiny, out, "--iterations", "2", "--eval-every", "0", "--train-steps-per-leaf", "1", *more)
     rvge.train(rvge.parse_args(argv), extra_rewards=TINY_REWARDS)
     last = read_metrics(out)[-1]
