@@ -127,6 +127,10 @@ class RunArgs:
     """CLIP for clipscore and the aesthetic predictor"""
     aesthetic_mlp: str = flag(DEFAULTS["aesthetic_mlp"] or "", "reward models")
     """aesthetic MLP weights file (LAION improved aesthetic predictor)"""
+    hpsv2_checkpoint: str = flag(DEFAULTS["hpsv2_checkpoint"] or "", "reward models")
+    """HPSv2 weights file (HPS_v2.1_compressed.pt, an open_clip state dict; loaded into transformers' CLIP)"""
+    hpsv2_config: str = flag(DEFAULTS["hpsv2_config"], "reward models")
+    """HPSv2's architecture and tokenizer: a transformers CLIP ViT-H-14 (its config and tokenizer only)"""
     geneval_url: str = flag(DEFAULTS["geneval_url"], "reward models")
     """GenEval reward server address (FlowGRPO's reward-server protocol)"""
     geneval_metadata: str = flag(DEFAULTS["geneval_metadata"] or "", "reward models")

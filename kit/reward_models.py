@@ -7,7 +7,7 @@ the same reward twice does not reload, and importing this module loads no model.
 
 opts (the scripts' Args, a namespace or a dict; a missing, None or "" field takes DEFAULTS):
 device, dtype, local_files_only, pickscore_model, pickscore_processor, clip_model,
-aesthetic_clip, aesthetic_mlp, geneval_url, geneval_metadata, geneval_key.
+aesthetic_clip, aesthetic_mlp, hpsv2_checkpoint, hpsv2_config, geneval_url, geneval_metadata, geneval_key.
 
 The embedded model's rewards are programs in world.REWARDS; the scripts pass them (and
 any test rewards) as `extra`.
@@ -36,6 +36,8 @@ DEFAULTS = dict(
     clip_model="openai/clip-vit-large-patch14",
     aesthetic_clip=None,
     aesthetic_mlp=None,
+    hpsv2_checkpoint=None,
+    hpsv2_config="laion/CLIP-ViT-H-14-laion2B-s32B-b79K",  # HPSv2's architecture (OpenCLIP ViT-H-14) and tokenizer
     geneval_url="http://127.0.0.1:18085",
     geneval_metadata=None,
     geneval_key="scores",
@@ -183,6 +185,146 @@ def aesthetic_reward(opts):
     return lambda images, prompts: _batched(score, images, prompts)
 
 
+# HPSv2 (Wu et al. 2023) is an OpenCLIP ViT-H-14 fine-tuned on human preferences. open_clip needs torchvision, which
+# this project does not install, so its checkpoint is loaded into transformers' CLIPModel: OPEN_CLIP_TO_HF renames each
+# open_clip key by its prefix (open_clip's, CLIPModel's, and whether the matrix is transposed: open_clip's projections
+# are (width, D) parameters, HF's (D, width) Linear weights), BLOCK_TO_HF the keys inside a residual block, and
+# open_clip_to_hf splits each attention's packed in_proj into HF's q, k, v.
+OPEN_CLIP_TO_HF = [
+    ("visual.class_embedding", "vision_model.embeddings.class_embedding", False),
+    ("visual.positional_embedding", "vision_model.embeddings.position_embedding.weight", False),
+    ("visual.conv1.weight", "vision_model.embeddings.patch_embedding.weight", False),
+    ("visual.ln_pre.", "vision_model.pre_layrnorm.", False),  # sic: HF's name
+    ("visual.ln_post.", "vision_model.post_layernorm.", False),
+    ("visual.proj", "visual_projection.weight", True),
+    ("visual.transformer.resblocks.", "vision_model.encoder.layers.", False),
+    ("token_embedding.weight", "text_model.embeddings.token_embedding.weight", False),
+    ("positional_embedding", "text_model.embeddings.position_embedding.weight", False),
+    ("ln_final.", "text_model.final_layer_norm.", False),
+    ("text_projection", "text_projection.weight", True),
+    ("transformer.resblocks.", "text_model.encoder.layers.", False),
+    ("logit_scale", "logit_scale", False),
+]
+BLOCK_TO_HF = {"ln_1.": "layer_norm1.", "ln_2.": "layer_norm2.", "mlp.c_fc.": "mlp.fc1.", "mlp.c_proj.": "mlp.fc2."}
+BLOCK_TO_HF["attn.out_proj."] = "self_attn.out_proj."
+
+
+def open_clip_to_hf(state):
+    """An open_clip CLIP state dict -> transformers CLIPModel's, tensor by tensor. Every key is consumed: an unknown
+    one raises ValueError (the causal attn_mask buffer, which HF builds itself, and a DDP "module." prefix apart). The
+    packed attention input projection attn.in_proj_{weight,bias} (3 width, ...) is split into q, k, v in that order."""
+    out = {}
+
+    def unknown(key):
+        return ValueError(f"open_clip key {key!r} has no CLIPModel counterpart: not an open_clip CLIP checkpoint?")
+
+    for key, value in state.items():
+        key = key.removeprefix("module.")
+        if key == "attn_mask":
+            continue
+        prefix, name, transpose = next((row for row in OPEN_CLIP_TO_HF if key.startswith(row[0])), (None,) * 3)
+        if prefix is None:
+            raise unknown(key)
+        rest = key[len(prefix) :]
+        if not name.endswith(".layers."):
+            out[name + rest] = value.t().contiguous() if transpose else value
+            continue
+        layer, _, inner = rest.partition(".")  # "3", "attn.in_proj_weight"
+        if inner.startswith("attn.in_proj_"):
+            for part, chunk in zip("qkv", value.chunk(3, dim=0)):
+                out[f"{name}{layer}.self_attn.{part}_proj.{inner.removeprefix('attn.in_proj_')}"] = chunk.contiguous()
+            continue
+        block = next((p for p in BLOCK_TO_HF if inner.startswith(p)), None)
+        if block is None:
+            raise unknown(key)
+        out[f"{name}{layer}.{BLOCK_TO_HF[block]}{inner[len(block) :]}"] = value
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def load_hpsv2(checkpoint, config, device, dtype, local_files_only):
+    """HPSv2's CLIPModel (eval, frozen, on device in dtype) and tokenizer, cached per process: `config`'s architecture
+    (a transformers CLIP folder or hub id; only its config and tokenizer are read) with the weights of `checkpoint`
+    (HPS_v2.1_compressed.pt: {"state_dict": open_clip's}) converted by open_clip_to_hf, loaded strictly."""
+    import torch
+    from transformers import AutoTokenizer, CLIPConfig, CLIPModel
+
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    with torch.device("meta"):
+        model = CLIPModel(CLIPConfig.from_pretrained(config, local_files_only=local_files_only))
+    missing, unexpected = model.load_state_dict(
+        open_clip_to_hf(state.get("state_dict", state)), strict=False, assign=True
+    )
+    missing = [k for k in missing if not k.endswith("position_ids")]  # buffers HF fills itself
+    if missing or unexpected:
+        raise ValueError(
+            f"{checkpoint} does not fit {config}'s CLIP: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    for name, buffer in model.named_buffers():  # position_ids: 0 .. n-1, left on meta by the meta-device build
+        if buffer.is_meta:
+            module, _, attr = name.rpartition(".")
+            model.get_submodule(module).register_buffer(attr, torch.arange(buffer.shape[-1])[None], persistent=False)
+    model = model.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
+    return model, AutoTokenizer.from_pretrained(config, local_files_only=local_files_only)
+
+
+def hpsv2_pixels(images, size):
+    """HPSv2's preprocessing as DiffusionNFT writes it (hpsv2_scorer.py, image_transform_tensor): the image as floats in
+    [0, 1], resized so that its longer side is `size` (bicubic, antialiased: torchvision's resize of a tensor), padded
+    with zeros to size x size (centred), normalised by OpenAI CLIP's mean and std. (N, 3, size, size) float32."""
+    import torch
+    import torch.nn.functional as F
+
+    mean = torch.tensor([0.48145466, 0.4578275, 0.40821073])[:, None, None]
+    std = torch.tensor([0.26862954, 0.26130258, 0.27577711])[:, None, None]
+    out = []
+    for im in images:
+        x = torch.from_numpy(np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0).permute(2, 0, 1)[None]
+        h, w = x.shape[-2:]
+        scale = size / max(h, w)
+        if scale != 1.0:
+            nh, nw = round(h * scale), round(w * scale)
+            x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
+            x = F.pad(
+                x, ((size - nw) // 2, size - nw - (size - nw) // 2, (size - nh) // 2, size - nh - (size - nh) // 2)
+            )
+        out.append((x[0] - mean) / std)
+    return torch.stack(out)
+
+
+def hpsv2_reward(opts):
+    """HPSv2.1 as DiffusionNFT scores it (hpsv2_scorer.py): R = cos(e_img, e_txt) of the fine-tuned ViT-H-14, no logit
+    scale (~0.25-0.35 for SD3.5-M samples; |R| <= 1), images through `hpsv2_pixels`, prompts through the CLIP
+    tokenizer (77 tokens). Weights: --hpsv2-checkpoint (HPS_v2.1_compressed.pt, xswu/HPSv2 on the hub)."""
+    path = _opt(opts, "hpsv2_checkpoint")
+    if path is None or not os.path.isfile(path):
+        raise ValueError(f"hpsv2 needs its weights file, got {path!r}: {HPSV2_FIX}")
+    dtype = str(_opt(opts, "dtype")).removeprefix("torch.")
+    device, offline = str(_opt(opts, "device")), bool(_opt(opts, "local_files_only"))
+    model, tokenizer = load_hpsv2(str(path), _opt(opts, "hpsv2_config"), device, dtype, offline)
+
+    def score(images, prompts):
+        import torch
+
+        param = next(model.parameters())
+        size = model.config.vision_config.image_size
+        with torch.no_grad():
+            pix = hpsv2_pixels(images, size).to(param.device, param.dtype)
+            img = _features(model.get_image_features(pixel_values=pix)).float()
+            tok = tokenizer(list(prompts), padding=True, truncation=True, max_length=77, return_tensors="pt")
+            txt = _features(model.get_text_features(**{k: v.to(param.device) for k, v in tok.items()})).float()
+            img, txt = img / img.norm(dim=-1, keepdim=True), txt / txt.norm(dim=-1, keepdim=True)
+            return (img * txt).sum(-1).cpu().numpy()
+
+    return lambda images, prompts: _batched(score, images, prompts)
+
+
+HPSV2_FIX = (
+    "pass --hpsv2-checkpoint PATH to HPS_v2.1_compressed.pt (hf download xswu/HPSv2 HPS_v2.1_compressed.pt "
+    "--local-dir reward_ckpts)"
+)
+
+
 def ocr_target(prompt):
     """The text to render: what lies between the first two double quotes (FlowGRPO's
     prompt.split('"')[1]); None when the prompt quotes nothing."""
@@ -245,8 +387,20 @@ def ocr_reward(opts):
 def load_geneval_metadata(path):
     """prompt -> GenEval metadata dict, from a JSONL file of FlowGRPO's dataset/geneval format
     (one object per line: tag, include[, exclude], prompt)."""
+    table = {}
     with open(path) as f:
-        return {m["prompt"]: m for m in map(json.loads, filter(str.strip, f))}
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                meta = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{path}, line {number}: not one JSON object ({err.msg}); two records fused by `cat` of a file "
+                    "whose last line had no newline? Join JSONL files with `awk 1 a.jsonl b.jsonl > both.jsonl`"
+                ) from None
+            table[meta["prompt"]] = meta
+    return table
 
 
 def geneval_request(url, images, metadatas, only_strict=True, timeout=120.0, retries=3):
@@ -300,10 +454,51 @@ def geneval_reward(opts):
     return lambda images, prompts: _batched(score, images, prompts, batch=64)
 
 
+GENEVAL_TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")  # the server's
+
+
+def geneval_judges(opts, prompts):
+    """GenEval's accuracies as DiffusionNFT reports them (the benchmark's numbers, beside the training reward's partial
+    credit), as held-out judges {name: (images, prompts) -> (N,)} for evaluate.py: geneval_accuracy (GenEval's own
+    all-clauses check: the server's "rewards" with only_strict=False), geneval_strict_accuracy ("strict_rewards"), and
+    for each tag of `prompts`' metadata geneval_<tag>_accuracy and geneval_<tag>_strict_accuracy ("group_rewards",
+    "group_strict_rewards"), NaN on the images of other tags (the server's -10; DiffusionNFT's mean leaves them out
+    too). Their means over the held-out images are DiffusionNFT's eval_reward_accuracy, _strict_accuracy and
+    _<tag>_strict_accuracy. The names share one request per batch of 64 (the first name asked for a list of images
+    makes it; the others read it)."""
+    url, path = _opt(opts, "geneval_url"), _opt(opts, "geneval_metadata")
+    table = load_geneval_metadata(str(path))
+    last = {}
+
+    def replies(images, prompts):
+        if last.get("images") is not images:  # a new list of images (held while cached: its id is not reused)
+            parts = [
+                geneval_request(url, images[i : i + 64], [table[p] for p in prompts[i : i + 64]], only_strict=False)
+                for i in range(0, len(images), 64)
+            ]
+            merged = {key: np.concatenate([r[key] for r in parts]) for key in ("rewards", "strict_rewards")}
+            for group in ("group_rewards", "group_strict_rewards"):
+                for tag in GENEVAL_TAGS:
+                    values = np.concatenate([r[group].get(tag, [-10.0] * len(r["rewards"])) for r in parts])
+                    merged[group, tag] = np.where(values == -10.0, np.nan, values)
+            last.update(images=images, merged=merged)
+        return last["merged"]
+
+    def judge(*key):
+        return lambda images, prompts: replies(images, prompts)[key[0] if len(key) == 1 else key]
+
+    judges = {"geneval_accuracy": judge("rewards"), "geneval_strict_accuracy": judge("strict_rewards")}
+    for tag in sorted({table[p]["tag"] for p in prompts if p in table} & set(GENEVAL_TAGS)):
+        judges[f"geneval_{tag}_accuracy"] = judge("group_rewards", tag)
+        judges[f"geneval_{tag}_strict_accuracy"] = judge("group_strict_rewards", tag)
+    return judges
+
+
 REWARD_MODELS = {
     "pickscore": pickscore_reward,
     "clipscore": clipscore_reward,
     "aesthetic": aesthetic_reward,
+    "hpsv2": hpsv2_reward,
     "ocr": ocr_reward,
     "geneval": geneval_reward,
 }
@@ -313,6 +508,7 @@ WEIGHTS = {  # reward -> the flags naming the weights it loads (a folder or a hu
     "pickscore": (("pickscore_model", "config.json"), ("pickscore_processor", "preprocessor_config.json")),
     "clipscore": (("clip_model", "config.json"),),
     "aesthetic": (("clip_model", "config.json"),),
+    "hpsv2": (("hpsv2_config", "config.json"),),
 }
 
 
@@ -328,6 +524,10 @@ def missing_inputs(names, opts):
         problems.append(
             f"--aesthetic-mlp {_opt(opts, 'aesthetic_mlp') or '(not given)'}: no such file; give the LAION MLP weights "
             "sac+logos+ava1-l14-linearMSE.pth (christophschuhmann/improved-aesthetic-predictor)"
+        )
+    if "hpsv2" in names and not os.path.isfile(str(_opt(opts, "hpsv2_checkpoint"))):
+        problems.append(
+            f"--hpsv2-checkpoint {_opt(opts, 'hpsv2_checkpoint') or '(not given)'}: no such file; {HPSV2_FIX}"
         )
     if "geneval" in names:
         path, url = _opt(opts, "geneval_metadata"), _opt(opts, "geneval_url")

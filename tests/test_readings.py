@@ -500,7 +500,9 @@ def test_the_scale_law_sentences_quote_the_scale_law_files():
         ROOT / "experiments" / "RESULTS.md"
     )
     ceiling = 7 * next(e["lam_ratio_bc"] for e in measure["embedded_spectrum"] if abs(e["t"] - 0.278) < 1e-3)
-    assert round(s_at("saturation", "lora") / ceiling) == 16 and "16x the x0 ceiling" in text(ROOT / "README.md")
+    assert round(s_at("saturation", "lora") / ceiling) == 16 and "16x the x0 ceiling" in text(
+        ROOT / "experiments" / "RESULTS.md"
+    )
     ceilings = {
         t: 7 * e["lam_ratio_bc"] for e in measure["embedded_spectrum"] for t in (0.465, 0.278) if abs(e["t"] - t) < 1e-3
     }

@@ -20,6 +20,8 @@ RECIPES = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
 SD35M = [r for r in RECIPES if yaml.safe_load((ROOT / "configs" / r).read_text()).get("model") == REF["all"]["model"]]
 NFT = {c["recipe"]: (name, c) for name, c in REF["configs"].items()}  # recipe -> DiffusionNFT's config it follows
 NOT_FLAGS = {"prompts-per-epoch", "gpus", "timestep-fraction"}  # checked below through the flags they set
+OWN = ["recast-sd35m.yaml", "rvge-sd35m.yaml"]  # the methods' own SD3.5-M recipes
+TWINS = {"nft-recast-sd35m.yaml": "recast-sd35m.yaml", "nft-rvge-sd35m.yaml": "rvge-sd35m.yaml"}  # their baselines
 
 
 def parse(recipe):
@@ -35,7 +37,7 @@ def differences_in_notes():
 
 def test_the_reference_names_its_source_and_every_difference_is_a_row_of_notes():
     assert REF["source"] == "https://github.com/NVlabs/DiffusionNFT" and re.fullmatch(r"[0-9a-f]{40}", REF["commit"])
-    assert set(NFT) <= set(RECIPES) and len(NFT) == 4
+    assert set(NFT) <= set(RECIPES) and len(NFT) == 5  # DiffusionNFT's five sd3_* configs
     rows = differences_in_notes()
     missing = {key: row for key, row in REF["differences"].items() if row not in rows}
     assert not missing, f"differences with no row in NOTES.md's table: {missing}"
@@ -43,7 +45,7 @@ def test_the_reference_names_its_source_and_every_difference_is_a_row_of_notes()
 
 def test_every_sd35m_recipe_is_checked_here():
     """Every recipe for the real model is either one of DiffusionNFT's configs or one of the project's own."""
-    assert set(SD35M) == set(NFT) | {"recast-sd35m.yaml", "rvge-sd35m.yaml"}
+    assert set(SD35M) == set(NFT) | set(OWN) | set(TWINS)
 
 
 @pytest.mark.parametrize("recipe", sorted(NFT))
@@ -70,16 +72,14 @@ def test_a_diffusionnft_recipe_has_diffusionnfts_values(recipe):
     assert cadence | {"mixed-precision"} <= checked  # precision: fp16 autocast with a scaler, as DiffusionNFT
     assert args.train_steps_per_leaf == int(values["steps"] * values["timestep-fraction"])  # 9 of 10, 24 of 25
     assert args.prompts_per_iter * values["gpus"] == values["prompts-per-epoch"]
-    assert args.budgets == ",".join(["1"] * len(args.rewards.split(",")))  # every reward weighted 1.0
+    assert args.budgets == config.get("budgets", "1")  # DiffusionNFT's reward_fn weights, each 1.0
     assert (args.train_prompts, args.eval_prompts) == (
         f"dataset/{config['dataset']}/train.txt",
         f"dataset/{config['dataset']}/test.txt",
     )
-    if "rewards" in differs:  # the multi-reward set: one reward stands in for one not shipped here
-        assert len(args.rewards.split(",")) == len(values["rewards"].split(","))
 
 
-@pytest.mark.parametrize("recipe", ["recast-sd35m.yaml", "rvge-sd35m.yaml"])
+@pytest.mark.parametrize("recipe", OWN + sorted(TWINS))
 def test_the_projects_sd35m_recipes_train_evaluate_and_save_as_diffusionnft(recipe):
     """ReCAST's and RVGE's own SD3.5-M recipes: DiffusionNFT's model, timesteps trained, batches, held-out prompts,
     evaluation steps and cadence (so their evaluations fall on the nft-*.yaml runs' iterations), precision mode (so a
@@ -94,6 +94,49 @@ def test_the_projects_sd35m_recipes_train_evaluate_and_save_as_diffusionnft(reci
     assert args.keep_checkpoints == ref["keep-checkpoints"] and args.iterations == 1000
     assert (args.max_sequence_length or 128) == ref["max-sequence-length"]  # 0: the model's default, 128 here
     assert args.rollout_batch == parse("nft-geneval.yaml")[0].rollout_batch
+    assert images_per_prompt(args) == ref["n-roots"] and args.prompts_per_iter * ref["gpus"] == ref["prompts-per-epoch"]
+
+
+def images_per_prompt(args):
+    """Leaves per prompt group: the independent samples (--sampler ode), or n_roots x n_branch^(branch steps)."""
+    if args.sampler == "ode":
+        return args.n_roots
+    return args.n_roots * args.n_branch ** (1 if args.branch_steps == "rotate" else len(args.branch_steps.split(",")))
+
+
+@pytest.mark.parametrize("twin", sorted(TWINS))
+def test_a_matched_baseline_is_its_methods_recipe_trained_as_diffusionnft(twin):
+    """nft-recast-sd35m / nft-rvge-sd35m: the method's recipe (rewards, prompts, images per iteration, steps, batches,
+    run length, evaluation, precision) with DiffusionNFT's training (--credit nft, independent ODE samples), each
+    weight its budget over its reward's scale (`scales` of the reference), DiffusionNFT's raw sum in its units."""
+    args, _ = parse(twin)
+    own, script = parse(TWINS[twin])
+    assert script is rvge or own.credit == "recast"
+    assert (args.credit, args.sampler) == ("nft", "ode")
+    for key in ("rewards", "train_prompts", "eval_prompts", "steps", "prompts_per_iter", "train_steps_per_leaf"):
+        assert getattr(args, key) == getattr(own, key), f"{twin}: {key}"
+    for key in ("lr", "train_batch", "iterations", "eval_every", "eval_steps", "ema", "mixed_precision", "base_reg"):
+        assert getattr(args, key) == getattr(own, key), f"{twin}: {key}"
+    assert images_per_prompt(args) * args.prompts_per_iter == images_per_prompt(own) * own.prompts_per_iter
+    scales = [REF["scales"][name] for name in args.rewards.split(",")]
+    weights = [float(b) / s for b, s in zip(own.budgets.split(","), scales)]
+    assert [float(b) for b in args.budgets.split(",")] == pytest.approx(weights)
+    for name in ("geneval_url", "geneval_metadata", "aesthetic_mlp"):
+        assert getattr(args, name) == getattr(own, name)
+
+
+def test_the_scales_are_the_rewards_orders_and_the_combination_is_diffusionnfts():
+    """Every real reward has a scale; the ones whose scores lie in [0, 1] or are cosines have 1, the aesthetic's 1-10
+    rating 10; DiffusionNFT's combination is recorded as the raw weighted sum --credit nft takes (`nft.combine_raw`)."""
+    import numpy as np
+
+    import nft
+    from kit import reward_models
+
+    assert set(REF["scales"]) == set(reward_models.REWARD_MODELS)
+    assert {k for k, v in REF["scales"].items() if v != 1} == {"aesthetic"} and REF["scales"]["aesthetic"] == 10
+    assert REF["rewards"]["combine"] == "raw weighted sum"
+    assert nft.combine_raw(np.array([[0.8, 5.0]]), [1.0, 0.1]) == pytest.approx([1.3])
 
 
 EVERY_FLAG = re.compile(r"every ([a-z, ]+?) flag at its default")

@@ -310,6 +310,19 @@ def test_geneval_needs_metadata_a_valid_key_and_a_server():
         reward_models.geneval_request("http://127.0.0.1:9", [Image.new("RGB", (8, 8))], [{}], retries=1, timeout=2)
 
 
+def test_jsonl_joined_by_awk_reads_and_fused_by_cat_is_refused_naming_the_line(tmp_path):
+    """configs/README.md joins two metadata files with `awk 1`: a first file without its final newline stays two
+    records; `cat` fuses them, and the reader names the line and the fix instead of JSONDecodeError's "Extra data"."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"prompt": "a cat", "tag": "single_object"}\n{"prompt": "a dog", "tag": "single_object"}')
+    b.write_text('{"prompt": "two cats", "tag": "counting"}\n')
+    joined, fused = tmp_path / "joined.jsonl", tmp_path / "fused.jsonl"
+    subprocess.run(f"awk 1 {a} {b} > {joined} && cat {a} {b} > {fused}", shell=True, check=True)
+    assert set(reward_models.load_geneval_metadata(str(joined))) == {"a cat", "a dog", "two cats"}
+    with pytest.raises(ValueError, match=r"fused.jsonl, line 2: not one JSON object \(Extra data\).*awk 1"):
+        reward_models.load_geneval_metadata(str(fused))
+
+
 @pytest.fixture
 def offline_hub(tmp_path, monkeypatch):
     """An empty hub cache and HF_HUB_OFFLINE: nothing here may reach the network."""
@@ -344,6 +357,8 @@ def test_missing_weights_files_and_servers_are_named_with_flag_and_fix(offline_h
     (offline_hub / "models--yuvalkirstain--PickScore_v1" / "refs" / "main").write_text("abc")
     problems = reward_models.missing_inputs(["pickscore"], {"pickscore_processor": str(tmp_path)})
     assert problems == [f"--pickscore-processor {tmp_path}: no preprocessor_config.json in that folder"]
+    problems = reward_models.missing_inputs(["hpsv2"], {"hpsv2_config": str(tiny_clip), "hpsv2_checkpoint": "h.pt"})
+    assert problems == ["--hpsv2-checkpoint h.pt: no such file; " + reward_models.HPSV2_FIX]
 
 
 def test_a_reward_without_its_weights_or_server_fails_before_the_pipeline_loads(offline_hub, tmp_path, monkeypatch):
@@ -364,3 +379,160 @@ def test_a_reward_without_its_weights_or_server_fails_before_the_pipeline_loads(
         url = f"http://127.0.0.1:{server.getsockname()[1]}"
         args = recast.parse_args([*argv, "--rewards", "geneval", "--geneval-url", url, "--geneval-metadata", str(meta)])
         assert recast.validate(args)[0] == ["geneval"]
+
+
+# -----------------------------------------------------------------------------
+# HPSv2: an open_clip checkpoint in transformers' CLIP, against open_clip's forward written out
+# -----------------------------------------------------------------------------
+
+WIDTH, LAYERS, HEADS, PATCH, IMAGE, EMBED = 32, 2, 4, 8, 32, 16
+
+
+def _open_clip_state(vocab, seed=0):
+    """A random state dict with open_clip's CLIP keys and shapes (the tiny CLIP's sizes; ViT-H-14's are width 1280 and
+    1024, 32 and 24 layers, patch 14, image 224, embedding 1024)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, std=0.2):
+        return torch.randn(*shape, generator=g) * std
+
+    def block(prefix):
+        return {
+            f"{prefix}ln_1.weight": 1 + rand(WIDTH),
+            f"{prefix}ln_1.bias": rand(WIDTH),
+            f"{prefix}attn.in_proj_weight": rand(3 * WIDTH, WIDTH),
+            f"{prefix}attn.in_proj_bias": rand(3 * WIDTH),
+            f"{prefix}attn.out_proj.weight": rand(WIDTH, WIDTH),
+            f"{prefix}attn.out_proj.bias": rand(WIDTH),
+            f"{prefix}ln_2.weight": 1 + rand(WIDTH),
+            f"{prefix}ln_2.bias": rand(WIDTH),
+            f"{prefix}mlp.c_fc.weight": rand(37, WIDTH),
+            f"{prefix}mlp.c_fc.bias": rand(37),
+            f"{prefix}mlp.c_proj.weight": rand(WIDTH, 37),
+            f"{prefix}mlp.c_proj.bias": rand(WIDTH),
+        }
+
+    state = {
+        "visual.class_embedding": rand(WIDTH),
+        "visual.positional_embedding": rand((IMAGE // PATCH) ** 2 + 1, WIDTH),
+        "visual.conv1.weight": rand(WIDTH, 3, PATCH, PATCH),
+        "visual.ln_pre.weight": 1 + rand(WIDTH),
+        "visual.ln_pre.bias": rand(WIDTH),
+        "visual.ln_post.weight": 1 + rand(WIDTH),
+        "visual.ln_post.bias": rand(WIDTH),
+        "visual.proj": rand(WIDTH, EMBED),
+        "token_embedding.weight": rand(vocab, WIDTH),
+        "positional_embedding": rand(77, WIDTH),
+        "ln_final.weight": 1 + rand(WIDTH),
+        "ln_final.bias": rand(WIDTH),
+        "text_projection": rand(WIDTH, EMBED),
+        "logit_scale": torch.tensor(4.6052),
+        "attn_mask": torch.full((77, 77), float("-inf")).triu(1),  # open_clip's causal mask, a buffer
+    }
+    for i in range(LAYERS):
+        state |= block(f"visual.transformer.resblocks.{i}.") | block(f"transformer.resblocks.{i}.")
+    return state
+
+
+def _open_clip_forward(state, pixels, ids, eos):
+    """open_clip's CLIP forward written out from its state dict (pre-LN residual blocks, packed attention, exact GELU,
+    the class token's output through ln_post and proj; the text's causal attention pooled at the end-of-text token):
+    the cosine of the normalised image and text features, (N,)."""
+    import torch.nn.functional as F
+
+    def blocks(x, prefix, causal):
+        n = x.shape[1]
+        mask = torch.full((n, n), float("-inf")).triu(1) if causal else torch.zeros(n, n)
+        for i in range(LAYERS):
+            p = lambda name: state[f"{prefix}{i}.{name}"]  # noqa: E731
+            h = F.layer_norm(x, (WIDTH,), p("ln_1.weight"), p("ln_1.bias"))
+            q, k, v = (h @ p("attn.in_proj_weight").T + p("attn.in_proj_bias")).chunk(3, dim=-1)
+            q, k, v = (t.unflatten(-1, (HEADS, -1)).transpose(1, 2) for t in (q, k, v))  # (N, heads, n, d)
+            att = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 + mask, -1) @ v
+            x = x + att.transpose(1, 2).flatten(2) @ p("attn.out_proj.weight").T + p("attn.out_proj.bias")
+            h = F.layer_norm(x, (WIDTH,), p("ln_2.weight"), p("ln_2.bias"))
+            x = x + F.gelu(h @ p("mlp.c_fc.weight").T + p("mlp.c_fc.bias")) @ p("mlp.c_proj.weight").T
+            x = x + p("mlp.c_proj.bias")
+        return x
+
+    x = F.conv2d(pixels, state["visual.conv1.weight"], stride=PATCH).flatten(2).transpose(1, 2)  # (N, g*g, width)
+    x = torch.cat([state["visual.class_embedding"].expand(len(x), 1, -1), x], 1) + state["visual.positional_embedding"]
+    x = blocks(
+        F.layer_norm(x, (WIDTH,), state["visual.ln_pre.weight"], state["visual.ln_pre.bias"]),
+        "visual.transformer.resblocks.",
+        False,
+    )
+    img = (
+        F.layer_norm(x[:, 0], (WIDTH,), state["visual.ln_post.weight"], state["visual.ln_post.bias"])
+        @ state["visual.proj"]
+    )
+    t = state["token_embedding.weight"][ids] + state["positional_embedding"][: ids.shape[1]]
+    t = F.layer_norm(
+        blocks(t, "transformer.resblocks.", True), (WIDTH,), state["ln_final.weight"], state["ln_final.bias"]
+    )
+    last = (ids == eos).int().argmax(-1)  # open_clip: ids.argmax(-1), its end-of-text token having the largest id
+    txt = t[torch.arange(len(ids)), last] @ state["text_projection"]
+    return F.cosine_similarity(img, txt, dim=-1)
+
+
+@pytest.fixture(scope="module")
+def tiny_hpsv2(tiny_clip, tmp_path_factory):
+    """(checkpoint path, config folder, state): an open_clip state dict as HPS_v2.1_compressed.pt stores it
+    ({"state_dict": ...}), and the tiny CLIP's config with ViT-H-14's exact GELU, beside its tokenizer."""
+    from transformers import AutoTokenizer, CLIPConfig
+
+    folder = tmp_path_factory.mktemp("tiny_hpsv2")
+    config = CLIPConfig.from_pretrained(tiny_clip)
+    config.text_config.hidden_act = config.vision_config.hidden_act = "gelu"
+    config.save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_clip)
+    tokenizer.save_pretrained(folder)
+    state = _open_clip_state(len(tokenizer))
+    torch.save({"epoch": 1, "state_dict": state}, folder / "hps.pt")
+    return str(folder / "hps.pt"), str(folder), state
+
+
+def test_open_clip_to_hf_consumes_every_key_and_refuses_a_stranger(tiny_hpsv2):
+    from transformers import CLIPConfig, CLIPModel
+
+    _, config, state = tiny_hpsv2
+    converted = reward_models.open_clip_to_hf(state)
+    model_state = CLIPModel(CLIPConfig.from_pretrained(config)).state_dict()
+    assert set(converted) == {k for k in model_state if not k.endswith("position_ids")}
+    assert all(converted[k].shape == model_state[k].shape for k in converted)
+    q = converted["text_model.encoder.layers.1.self_attn.q_proj.weight"]
+    assert torch.equal(q, state["transformer.resblocks.1.attn.in_proj_weight"][:WIDTH])
+    assert torch.equal(converted["visual_projection.weight"], state["visual.proj"].T)
+    with pytest.raises(ValueError, match="'visual.head.weight' has no CLIPModel counterpart"):
+        reward_models.open_clip_to_hf({**state, "visual.head.weight": torch.zeros(1)})
+
+
+def test_hpsv2_preprocessing_resizes_the_longer_side_pads_and_normalises():
+    image = Image.fromarray(np.full((40, 48, 3), 255, np.uint8))  # H 40, W 48 -> 27 x 32, padded 2 above, 3 below
+    x = reward_models.hpsv2_pixels([image, Image.fromarray(np.zeros((32, 32, 3), np.uint8))], 32)
+    mean = torch.tensor([0.48145466, 0.4578275, 0.40821073])
+    std = torch.tensor([0.26862954, 0.26130258, 0.27577711])
+    assert x.shape == (2, 3, 32, 32)
+    white, black = (1 - mean) / std, -mean / std
+    torch.testing.assert_close(x[0, :, 2:29, :].mean((1, 2)), white, atol=1e-3, rtol=0)
+    torch.testing.assert_close(x[0, :, [0, 1, 29, 30, 31], :].amax((1, 2)), black)  # the padding: zeros
+    torch.testing.assert_close(x[1], black[:, None, None].expand(3, 32, 32))  # the target size: no resize
+
+
+def test_hpsv2_is_open_clips_cosine_of_the_converted_checkpoint(tiny_hpsv2):
+    """The reward through transformers' CLIP equals open_clip's forward of the same state dict (written out above) on
+    the same pixels and tokens: the conversion keeps the model."""
+    from transformers import AutoTokenizer
+
+    path, config, state = tiny_hpsv2
+    images = _images(4, seed=3, size=40)
+    (reward,) = reward_models.build_rewards(["hpsv2"], _opts(config, hpsv2_checkpoint=path, hpsv2_config=config))
+    got = reward(images, PROMPTS)
+    tokenizer = AutoTokenizer.from_pretrained(config)
+    ids = tokenizer(PROMPTS, padding=True, truncation=True, max_length=77, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        want = _open_clip_forward(state, reward_models.hpsv2_pixels(images, IMAGE), ids, tokenizer.eos_token_id)
+    assert got.shape == (4,) and np.ptp(got) > 1e-3
+    np.testing.assert_allclose(got, want.double().numpy(), atol=1e-5)
+    with pytest.raises(ValueError, match="--hpsv2-checkpoint PATH to HPS_v2.1_compressed.pt"):
+        reward_models.build_rewards(["hpsv2"], _opts(config, hpsv2_checkpoint=""))

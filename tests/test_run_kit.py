@@ -1289,6 +1289,12 @@ NFT = (
 )
 GENEVAL_SERVER = "--geneval-url http://127.0.0.1:18085 --geneval-metadata"
 AESTHETIC = "--aesthetic-mlp reward_ckpts/sac+logos+ava1-l14-linearMSE.pth"
+HPSV2 = "--hpsv2-checkpoint reward_ckpts/HPS_v2.1_compressed.pt"
+TWIN = (  # the matched DiffusionNFT baselines of the methods' recipes
+    f"--credit nft {SD35M} --sampler ode --n-roots 24 --prompts-per-iter 6 --updates-per-iter 1 "
+    "--train-steps-per-leaf 9 --nft-b 0.1 --base-reg 1e-4 --ema --eval-steps 40 --lr 3e-4 --rollout-batch 8 "
+    "--train-batch 9 --mixed-precision fp16 --iterations 1000 --eval-every 10 --save-every 30 --keep-checkpoints 0"
+)
 PROMPTS = "--train-prompts dataset/{0}/train.txt --eval-prompts dataset/{0}/test.txt"  # DiffusionNFT's layout
 OWN = "--train-prompts train_prompts.txt --eval-prompts eval_prompts.txt"
 RECIPES = {  # configs/<file>: the SD3.5-M commands as flags (DiffusionNFT's config/nft.py settings; see NOTES.md)
@@ -1298,8 +1304,10 @@ RECIPES = {  # configs/<file>: the SD3.5-M commands as flags (DiffusionNFT's con
     f"--old-decay 1 {PROMPTS.format('pickscore')}",
     "nft-ocr.yaml": f"{NFT} --rewards ocr --updates-per-iter 2 --train-steps-per-leaf 9 --nft-b 0.1 --old-decay 2 "
     f"{PROMPTS.format('ocr')}",
-    "nft-multi.yaml": f"{NFT} --rewards pickscore,clipscore,aesthetic --budgets 1,1,1 --updates-per-iter 1 "
-    f"--nft-b 0.1 --old-decay 1 --steps 25 --train-steps-per-leaf 24 {AESTHETIC} {PROMPTS.format('pickscore')}",
+    "nft-hpsv2.yaml": f"{NFT} --rewards hpsv2 --updates-per-iter 1 --train-steps-per-leaf 9 --nft-b 1 "
+    f"--old-decay 1 {HPSV2} {PROMPTS.format('pickscore')}",
+    "nft-multi.yaml": f"{NFT} --rewards pickscore,hpsv2,clipscore --budgets 1,1,1 --updates-per-iter 1 "
+    f"--nft-b 0.1 --old-decay 1 --steps 25 --train-steps-per-leaf 24 {HPSV2} {PROMPTS.format('pickscore')}",
     "recast-sd35m.yaml": f"--credit recast {SD35M} --rewards pickscore,clipscore,aesthetic,ocr --budgets "
     f"0.4,0.3,0.2,0.1 {AESTHETIC} {OWN} --n-roots 3 "
     "--n-branch 8 --branch-steps rotate --prompts-per-iter 6 --updates-per-iter 1 --train-steps-per-leaf 9 "
@@ -1307,10 +1315,14 @@ RECIPES = {  # configs/<file>: the SD3.5-M commands as flags (DiffusionNFT's con
     "--iterations 1000 --base-reg 1e-4 "
     "--eval-every 10 --save-every 30 --keep-checkpoints 0",
     "rvge-sd35m.yaml": f"{SD35M} --rewards geneval,ocr,pickscore,clipscore,aesthetic --budgets 1,1,1,1,1 "
-    f"{GENEVAL_SERVER} geneval_metadata.jsonl {AESTHETIC} {OWN} --n-roots 4 --n-branch 4 --branch-steps 7 "
+    f"{GENEVAL_SERVER} geneval_metadata.jsonl {AESTHETIC} {OWN} --n-roots 6 --n-branch 4 --branch-steps 7 "
     "--prompts-per-iter 6 --updates-per-iter 1 --train-steps-per-leaf 9 --ema --eval-steps 40 --lr 3e-4 "
     "--rollout-batch 8 --train-batch 9 --mixed-precision fp16 --iterations 1000 --eval-every 10 --save-every 30 "
     "--keep-checkpoints 0",
+    "nft-recast-sd35m.yaml": f"{TWIN} --rewards pickscore,clipscore,aesthetic,ocr --budgets 0.4,0.3,0.02,0.1 "
+    f"{AESTHETIC} {OWN}",
+    "nft-rvge-sd35m.yaml": f"{TWIN} --rewards geneval,ocr,pickscore,clipscore,aesthetic --budgets 1,1,1,1,0.1 "
+    f"{GENEVAL_SERVER} geneval_metadata.jsonl {AESTHETIC} {OWN}",
     "recast-embedded.yaml": "",  # the embedded default: `python recast.py`
 }
 
@@ -1318,11 +1330,12 @@ RECIPES = {  # configs/<file>: the SD3.5-M commands as flags (DiffusionNFT's con
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_a_recipe_file_parsed_equals_the_same_flags(recipe):
     """Each file in configs/ gives the Args its command gives (rvge-* for rvge.py, the rest recast.py), and the
-    README runs it by name."""
+    README or configs/README.md runs it by name."""
     script = rvge if recipe.startswith("rvge") else recast
     root = Path(__file__).resolve().parents[1]
     assert script.parse_args(["--config", str(root / "configs" / recipe)]) == script.parse_args(RECIPES[recipe].split())
-    assert f"--config configs/{recipe}" in (root / "README.md").read_text()
+    docs = (root / "README.md").read_text() + (root / "configs" / "README.md").read_text()
+    assert f"--config configs/{recipe}" in docs
     assert sorted(p.name for p in (root / "configs").glob("*.yaml")) == sorted(RECIPES)  # reference/: not a recipe
 
 
