@@ -20,9 +20,9 @@ Read top to bottom, one section each:
 It stands on the model file alone, sd3.py: loading, the transformer call (`sd3.velocity`: timestep = 1000 t, dtype,
 chunks), text encoding, decoding, the LoRA parameters and the adapter copy (`sd3.copy_adapter`, which old_decay's
 weight drives). `run` is the kit's Run (kit/session.py), read for what it holds (the pipeline, the adapters, the
-optimizer, the sigmas, the rewards) and for three services of the run machinery: the prompts of an iteration
-(`run.prompts_for`), the sums across processes (`run.reduce`, `run.all_reduce_grads`) and the permuted-reward control
-(`run.permuted`, R itself unless the run is that control).
+optimizer, the sigmas, the rewards) and for four services of the run machinery: the prompts of an iteration
+(`run.prompts_for`), the sums across processes (`run.reduce`, `run.all_reduce_grads`), the permuted-reward control
+(`run.permuted`, R itself unless the run is that control) and the rollouts' diagnostics (`run.rollout_diagnostics`).
 
 Notation map (code name -> symbol)
     R         (N, K)        raw rewards of the N leaves (images), K rewards; NaN where a reward failed
@@ -430,20 +430,9 @@ def ode_sample(transformer, emb, pooled, sigmas, shape, seed, chunk=64, noise=No
     """One image latent per prompt by the Euler ODE from fixed noise (`seed`, or `noise` (P, C, h, w): one process's
     share of the evaluation's noise, `kit.session.evaluate`): the held-out samplers' rollout (a tree with one root
     and no branch)."""
-    return tree_rollout(
-        transformer,
-        emb,
-        pooled,
-        sigmas,
-        n_roots=1,
-        n_branch=1,
-        branch=[],
-        sde_a=0.0,
-        gen=torch.Generator().manual_seed(seed),
-        shape=shape,
-        chunk=chunk,
-        noise=noise,
-    )[0]
+    gen = torch.Generator().manual_seed(seed)  # draws the noise when none is given (no branch: no SDE noise)
+    kwargs = dict(n_roots=1, n_branch=1, branch=[], sde_a=0.0, gen=gen, shape=shape, chunk=chunk, noise=noise)
+    return tree_rollout(transformer, emb, pooled, sigmas, **kwargs)[0]
 
 
 @dataclass
@@ -657,11 +646,13 @@ def update_loop(run, b: Rollout, args: NFTArgs, gen, on_step, policy_loss):
     v_old / v_base, v_theta, and loss = mean(policy_loss(nb, v_theta, v_old)) + base_reg mean(|v_theta - v_base|^2),
     policy_loss the method's per-sample loss (B,); the forwards inside `run.autocast()`, the backward scaled by
     `run.scaler` (--mixed-precision fp16). `on_step()` runs after every optimizer step (the EMA).
-    Returns mean losses, the last gradient norm and the counts."""
+    Returns mean losses, the last gradient norm, the counts and the drift to the old policy (train/old_deviate:
+    mean |v_theta - v_old|^2, DiffusionNFT's old_deviate)."""
     transformer, sigmas, leaves, groups = run.transformer, run.sigmas, b.leaves, torch.as_tensor(b.groups)
     pairs = training_pairs(len(leaves), len(sigmas) - 1, args.train_steps_per_leaf, gen)
     params = sd3.lora_params(transformer, "default")
     totals = {"loss/policy": 0.0, "loss/base_reg": 0.0, "train/opt_steps": 0, "train/samples": len(pairs)}
+    totals["train/old_deviate"] = 0.0  # this process's, as loss/*
     if run.scaler is not None:  # --mixed-precision fp16
         totals.update({"train/skipped_steps": 0, "train/loss_scale": run.scaler.get_scale()})
     scale = run.scaler.scale if run.scaler is not None else (lambda loss: loss)
@@ -683,10 +674,10 @@ def update_loop(run, b: Rollout, args: NFTArgs, gen, on_step, policy_loss):
                 )
                 v_theta = sd3.velocity(transformer, nb.x_t, nb.s, *nb.cond)
             policy = policy_loss(nb, v_theta, v_old).mean()
-            base = ((v_theta - v_base) ** 2).mean()
+            base, drift = ((v_theta - v_base) ** 2).mean(), ((v_theta.detach() - v_old) ** 2).mean()
             scale((policy + args.base_reg * base) * (len(nb.pairs) / len(chunk))).backward()
-            totals["loss/policy"] += policy.item() * len(nb.pairs) / len(pairs)
-            totals["loss/base_reg"] += base.item() * len(nb.pairs) / len(pairs)
+            for key, value in (("loss/policy", policy), ("loss/base_reg", base), ("train/old_deviate", drift)):
+                totals[key] += value.item() * len(nb.pairs) / len(pairs)
         optimizer_step(run.opt, params, totals, args.grad_clip, run.all_reduce_grads, run.scaler)
         on_step()
     return totals
@@ -694,7 +685,8 @@ def update_loop(run, b: Rollout, args: NFTArgs, gen, on_step, policy_loss):
 
 def reward_metrics(run, it, b, n_valid, mean_R, losses):
     """The first entries of an iteration's metrics line: training rewards per reward and budget-weighted, the
-    count of non-finite ones (all processes), the update's losses and sample count."""
+    count of non-finite ones (all processes), the update's losses and sample count, and the kit's diagnostics of the
+    rollouts (`run.rollout_diagnostics`: DiffusionNFT's reward spread within groups; rollout images to the tracker)."""
     nonfinite = (run.reduce(len(b.R)) - n_valid).astype(int).tolist()
     return {
         "iteration": it,
@@ -703,4 +695,5 @@ def reward_metrics(run, it, b, n_valid, mean_R, losses):
         **{f"reward_nonfinite/{n}": c for n, c in zip(run.names, nonfinite)},
         **losses,
         "train/samples": int(run.reduce(losses["train/samples"])),
+        **run.rollout_diagnostics(it, b),
     }

@@ -4,6 +4,8 @@ summary of a run. What a figure shows follows the metric keys present (recast/*,
 from __future__ import annotations
 
 import json
+import os
+import uuid
 from dataclasses import asdict
 from pathlib import Path
 
@@ -11,18 +13,47 @@ import numpy as np
 
 import nft
 from kit.checks import read_prompts
-from kit.records import metrics_lines, save_atomic
+from kit.records import metrics_lines, run_identity, save_atomic, write_atomic
 from kit.worlds import is_embedded, load_world
 
 
 def start_trackers(run, args):
-    """--report-to tensorboard | wandb: accelerate's tracker, started with the run's flags (TensorBoard: event files
-    in <run>/tensorboard; W&B: a run named after the run folder, in project <script>). Nothing for none."""
-    if args.report_to == "none":
+    """--report-to tensorboard | wandb: accelerate's tracker, started with the run's flags. TensorBoard: event files
+    in <run>/tensorboard, plotted against iterations. W&B (files in <run>/wandb): project --tracker-project (default:
+    the script), run name --tracker-run-name (default: the run folder's name), the run id of `wandb_run_id` with
+    resume="allow", so that --resume continues the same W&B run; every chart's x-axis is train/optimizer_step
+    (DiffusionNFT's global_step), iteration a second axis to choose. Nothing for none."""
+    if args.report_to == "tensorboard":
+        run.acc.init_trackers("tensorboard", config=asdict(args))
+    if args.report_to != "wandb":
         return
-    wandb = {"wandb": {"name": run.out.name, "dir": str(run.out)}}
-    name, kwargs = ("tensorboard", {}) if args.report_to == "tensorboard" else (run.script, wandb)
-    run.acc.init_trackers(name, config=asdict(args), init_kwargs=kwargs)
+    wandb_id = wandb_run_id(run.out, args.resume) if run.acc.is_main_process else None
+    name = args.tracker_run_name or run.out.name
+    kwargs = {"wandb": {"name": name, "dir": str(run.out), "id": wandb_id, "resume": "allow"}}
+    run.acc.init_trackers(args.tracker_project or run.script, config=asdict(args), init_kwargs=kwargs)
+    if run.acc.is_main_process:
+        wandb = run.acc.get_tracker("wandb", unwrap=True)
+        wandb.define_metric("train/optimizer_step")
+        wandb.define_metric("*", step_metric="train/optimizer_step")
+
+
+def wandb_run_id(out, resume):
+    """The W&B run id of run folder `out`, kept in out/wandb/run.json with the folder it was recorded in: --resume
+    continues that W&B run (also after the folder moved); a new run gets a new id, and so does a resumed copy of a
+    run folder (the recorded folder still holds the same run: the copy branches it, and must not write into the
+    original's W&B run). The id is recorded before W&B starts."""
+    record, here = Path(out) / "wandb" / "run.json", os.path.realpath(out)
+    try:
+        saved = json.loads(record.read_text())
+        wandb_id, origin = str(saved["id"]), str(saved["folder"])
+    except (OSError, ValueError, KeyError, TypeError):
+        wandb_id = origin = None
+    copied = origin != here and origin is not None and run_identity(origin)["run_id"] == run_identity(out)["run_id"]
+    if not (resume and wandb_id) or copied:
+        wandb_id = uuid.uuid4().hex
+    record.parent.mkdir(exist_ok=True)
+    write_atomic(record, json.dumps({"id": wandb_id, "folder": here}))
+    return wandb_id
 
 
 def log_to_trackers(acc, metrics, step, names=None):
@@ -89,7 +120,21 @@ def save_samples(path, prompts, rows, budgets, cols=8):
     save_grid(images, path, captions, cols=cols)
 
 
+def log_rollouts(acc, it, images, prompts, weighted, cols=5):
+    """Rollout images of iteration `it` to the --report-to tracker as one grid, rollout/samples (DiffusionNFT logs its
+    first 15 rollouts every 10 epochs): each captioned with its budget-weighted training reward and its prompt."""
+    captions = [f"{w:.3f}. {p}" for w, p in zip(weighted, prompts)]
+    log_images(acc, {"rollout/samples": np.asarray(grid_image(images, captions, cols=min(cols, len(images))))}, it)
+
+
 def save_grid(images, path, prompts=(), cols=8, cell=128):
+    """`grid_image` of the images saved as a PNG at path (atomically). Returns the grid (PIL)."""
+    grid = grid_image(images, prompts, cols, cell)
+    save_atomic(path, lambda tmp: grid.save(tmp, format="PNG"))
+    return grid
+
+
+def grid_image(images, prompts=(), cols=8, cell=128):
     """The images in rows of `cols`, each upscaled (nearest) to at least `cell` px wide, with its prompt written
     under it (wrapped to the image's width). Returns the grid (PIL)."""
     from PIL import Image, ImageDraw, ImageFont
@@ -109,7 +154,6 @@ def save_grid(images, path, prompts=(), cols=8, cell=128):
         grid.paste(im.convert("RGB").resize((w, h), Image.NEAREST), (x, y))
         for k, text in enumerate(caption):
             draw.text((x + 2, y + h + 2 + k * line), text, fill="black", font=font)
-    save_atomic(path, lambda tmp: grid.save(tmp, format="PNG"))
     return grid
 
 
@@ -291,9 +335,10 @@ def print_summary(out, departure=False):
     metrics.jsonl: the held-out evaluation before -> after per reward, weighted and judge (eval_before/*, logged
     with iteration 0, and the last eval/*, after iteration i: i + 1 trained); with `departure` (ReCAST's W), W's
     departure from uniform per reward, max_j |W_kj / (lambda_k / T) - 1| (0: W = lambda / T; with --column-units
-    gradient the uniform share is lambda_k c_j / Lam); the run folder; the checkpoint to load, the line of Python
-    that loads it (kit/README.md's) and one that samples as the run did (`sampling_line`). Returns the lines
-    printed."""
+    gradient the uniform share is lambda_k c_j / Lam); the run folder; the checkpoint to load, the lines of Python
+    that load it (the embedded model's as kit/README.md, in float32 on the CPU; any other model's as
+    configs/README.md, in bfloat16, moved to "cuda") and one that samples as the run did (`sampling_line`). Returns
+    the lines printed."""
     config = json.loads((out / "config.json").read_text())
     args, rows = config["args"], [json.loads(line) for _, line in metrics_lines(out / "metrics.jsonl")]
     lines = []
@@ -319,13 +364,16 @@ def print_summary(out, departure=False):
     latest = out / "checkpoints" / "latest"
     if latest.is_file():
         folder = out / "checkpoints" / latest.read_text().strip() / ("ema" if args.get("ema") else "")
-        embedded = is_embedded(args["model"])
-        local = ", local_files_only=True" if embedded else ""
+        embedded = is_embedded(args["model"])  # on the CPU in float32; any other model in bfloat16 on a GPU
+        options, to_gpu = (
+            (", local_files_only=True", "") if embedded else (", dtype=torch.bfloat16", '; pipe.to("cuda")')
+        )
         lines.append(f"trained LoRA{' (its EMA, as evaluated)' if args.get('ema') else ''}: {folder}")
-        lines.append(  # kit/README.md's lines: the transformer's LoRA only, so diffusers logs no text-encoder notice
-            f"  pipe = StableDiffusion3Pipeline.from_pretrained({python_str(args['model'])}{local}); "
+        lines.append(f"  {'' if embedded else 'import torch; '}from diffusers import StableDiffusion3Pipeline")
+        lines.append(  # kit/README.md's, configs/README.md's: the transformer's LoRA only (no text-encoder notice)
+            f"  pipe = StableDiffusion3Pipeline.from_pretrained({python_str(args['model'])}{options}); "
             f'pipe.transformer.load_lora_adapter({python_str(folder)}, prefix="transformer", '
-            'weight_name="pytorch_lora_weights.safetensors")'
+            f'weight_name="pytorch_lora_weights.safetensors"){to_gpu}'
         )
         lines.append(sampling_line(args, embedded))
     print("\n".join(lines))

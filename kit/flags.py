@@ -49,6 +49,7 @@ def field_docs(cls):
 RUN_ARG_GROUPS = {  # the --help sections of RunArgs's flags, after each script's own (method, rollout, optimisation)
     "evaluation": "held-out evaluation",
     "I/O": "model, prompts, run folder, device and logging",
+    "trackers": "what --report-to logs beside metrics.jsonl: the W&B project and run, rollout images",
     "reward models": "weights and servers of the real reward models (defaults in reward_models.DEFAULTS)",
     "controls": "the experiments' controls: runs that could prove a method wrong, not for training a model",
 }
@@ -115,7 +116,17 @@ class RunArgs:
     them from a recipe (configs/*.yaml) or the command line"""
     report_to: str = flag("none", "I/O", choices=["none", "tensorboard", "wandb"])
     """also log the metrics' numbers and strings, under the same keys, through accelerate's trackers: TensorBoard
-    (event files in <run>/tensorboard, W as an image) or Weights & Biases (project <script>); needs that package"""
+    (event files in <run>/tensorboard, W as an image) or Weights & Biases (files in <run>/wandb); needs that package:
+    pip install -r configs/requirements-extras.txt"""
+    # trackers
+    tracker_project: str = flag("", "trackers")
+    """W&B project (default: the script's name, recast or rvge)"""
+    tracker_run_name: str = flag("", "trackers")
+    """W&B run name (default: the run folder's name); --resume continues the same W&B run (its id is kept in
+    <run>/wandb/run.json)"""
+    log_rollouts_every: int = flag(10, "trackers", min=0)
+    """log the images of the first 15 rollouts of every Nth iteration to the --report-to tracker, each with its
+    weighted reward and prompt (rollout/samples; DiffusionNFT: every 10 epochs); 0: never"""
     # reward models
     pickscore_model: str = flag(DEFAULTS["pickscore_model"], "reward models")
     """PickScore weights"""

@@ -14,6 +14,7 @@ any test rewards) as `extra`.
 """
 
 import functools
+import importlib.util
 import io
 import json
 import os
@@ -344,10 +345,19 @@ def ocr_score(recognized, target):
     return 1.0 - dist / len(tgt)
 
 
+OCR_PACKAGE_MISSING = (
+    "--rewards ocr needs the OCR engine, an optional extra: pip install -r configs/requirements-extras.txt "
+    "(rapidocr-onnxruntime, which brings opencv and onnxruntime)"
+)
+
+
 @functools.lru_cache(maxsize=None)
 def load_ocr():
     """RapidOCR with the PP-OCRv4 det/rec ONNX models bundled in rapidocr-onnxruntime (no download)."""
-    from rapidocr_onnxruntime import RapidOCR
+    try:
+        from rapidocr_onnxruntime import RapidOCR
+    except ImportError:
+        raise SystemExit(OCR_PACKAGE_MISSING) from None
 
     return RapidOCR()
 
@@ -507,7 +517,8 @@ def missing_inputs(names, opts):
     otherwise fail after the pipeline has loaded, a hub download after five retries): their weights (a local
     folder, else the hub's local cache, else a hub that answers; HF_HUB_OFFLINE forbids the last), the aesthetic
     MLP file, the GenEval metadata file and server (a TCP connection to --geneval-url). One line per problem, naming
-    the flag, the file or address and the fix; [] when everything is there. ocr needs nothing (bundled models)."""
+    the flag, the file or address and the fix; [] when everything is there. ocr needs its engine's package (its
+    models come with it)."""
     problems = [_weights_problem(flag, _opt(opts, flag), file) for n in names for flag, file in WEIGHTS.get(n, ())]
     if "aesthetic" in names and not os.path.isfile(str(_opt(opts, "aesthetic_mlp"))):
         problems.append(
@@ -526,6 +537,8 @@ def missing_inputs(names, opts):
                 "(FlowGRPO's dataset/geneval/train_metadata.jsonl format)"
             )
         problems.append(_server_problem(url))
+    if "ocr" in names and importlib.util.find_spec("rapidocr_onnxruntime") is None:
+        problems.append(OCR_PACKAGE_MISSING)
     return list(dict.fromkeys(p for p in problems if p))  # clipscore and aesthetic share --clip-model
 
 

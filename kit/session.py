@@ -1,6 +1,6 @@
 """What one training run holds (`Run`, loaded by `load_run`), and the kit's part of each iteration: the prompts, the
-permuted-reward control, the stop when a reward failed, and step 4 (`finish_iteration`: metrics line, held-out
-evaluation, figures, checkpoint)."""
+permuted-reward control, the rollouts' diagnostics (DiffusionNFT's reward spread, rollout images to the tracker), the
+stop when a reward failed, and step 4 (`finish_iteration`: metrics line, held-out evaluation, figures, checkpoint)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import nft
 import sd3
 from kit.checkpoints import save_checkpoint
 from kit.checks import distinct_prompts, read_prompts
-from kit.figures import log_to_trackers, show_evaluation
+from kit.figures import log_rollouts, log_to_trackers, show_evaluation
 from kit.folders import is_first_process, lock_run, process_state
 from kit.records import append_metrics
 from kit.reward_models import build_rewards
@@ -62,11 +62,33 @@ class Run:
     scaler: torch.amp.GradScaler | None = None  # the gradient scaler of a float16 autocast (`nft.optimizer_step`)
     permute_rewards: str = ""  # --permute-rewards: the rewards the permuted-reward control shuffles (`permuted`)
     shows_W: bool = True  # whether W is part of the method's training signal: its image in credit.png and the tracker
+    rollouts_every: int = 0  # --log-rollouts-every: the iterations whose rollout images go to the tracker (0: none)
 
     def permuted(self, R, groups, it):
         """--permute-rewards, a control of the experiments: R (N, K) with the named rewards shuffled within each prompt
         group (`permute_within_groups`); R itself when the run is no control."""
         return permute_within_groups(R, groups, self.names, self.permute_rewards, self.seed, it, self.acc.process_index)
+
+    def rollout_diagnostics(self, it, b):
+        """DiffusionNFT's diagnostics of iteration `it`'s rollouts b (nft.Rollout), for its metrics line (every process
+        calls it): per reward and for the budget-weighted raw sum (`nft.combine_raw`, DiffusionNFT's "avg"), the mean
+        over prompt groups of the rewards' std within the group (reward_spread/*) and the share of groups whose
+        rewards all tie (reward_zero_spread/*: groups that teach that reward nothing), over all processes
+        (`group_spread`). Every --log-rollouts-every iterations the main process also logs the images of its first
+        ROLLOUTS_SHOWN rollouts to the --report-to tracker (`figures.log_rollouts`)."""
+        R = np.column_stack([b.R, nft.combine_raw(b.R, self.budgets)])
+        spread, tied, counted = self.reduce(np.stack(group_spread(R, b.groups)))
+        counted = np.where(counted > 0, counted, np.nan)  # no finite reward in any group: NaN
+        names = [*self.names, "weighted"]
+        out = {f"reward_spread/{n}": float(v) for n, v in zip(names, spread / counted)}
+        out.update({f"reward_zero_spread/{n}": float(v) for n, v in zip(names, tied / counted)})
+        if self.rollouts_every and it % self.rollouts_every == 0 and self.acc.is_main_process and self.acc.trackers:
+            shown = min(ROLLOUTS_SHOWN, len(b.leaves))
+            with self.autocast():
+                images = sd3.decode(self.pipe, b.leaves[:shown])
+            weighted = nft.budget_mean(b.R[:shown].T, self.budgets)
+            log_rollouts(self.acc, it, images, [b.prompts[g] for g in b.groups[:shown]], weighted)
+        return out
 
     def prompts_for(self, it):
         """This process's prompt groups of iteration `it`."""
@@ -142,6 +164,7 @@ def load_run(args, names, budgets, branch, script, extra_rewards=None, judges=No
         all_reduce_grads=functools.partial(nft.average_grads, acc),
         permute_rewards=args.permute_rewards,
         shows_W=shows_W,
+        rollouts_every=args.log_rollouts_every,
     )
 
 
@@ -183,6 +206,7 @@ def finish_iteration(run: Run, args, it, metrics, state, before, sample):
             metrics.update({k.replace("eval/", "eval_before/"): v for k, v in before.items()})
         if evaluated:
             metrics.update(evaluated[0])
+        metrics["train/optimizer_step"] = state["opt_steps"]  # all optimizer steps so far: DiffusionNFT's global_step
         append_metrics(run.out, metrics)
         names = run.names if run.shows_W else None  # no W image where W plays no part
         log_to_trackers(run.acc, metrics, step=it, names=names)
@@ -248,6 +272,26 @@ def evaluate_before(run: Run, args, sample, state):
         state["samples_before"] = (np.stack([np.asarray(im.convert("RGB")) for im in images]), R[: len(images)])
         show_evaluation(run, None, (metrics, images, R), state)
     return metrics
+
+
+ROLLOUTS_SHOWN = 15  # the rollouts whose images an iteration logs to the tracker (DiffusionNFT's 15)
+
+
+def group_spread(R, groups):
+    """DiffusionNFT's `calculate_zero_std_ratio` per column of R (N, K) over the prompt groups (N,) of one process,
+    as three (K,) sums that add over processes (groups never straddle them): the std (numpy's, ddof 0) of each group's
+    finite rewards, the number of groups whose finite rewards all tie (max = min: their advantages are 0), and the
+    number of groups with a finite reward. reward_std_mean and zero_std_ratio are the first two over the third."""
+    R, groups = np.asarray(R, dtype=np.float64), np.asarray(groups)
+    spread, tied, counted = np.zeros((3, R.shape[1]))
+    for g in np.unique(groups):
+        for k, column in enumerate(R[groups == g].T):
+            finite = column[np.isfinite(column)]
+            if len(finite):
+                spread[k] += finite.std()
+                tied[k] += finite.max() == finite.min()
+                counted[k] += 1
+    return spread, tied, counted
 
 
 # =============================================================================

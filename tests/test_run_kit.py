@@ -1404,7 +1404,9 @@ def test_config_does_not_go_with_resume(finished_run, tmp_path):
 def test_the_run_ends_with_before_after_W_departure_and_the_checkpoint_to_load(tiny, tmp_path, module, capsys):
     """After the progress bar the first process prints the held-out before -> after of each reward, the weighted
     reward and each judge (eval_before/* and the last eval/* of metrics.jsonl), ReCAST's W departure from uniform
-    (recast.py only), the run folder and a line of Python that loads the newest checkpoint."""
+    (recast.py only), the run folder and the lines of Python that load the newest checkpoint: for a model other than
+    the embedded one (SD3.5-M; here the tiny pipeline saved to disk) configs/README.md's, with torch imported, in
+    bfloat16, moved to "cuda" (executed here on "cpu" where no GPU is)."""
     from diffusers import StableDiffusion3Pipeline
 
     script, out = __import__(module), tmp_path / "run"
@@ -1436,8 +1438,19 @@ def test_the_run_ends_with_before_after_W_departure_and_the_checkpoint_to_load(t
     handler.emit = lambda record: notices.append(record.getMessage())
     logging.getLogger("diffusers").addHandler(handler)  # diffusers' loggers do not propagate to the root
     try:
-        namespace = {"StableDiffusion3Pipeline": StableDiffusion3Pipeline}
-        exec(printed[-2].strip(), namespace)  # the printed line loads the trained LoRA, and diffusers says nothing
+        assert printed[-3] == "  import torch; from diffusers import StableDiffusion3Pipeline"
+        load = printed[-2].strip()
+        assert f'from_pretrained("{tiny / "pipe"}", dtype=torch.bfloat16); ' in load and load.endswith(
+            'pipe.to("cuda")'
+        )
+        readme = (Path(__file__).resolve().parents[1] / "configs" / "README.md").read_text()
+        assert 'from_pretrained("stabilityai/stable-diffusion-3.5-medium", dtype=torch.bfloat16)' in readme
+        assert "import torch\n" in readme and '\npipe.to("cuda")\n' in readme  # the snippet the lines follow
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        namespace = {}
+        exec(printed[-3].strip(), namespace)
+        exec(load.replace('"cuda"', f'"{device}"'), namespace)  # the printed lines load the LoRA; diffusers is silent
+        assert namespace["pipe"].transformer.dtype == torch.bfloat16 and namespace["pipe"].device.type == device
         assert not [n for n in notices if "No LoRA keys" in n]
         usual = StableDiffusion3Pipeline.from_pretrained(str(tiny / "pipe"))
         usual.load_lora_weights(out / "checkpoints" / "iter_000001")  # diffusers' usual loader: the same weights
@@ -1454,7 +1467,8 @@ def test_the_run_ends_with_before_after_W_departure_and_the_checkpoint_to_load(t
     (loaded,) = namespace["pipe"].transformer.peft_config.values()
     assert (loaded.r, loaded.lora_alpha) == (4, 8)  # the run's --lora-rank 4 --lora-alpha 8, read from the folder
     lora = {k: v for k, v in usual.transformer.state_dict().items() if "lora" in k}
-    assert lora and all(torch.equal(v, namespace["pipe"].transformer.state_dict()[k]) for k, v in lora.items())
+    trained = namespace["pipe"].transformer.state_dict()
+    assert lora and all(torch.equal(v.to(torch.bfloat16), trained[k].cpu()) for k, v in lora.items())
 
 
 def test_the_summary_of_a_run_without_evaluation_says_so(finished_run, capsys):
@@ -1464,10 +1478,11 @@ def test_the_summary_of_a_run_without_evaluation_says_so(finished_run, capsys):
 
 
 @pytest.mark.parametrize("module", ["recast", "rvge"])
-def test_one_iteration_enters_the_kit_through_four_calls(tiny, tmp_path, module):
+def test_one_iteration_enters_the_kit_through_five_calls(tiny, tmp_path, module):
     """Between the top of train's loop and its end, one iteration reads method -> DiffusionNFT -> model and enters the
-    kit (a frame of kit/ called from recast.py, rvge.py, nft.py or sd3.py) through four functions only: the prompts,
-    the permuted-reward control, the stop when a reward failed, and step 4 (metrics line, evaluation, checkpoint).
+    kit (a frame of kit/ called from recast.py, rvge.py, nft.py or sd3.py) through five functions only: the prompts,
+    the permuted-reward control, the stop when a reward failed, the rollouts' diagnostics (logging) and step 4
+    (metrics line, evaluation, checkpoint).
     Counted over iteration 1 of 3 (it evaluates and checkpoints too; the closing summary after the loop is not
     counted)."""
     script, kit = __import__(module), str(Path(flags.__file__).parent) + os.sep
@@ -1493,4 +1508,4 @@ def test_one_iteration_enters_the_kit_through_four_calls(tiny, tmp_path, module)
             script.train(script.parse_args(argv), extra_rewards=TINY_REWARDS)
         finally:
             sys.setprofile(None)
-    assert entered == {"prompts_for", "permuted", "stop_if_a_reward_failed", "finish_iteration"}
+    assert entered == {"prompts_for", "permuted", "rollout_diagnostics", "stop_if_a_reward_failed", "finish_iteration"}
