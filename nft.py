@@ -21,8 +21,8 @@ It stands on the model file alone, sd3.py: loading, the transformer call (`sd3.v
 chunks), text encoding, decoding, the LoRA parameters and the adapter copy (`sd3.copy_adapter`, which old_decay's
 weight drives). `run` is the kit's Run (kit/session.py), read for what it holds (the pipeline, the adapters, the
 optimizer, the sigmas, the rewards) and for four services of the run machinery: the prompts of an iteration
-(`run.prompts_for`), the sums across processes (`run.reduce`, `run.all_reduce_grads`), the permuted-reward control
-(`run.permuted`, R itself unless the run is that control) and the rollouts' diagnostics (`run.rollout_diagnostics`).
+(`run.prompts_for`), the sums across processes (`run.reduce`, `run.all_reduce_grads`) and the permuted-reward control
+(`run.permuted`, R itself unless the run is that control).
 
 Notation map (code name -> symbol)
     R         (N, K)        raw rewards of the N leaves (images), K rewards; NaN where a reward failed
@@ -685,8 +685,7 @@ def update_loop(run, b: Rollout, args: NFTArgs, gen, on_step, policy_loss):
 
 def reward_metrics(run, it, b, n_valid, mean_R, losses):
     """The first entries of an iteration's metrics line: training rewards per reward and budget-weighted, the
-    count of non-finite ones (all processes), the update's losses and sample count, and the kit's diagnostics of the
-    rollouts (`run.rollout_diagnostics`: DiffusionNFT's reward spread within groups; rollout images to the tracker)."""
+    count of non-finite ones (all processes), the update's losses and sample count."""
     nonfinite = (run.reduce(len(b.R)) - n_valid).astype(int).tolist()
     return {
         "iteration": it,
@@ -695,5 +694,4 @@ def reward_metrics(run, it, b, n_valid, mean_R, losses):
         **{f"reward_nonfinite/{n}": c for n, c in zip(run.names, nonfinite)},
         **losses,
         "train/samples": int(run.reduce(losses["train/samples"])),
-        **run.rollout_diagnostics(it, b),
     }

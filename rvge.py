@@ -448,7 +448,7 @@ def train(args: Args, extra_rewards=None, judges=None):
             "time/regression": t3 - t2,
             "time/update": t4 - t3,
         }
-        drawn = finish_iteration(run, args, it, metrics, state, before, nft.ode_sample)
+        drawn = finish_iteration(run, args, it, metrics, state, before, nft.ode_sample, b)
         before = None
         bar.set_postfix({"reward": f"{metrics['reward/weighted']:.3f}", "loss": f"{metrics['loss/policy']:.4g}"})
     if run.acc.is_main_process:

@@ -192,12 +192,14 @@ def stop_if_a_reward_failed(run: Run, it, n_valid, state):
         )
 
 
-def finish_iteration(run: Run, args, it, metrics, state, before, sample):
-    """Step 4: evaluate (`evaluate` with the held-out sampler `sample`, nft.ode_sample, every eval_every iterations
-    and at the end; every process takes its share), append the metrics line, draw the figures and log them (at each
-    evaluation), checkpoint (every save_every iterations and at the end). `before` the first evaluation's metrics (or
-    None). Returns whether it drew the figures (it evaluated)."""
+def finish_iteration(run: Run, args, it, metrics, state, before, sample, rollout):
+    """Step 4: DiffusionNFT's diagnostics of the iteration's rollouts (`Run.rollout_diagnostics` of `rollout`),
+    evaluate (`evaluate` with the held-out sampler `sample`, nft.ode_sample, every eval_every iterations and at the
+    end; every process takes its share), append the metrics line, draw the figures and log them (at each evaluation),
+    checkpoint (every save_every iterations and at the end). `before` the first evaluation's metrics (or None).
+    Returns whether it drew the figures (it evaluated)."""
     last = it == args.iterations - 1
+    metrics.update(run.rollout_diagnostics(it, rollout))  # every process: its sums are over all of them
     evaluated = None
     if args.eval_every and run.eval_prompts and ((it + 1) % args.eval_every == 0 or last):
         evaluated = evaluate(run, args, sample)

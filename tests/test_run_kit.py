@@ -1478,11 +1478,11 @@ def test_the_summary_of_a_run_without_evaluation_says_so(finished_run, capsys):
 
 
 @pytest.mark.parametrize("module", ["recast", "rvge"])
-def test_one_iteration_enters_the_kit_through_five_calls(tiny, tmp_path, module):
+def test_one_iteration_enters_the_kit_through_four_calls(tiny, tmp_path, module):
     """Between the top of train's loop and its end, one iteration reads method -> DiffusionNFT -> model and enters the
-    kit (a frame of kit/ called from recast.py, rvge.py, nft.py or sd3.py) through five functions only: the prompts,
-    the permuted-reward control, the stop when a reward failed, the rollouts' diagnostics (logging) and step 4
-    (metrics line, evaluation, checkpoint).
+    kit (a frame of kit/ called from recast.py, rvge.py, nft.py or sd3.py) through four functions only: the prompts,
+    the permuted-reward control, the stop when a reward failed and step 4 (the rollouts' diagnostics, metrics line,
+    evaluation, checkpoint).
     Counted over iteration 1 of 3 (it evaluates and checkpoints too; the closing summary after the loop is not
     counted)."""
     script, kit = __import__(module), str(Path(flags.__file__).parent) + os.sep
@@ -1508,4 +1508,4 @@ def test_one_iteration_enters_the_kit_through_five_calls(tiny, tmp_path, module)
             script.train(script.parse_args(argv), extra_rewards=TINY_REWARDS)
         finally:
             sys.setprofile(None)
-    assert entered == {"prompts_for", "permuted", "rollout_diagnostics", "stop_if_a_reward_failed", "finish_iteration"}
+    assert entered == {"prompts_for", "permuted", "stop_if_a_reward_failed", "finish_iteration"}
