@@ -30,6 +30,7 @@ if not __package__:  # run by path, as the committed tables say they were writte
 
 import nft  # noqa: E402
 import recast  # noqa: E402
+import recast_controls  # noqa: E402
 import rvge  # noqa: E402
 from experiments.stats import (  # noqa: E402  the experiments' statistics: the same tests as the embedded model's
     holm,
@@ -312,7 +313,7 @@ def recast_plan(arms, seeds, sigmas, P):
     propto 1 / s_j) on uniform or exact profiles; nft: uniform W over copies of the raw-sum optimality; online
     starts uniform."""
     T, lam = len(sigmas) - 1, TRAIN_LAM
-    cols = recast.gradient_unit_columns(sigmas, lam)
+    cols = recast_controls.gradient_unit_columns(sigmas, lam)
     Ws = {
         "nft": recast.uniform_W(lam, T),
         "uniform": recast.uniform_W(lam, T),
@@ -324,7 +325,7 @@ def recast_plan(arms, seeds, sigmas, P):
     }
     W, omega = [], []
     for arm, _ in [(a, s) for a in arms for s in seeds]:
-        om, Weq = recast.equal_columns(Ws[arm])
+        om, Weq = recast_controls.equal_columns(Ws[arm])
         W.append(Weq), omega.append(om)
     flags = np.array([a for a in arms for _ in seeds])
     plan = ArmPlan("recast", tuple(arms), tuple(seeds), np.stack(W), np.stack(omega), flags == "online", flags == "nft")
@@ -1102,12 +1103,12 @@ def online_plan(arms, seeds, sig, P_exact, priors):
         "online_noshrink": recast.uniform_W(lam, T),
         "exact": W_exact,
         "grad_uniform": recast.solve_W(
-            lam, np.full_like(P_exact, 1.0 / T), col_sums=recast.gradient_unit_columns(sig, lam)
+            lam, np.full_like(P_exact, 1.0 / T), col_sums=recast_controls.gradient_unit_columns(sig, lam)
         ),
     }
     W, omega = [], []
     for arm, seed in [(a, s) for a in arms for s in seeds]:
-        om, Weq = recast.equal_columns(fixed[arm] if arm in fixed else priors[int(arm[5:])][seed][0])
+        om, Weq = recast_controls.equal_columns(fixed[arm] if arm in fixed else priors[int(arm[5:])][seed][0])
         W.append(Weq), omega.append(om)
     flags = np.array([a for a in arms for _ in seeds])
     online = np.isin(flags, ("online", "online_noshrink"))

@@ -140,7 +140,7 @@ def test_the_readme_map_names_code_and_tests_that_exist():
     rows = lines[start + 2 : end]
     assert len(rows) >= 10
     kit = [p.stem for p in sorted((ROOT / "kit").glob("*.py"))]
-    homes = {m: [m] for m in ("recast", "rvge", "nft", "sd3")} | {m: [f"kit.{m}"] for m in kit}
+    homes = {m: [m] for m in ("recast_controls", "recast", "rvge", "nft", "sd3")} | {m: [f"kit.{m}"] for m in kit}
     tests = "\n".join(p.read_text() for p in [ROOT / "test_recast.py", *sorted((ROOT / "tests").glob("test_*.py"))])
     missing = []
     for row in rows:
