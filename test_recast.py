@@ -691,8 +691,9 @@ def banners(path):
 def test_diffusionnft_is_written_once_in_nft_py_and_each_function_has_one_name():
     """Neither script defines a function of nft.py again, and none hands one on under its own name (recast.optimality
     does not exist: the toy, the tests and the notebook all call nft.optimality); the two scripts' shared sections
-    (after each method's own, the NOTES.md sections, and recast.py's controls for the experiments) come in the same
-    order, so a reader moving from one script to the other finds each part where the other had it."""
+    (after each method's own, the NOTES.md sections) come in the same order and are all there is (ReCAST's controls
+    are recast_controls.py's), so a reader moving from one script to the other finds each part where the other had
+    it."""
     defined = top_level_names(nft.__file__)
     assert {"optimality", "nft_loss", "tree_rollout", "update_loop", "global_stats", "optimizer_step"} <= defined
     for script in (recast, rvge):
@@ -701,7 +702,7 @@ def test_diffusionnft_is_written_once_in_nft_py_and_each_function_has_one_name()
         assert not [n for n in defined - declared if hasattr(script, n)], script.__name__
     skeleton = [
         [re.sub("ReCAST|RVGE", "<method>", b.split(":")[0]) for b in banners(script.__file__) if not b.startswith(own)]
-        for script, own in ((recast, ("NOTES.md", "Controls for the experiments")), (rvge, "NOTES.md"))
+        for script, own in ((recast, "NOTES.md"), (rvge, "NOTES.md"))
     ]
     assert (
         skeleton[0]
