@@ -38,9 +38,10 @@ Where to change what (nft.x: in nft.py; sd3.x: in sd3.py; flags.x, session.x, ..
     loss       nft_update: nft.nft_loss on mix_optimality (r~ per step); the loop shared with rvge.py:
                nft.update_loop (with nft.frozen_velocities, nft.optimizer_step)
     old policy nft.old_decay (the soft update of "old" each iteration, sd3.copy_adapter), nft.ema_decay (--ema)
-    controls   recast_controls.py: the experiments' --credit recast_reversed and file, --column-units gradient
-               (controlled_W_inputs, step_weights, fixed_W_of); --gain-init (gain_prior); both files read once
-               (started_with)
+    controls   the experiments' --credit recast_reversed and file, --column-units gradient, and --gain-init (in
+               recast_controls.py): recast_controls.controlled_W_inputs, recast_controls.step_weights,
+               recast_controls.fixed_W_of, recast_controls.gain_prior; both files read once:
+               recast_controls.started_with
     logging    nft.reward_metrics + train's metrics line, session.finish_iteration (metrics.jsonl,
                figures.log_to_trackers, checkpoints), progress bar in train, figures in figures.plot_run,
                show_evaluation; the held-out evaluation session.evaluate (with nft.ode_sample); the closing lines

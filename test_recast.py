@@ -837,12 +837,12 @@ def test_where_to_change_what_names_functions_that_exist(module):
     names = set(re.findall(r"\b(?:[a-z0-9]+_[a-z0-9_]+|Args|Run|[A-Z_]{4,})\b", block)) - words
     assert len(names) > 20
     kit = [importlib.import_module(f"kit.{p.stem}") for p in Path(reward_models.__file__).parent.glob("*.py")]
-    homes = (script, nft, sd3, *kit)
+    homes = (script, nft, sd3, recast_controls, *kit)
     missing = [n for n in names if not any(hasattr(home, n) for home in homes)]
     assert not missing, (
         f"the map in {module}.py's docstring names {missing}, which neither {module}.py, nft.py nor the kit defines"
     )
-    for home in (nft, sd3, *kit):  # a qualified name lives where it says
+    for home in (nft, sd3, recast_controls, *kit):  # a qualified name lives where it says
         named = set(re.findall(rf"\b{home.__name__.split('.')[-1]}\.([A-Za-z0-9_]+)\b", block)) - {"x", "py"}
         assert (named or home is not nft) and not [n for n in named if not hasattr(home, n)], (home.__name__, named)
 
