@@ -3,12 +3,13 @@
 Read top to bottom: ReCAST's objects first, in the order one derives the next (the credit matrix W and its solver, W in
 DiffusionNFT's loss as the mixed optimality, the per-step gains and profiles W is solved from, the Renyi
 discriminability D whose gains they are, D measured during training with standard errors), then its glue (credit, the
-update, DiffusionNFT's multi-reward baseline), the train loop, the flags and ReCAST's checks, the controls the
-experiments use, the entry points. DiffusionNFT itself (optimality, schedules, sampler steps, tree rollouts, the loss,
-the update loop) is nft.py, written once for both methods (rvge.py has the same skeleton: its sections in the same
-order); the model (SD3 with LoRA: loading, the transformer call, encode, decode) is sd3.py; the run machinery (flags,
-checks, run folders, resume, checkpoints, trackers, figures) is kit/'s. The paper's full text was not available: each
-"NOTES.md §n" names a section of our reconstruction of the method, and derivations.ipynb derives each formula.
+update, DiffusionNFT's multi-reward baseline), the train loop, the flags and ReCAST's checks, the entry points. The
+controls the experiments use and the files a run starts from are recast_controls.py's. DiffusionNFT itself (optimality,
+schedules, sampler steps, tree rollouts, the loss, the update loop) is nft.py, written once for both methods (rvge.py
+has the same skeleton: its sections in the same order); the model (SD3 with LoRA: loading, the transformer call, encode,
+decode) is sd3.py; the run machinery (flags, checks, run folders, resume, checkpoints, trackers, figures) is kit/'s. The
+paper's full text was not available: each "NOTES.md §n" names a section of our reconstruction of the method, and
+derivations.ipynb derives each formula.
 
 Notation map (code name -> symbol)
     lam      (K,)      reward budgets lambda_k (user preference), not normalised
@@ -37,8 +38,10 @@ Where to change what (nft.x: in nft.py; sd3.x: in sd3.py; flags.x, session.x, ..
     loss       nft_update: nft.nft_loss on mix_optimality (r~ per step); the loop shared with rvge.py:
                nft.update_loop (with nft.frozen_velocities, nft.optimizer_step)
     old policy nft.old_decay (the soft update of "old" each iteration, sd3.copy_adapter), nft.ema_decay (--ema)
-    controls   the experiments' --credit recast_reversed, --column-units gradient, --gain-init: "Controls for the
-               experiments" (controlled_W_inputs, column_sums, step_weights, gain_prior)
+    controls   the experiments' --credit recast_reversed and file, --column-units gradient, and --gain-init (in
+               recast_controls.py): recast_controls.controlled_W_inputs, recast_controls.step_weights,
+               recast_controls.fixed_W_of, recast_controls.gain_prior; both files read once:
+               recast_controls.started_with
     logging    nft.reward_metrics + train's metrics line, session.finish_iteration (metrics.jsonl,
                figures.log_to_trackers, checkpoints), progress bar in train, figures in figures.plot_run,
                show_evaluation; the held-out evaluation session.evaluate (with nft.ode_sample); the closing lines
@@ -48,8 +51,6 @@ Where to change what (nft.x: in nft.py; sd3.x: in sd3.py; flags.x, session.x, ..
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,7 @@ import torch
 from tqdm import tqdm
 
 import nft
+import recast_controls
 import sd3
 from kit.checks import check_common, check_files
 from kit.figures import plot_run, print_summary
@@ -67,7 +69,6 @@ from kit.flags import RUN_ARG_GROUPS, RunArgs, parse_flags
 from kit.folders import run_folder, start_or_resume
 from kit.preflight import dry_run
 from kit.session import Run, evaluate_before, finish_iteration, load_run, stop_if_a_reward_failed
-from kit.worlds import EMBEDDED_MODEL, load_world
 from nft import NFTArgs, flag
 
 # =============================================================================
@@ -503,7 +504,7 @@ def credit(settings: CreditSettings, stats, r, std, b, budgets, sigmas, reduce):
     stats = new if stats is None else [c.gain_ema * old + now for old, now in zip(stats, new)]
     D, se = level_curves(*stats, c.estimator, c.alpha)
     D_grid, gains, P, rho = credit_profiles(D, se, sigmas, stats[0], c.evidence)
-    P_W, cols = controlled_W_inputs(c, P, sigmas, budgets)  # (P, None) unless a control of the experiments is on
+    P_W, cols = recast_controls.controlled_W_inputs(c, P, sigmas, budgets)  # (P, None) unless a control is on
     W = solve_W(budgets, P_W, c.tau, c.eps, col_sums=cols) if c.learn_W else uniform_W(budgets, T, cols)
     W = W if c.fixed_W is None else c.fixed_W  # --credit file: a control of the experiments
     info = {
@@ -526,7 +527,7 @@ def nft_update(run, b, r_mix_table, W, args, gen, on_step):
     (`step_weights`).
     b: the iteration's rollout (leaves, groups, emb, pooled); r_mix_table (N, K) optimality per reward; W (K, T)."""
     r_t = torch.as_tensor(r_mix_table, dtype=torch.float32)
-    omega, W = step_weights(W)  # (None, W) unless W's columns differ (the controls)
+    omega, W = recast_controls.step_weights(W)  # (None, W) unless W's columns differ (the controls)
     W_t = torch.as_tensor(W / W.sum(), dtype=torch.float32)  # scale-free before float32 (budgets of 1e-40 or 1e300)
 
     def policy_loss(nb, v_theta, v_old):
@@ -542,7 +543,8 @@ def nft_baseline(R, groups, budgets, sigmas, reduce, column_units="loss"):
     sum_k lambda_k R_k (`nft.combine_raw`), normalised once over all processes. Returns its optimality (N, 1) and the
     one-row W (1, T) that leaves it as is (with --column-units gradient, its columns in gradient units: the step
     weights omega_j)."""
-    cols = column_sums(column_units, sigmas, [1.0])  # None (equal columns) unless --column-units gradient
+    # None (equal columns) unless --column-units gradient
+    cols = recast_controls.column_sums(column_units, sigmas, [1.0])
     Rc = nft.combine_raw(R, budgets)[:, None]
     _, _, std = nft.global_stats(Rc, reduce)
     return nft.optimality(Rc, groups, std=std), uniform_W([1.0], len(sigmas) - 1, cols)
@@ -559,7 +561,8 @@ def train(args: Args, extra_rewards=None, judges=None):
     run = setup_run(args, extra_rewards, judges)
     start, state = start_or_resume(run, args)
     budgets = run.budgets
-    settings = credit_settings(args)._replace(fixed_W=started_with(run, args, start, state))  # --credit file's W
+    fixed_W = recast_controls.started_with(run, args, start, state)  # --credit file's W (None for the others)
+    settings = credit_settings(args)._replace(fixed_W=fixed_W)
 
     def on_step():  # after every optimizer step: the EMA of the trained LoRA (DiffusionNFT's evaluation weights)
         state["opt_steps"] += 1
@@ -701,13 +704,14 @@ def validate(args: Args, extra_rewards=None):
         if args.n_roots < 2 or not branch:
             raise SystemExit("--gain-estimator pairs needs --n-roots >= 2 and at least one --branch-steps entry")
     if not args.resume:  # a new run records where its files are, wherever it is resumed from
-        record_absolute_paths(args)
-    if resumes_a_checkpoint(args):  # its checkpoint holds what --gain-init and --credit-file gave (`started_with`)
+        recast_controls.record_absolute_paths(args)
+    # its checkpoint holds what --gain-init and --credit-file gave (`recast_controls.started_with`)
+    if recast_controls.resumes_a_checkpoint(args):
         if args.credit != "file" and args.credit_file:
-            fixed_W_of(args, names, budgets)  # refused: --credit-file without --credit file
+            recast_controls.fixed_W_of(args, names, budgets)  # refused: --credit-file without --credit file
     else:
-        gain_prior(args, names)  # --gain-init: refused here when it does not fit the run
-        fixed_W_of(args, names, budgets)  # --credit file: refused here when its W does not fit the run
+        recast_controls.gain_prior(args, names)  # --gain-init: refused here when it does not fit the run
+        recast_controls.fixed_W_of(args, names, budgets)  # --credit file: refused here when its W does not fit the run
     if args.dry_run:  # no prompt file, run folder or model: the plan needs none of them
         return names, budgets, branch
     check_files(args, names)
@@ -729,239 +733,11 @@ def shows_W(args):
 # Refused on --resume when they differ from the saved run, beside the kit's (kit.flags.FIXED_ON_RESUME): the level
 # statistics a checkpoint holds were measured with the gain estimator and order; --gain-init only seeds iteration 0;
 # --credit, --credit-file and --column-units say what the run is (its method, or a control). The files of --gain-init
-# and --credit-file are read when the run starts only (`started_with`): a resume from a checkpoint needs neither.
+# and --credit-file are read when the run starts only (`recast_controls.started_with`): a resume from a checkpoint
+# needs neither.
 FIXED_ON_RESUME = ("gain_estimator", "alpha", "gain_init", "credit", "credit_file", "column_units")
-FILE_FLAGS = ("gain_init", "credit_file")  # recorded as absolute paths when a run starts (`record_absolute_paths`)
-
-
-# =============================================================================
-# Controls for the experiments: --credit recast_reversed, --column-units gradient, --gain-init, --credit file
-# =============================================================================
-# Not ReCAST: each answers a reviewer's question about it (experiments/bench.py: the recast-reversed and recast-units
-# experiments, the protocol's recast_prior arm). Off by default, they leave ReCAST as it is; credit, nft_update,
-# nft_baseline, validate and train each call them in one line.
-
-
-def controlled_W_inputs(settings: CreditSettings, P, sigmas, budgets):
-    """The profile and the column sums W is solved with: ReCAST's own (P, None: columns Lam / T each) unless a
-    control changes them. --credit recast_reversed, the control for credit in time: each reward's profile flipped in
-    time (the same marginals as recast's W; with equal columns it is recast's W flipped). --column-units gradient:
-    the column sums of `column_sums`. P (K, T) -> (P_W (K, T), cols (T,) or None)."""
-    P_W = P[:, ::-1] if settings.reverse_time else P
-    return P_W, column_sums(settings.column_units, sigmas, budgets)
-
-
-def column_sums(column_units, sigmas, budgets):
-    """W's column sums: None (loss units, ReCAST's: Lam / T each) or, with --column-units gradient,
-    `gradient_unit_columns`."""
-    return gradient_unit_columns(sigmas, budgets) if column_units == "gradient" else None
-
-
-def gradient_unit_columns(sigmas, budgets):
-    """Column sums equal in gradient units (--column-units gradient): c_j propto 1 / s_j, scaled to sum to Lam.
-    nft.nft_loss's velocity gradient per unit weight at t = s_j is proportional to s_j (derivations.ipynb §11), so
-    c_j s_j, each step's share of the update, is the same for every step. sigmas (T+1,) -> (T,)."""
-    inv = 1.0 / np.asarray(sigmas[:-1], dtype=np.float64)
-    return float(np.sum(budgets)) * inv / inv.sum()
-
-
-def step_weights(W):
-    """The loss's weight per step and the W that mix_optimality reads: ReCAST's (None, W) where W's columns are equal
-    (loss units); where they differ (--column-units gradient, a --credit file W), `equal_columns` splits them into
-    omega (T,) float32 and the equal-column W'. Either way the loss at step j is sum_k (T / Lam) W_kj L(r_k)."""
-    cols = np.asarray(W, dtype=np.float64).sum(0)
-    if np.allclose(cols, cols.mean(), rtol=1e-6, atol=0):
-        return None, W
-    omega, W = equal_columns(W)
-    return torch.as_tensor(omega, dtype=torch.float32), W
-
-
-def equal_columns(W):
-    """Split a W with unequal column sums c_j into the step weight omega_j = T c_j / Lam and the equal-column
-    W' = W Lam / (T c_j). The NFT loss is linear in r (derivations.ipynb §4), so
-    sum_k (T / Lam) W_kj L(r_k) = omega_j L(r~'_j) with r~'_j = mix_optimality(r, W', j) in [0, 1].
-    A column of zeros (a --credit file's "no weight at these steps") gets omega_j = 0 and the uniform column
-    Lam / (K T) in W' (any column would do: the step's loss is multiplied by 0, so its samples carry no policy
-    gradient). W (K, T) -> (omega (T,), W')."""
-    W = np.asarray(W, dtype=np.float64)
-    Lam, (K, T), c = W.sum(), W.shape, W.sum(0)
-    used = c > 0
-    return T * c / Lam, np.where(used, W * (Lam / T) / np.where(used, c, 1.0), Lam / (K * T))
-
-
-def record_absolute_paths(args):
-    """A new run's --gain-init and --credit-file as absolute paths (config.json records them so): a --resume from
-    another folder names the same files. --gain-init's world and none stay as they are."""
-    if args.gain_init not in ("", "none", "world"):
-        args.gain_init = os.path.abspath(args.gain_init)
-    if args.credit_file:
-        args.credit_file = os.path.abspath(args.credit_file)
-
-
-def resumes_a_checkpoint(args):
-    """Whether this start continues a run from a checkpoint (--resume of a folder that holds one): --gain-init and
-    --credit-file were read when the run started, and the checkpoint holds what they gave."""
-    return bool(args.resume) and any((Path(args.resume) / "checkpoints").glob("iter_??????"))
-
-
-def started_with(run, args, start, state):
-    """What --gain-init and --credit-file give a run, read once, when it starts (iteration 0), so that a resumed run
-    trains on exactly what it started with, whatever became of the files since. --gain-init: the level statistics
-    iteration 0 starts from (state["level_stats"]; a checkpoint holds the run's own since). --credit file: its W
-    (`fixed_W_of`), recorded in state["credit_W"] and so in every checkpoint; a resume trains the recorded W and says
-    so when the file now differs or is gone (a checkpoint that predates the record reads the file). Returns the W of
-    --credit file, else None."""
-    if start == 0:
-        world = run.world.world_id(args.model) if run.world is not None else None
-        prior = gain_prior(args, run.names, run.sigmas.numpy(), world)  # the world's pretrained profiles by default
-        if prior is not None:
-            state["level_stats"] = prior
-    if args.credit != "file":
-        return None
-    W = state.get("credit_W") if start > 0 else None
-    if W is None:
-        W = fixed_W_of(args, run.names, run.budgets)
-    elif run.acc.is_main_process:
-        try:
-            now = read_credit_file(args.credit_file, run.names, args.steps, run.budgets)
-            by = np.abs(now - W).max()
-            change = f"differs from the W the run started with (entries by up to {by:.3g})" if by > 0 else None
-        except SystemExit as err:
-            change = f"no longer gives a W for this run ({err})"
-        if change:
-            tqdm.write(
-                f"--credit-file {args.credit_file} {change}: the run goes on with the W it started with, recorded "
-                "in its checkpoints. To train the file's W, start a new run with it"
-            )
-    state["credit_W"] = np.asarray(W, dtype=np.float64)
-    return state["credit_W"]
-
-
-def fixed_W_of(args, names, budgets):
-    """--credit file, W held fixed (recast-steps: one reward's weight moved between steps at equal measured share):
-    the (K, T) array of --credit-file (`read_credit_file` refuses a file that does not fit the run), None for
-    every other --credit. Its rows may differ from the budgets and its columns from each other (`step_weights` weights
-    each step by its column sum)."""
-    if args.credit != "file":
-        if args.credit_file:
-            raise SystemExit(f"--credit-file {args.credit_file} is read with --credit file only: add --credit file")
-        return None
-    return read_credit_file(args.credit_file, names, args.steps, budgets)
-
-
-def gain_prior(args, names, sigmas=None, world=None):
-    """--gain-init: the discounted level statistics the run starts from (`read_level_stats` refuses a file that
-    does not fit), else None. `world` is the embedded world's pretrained profiles (its PROFILES_PATH) where
-    they fit the run, else None; `none` (or empty) is None. sigmas, world: the run's grid and world id, compared with
-    the file's where known (`read_level_stats`)."""
-    if args.gain_init in ("", "none"):
-        return None
-    if args.gain_init != "world":
-        fix = (
-            f"The run {args.resume} has no checkpoint yet, so it starts at iteration 0 and reads the file: put it "
-            "back, or start a new run"
-            if args.resume
-            else None
-        )
-        return read_level_stats(args.gain_init, names, args.steps, fix, sigmas, world)
-    profiles = load_world(EMBEDDED_MODEL).PROFILES_PATH
-    saved = json.loads(profiles.read_text())
-    fits = (
-        Path(args.model).resolve() == Path(EMBEDDED_MODEL).resolve()  # a world variant is another world
-        and (args.gain_estimator, args.sampler, args.steps) == ("pairs", "tree", saved["steps"])
-        and set(names) <= set(saved["names"])
-    )
-    return read_level_stats(profiles, names, args.steps, None, sigmas, world) if fits else None
-
-
-def read_credit_file(path_name, names, T, budgets):
-    """The (K, T) W of a --credit file: JSON {"rewards": [names in --rewards order], "W": K x T entries}. Refused,
-    naming the file and the fix: missing or not that JSON, its rewards other than `names` (in order), its shape other
-    than (K, T), a negative or non-finite entry, or a total other than the budgets' sum (the loss is normalised by W's
-    total, so the total fixes nothing but this check)."""
-    path = Path(path_name)
-    if not path_name or not path.is_file():
-        what = f"{path} is not one" if path_name else "none was given"
-        raise SystemExit(f"--credit file needs --credit-file, a JSON file with the W to train with; {what}")
-    try:
-        spec = json.loads(path.read_text())
-        W = np.asarray(spec["W"], dtype=np.float64)
-        rewards = spec["rewards"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise SystemExit(f'--credit-file {path}: not {{"rewards": [...], "W": [[...]]}} JSON ({err}); fix the file')
-    problem = (
-        f"its rewards is {rewards!r}, not a list of names ({list(names)})"
-        if not isinstance(rewards, list) or not all(isinstance(n, str) for n in rewards)
-        else f"its rewards {rewards} are not --rewards {list(names)} (in that order)"
-        if rewards != list(names)
-        else f"W has shape {W.shape}, not ({len(names)}, {T}) (rewards x --steps)"
-        if W.shape != (len(names), T)
-        else "W has a negative or non-finite entry"
-        if not np.all(np.isfinite(W)) or np.any(W < 0)
-        else f"W sums to {W.sum():.6g}, not the budgets' sum {sum(budgets):.6g}"
-        if not np.isclose(W.sum(), sum(budgets), rtol=1e-6, atol=0)
-        else None
-    )
-    if problem:
-        raise SystemExit(f"--credit-file {path}: {problem}; fix the file or the flags")
-    return W
-
-
-def read_level_stats(path, names, T, fix=None, sigmas=None, world=None):
-    """[n (T+1,), s1 (K, T+1), s2 (K, T+1)]: the rows of `names` from a level-statistics file (experiments/protocol.py
-    `measure_profiles`), the gain statistics recast.py starts from with --gain-init. They are discounted by
-    --gain-ema like the run's own, so the prior's weight halves every ~7 iterations at 0.9. A file that is missing,
-    not JSON, without the run's rewards, of other steps, of the wrong shapes, with null/NaN/inf statistics or negative
-    counts or sums of squares (either would switch the credit off: W uniform, evidence 0), or, where the file records
-    them, measured on another sampler grid (`sigmas`, the run's (T+1,)) or another world (`world`, the run's world id)
-    is refused naming the file and the field, and `fix` (by default: make the file, or omit --gain-init)."""
-    fix = fix or "Make one with experiments/protocol.py's measure_profiles, or omit --gain-init"
-    try:
-        saved = json.loads(Path(path).read_text())
-        rows = [saved["names"].index(k) for k in names]
-        steps, estimator = saved["steps"], saved.get("estimator", "pairs")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise SystemExit(
-            f"--gain-init {path}: not a readable level-statistics file holding rewards {names} ({type(err).__name__}: "
-            f"{str(err)[:200]}). {fix}"
-        ) from None
-    if steps != T or estimator != "pairs":
-        raise SystemExit(
-            f"--gain-init {path}: measured with {steps} steps ({estimator}), this run has --steps {T} (pairs). {fix}"
-        )
-    grid = np.asarray(saved.get("sigmas", []), dtype=np.float64)
-    if sigmas is not None and grid.size and (grid.shape != (T + 1,) or not np.allclose(grid, sigmas, atol=1e-5)):
-        raise SystemExit(
-            f"--gain-init {path}: measured on the sampler grid {np.round(grid, 3).tolist()}, this run samples on "
-            f"{np.round(np.asarray(sigmas, dtype=np.float64), 3).tolist()}. {fix}"
-        )
-    if world is not None and saved.get("world") not in (None, world):
-        raise SystemExit(
-            f"--gain-init {path}: measured on world {saved['world']}, this run's model is world {world}. {fix}"
-        )
-    stats = []
-    for key, shape in (("n", (T + 1,)), ("s1", (len(saved["names"]), T + 1)), ("s2", (len(saved["names"]), T + 1))):
-        try:
-            value = np.asarray(saved.get(key), dtype=np.float64)  # null -> NaN, refused below
-        except (ValueError, TypeError):
-            value = np.asarray(None)
-        if value.shape != shape:
-            raise SystemExit(
-                f"--gain-init {path}: field {key!r} is not an array of shape {shape} (steps + 1 levels"
-                f"{'' if key == 'n' else ', one row per reward in names'}). {fix}"
-            )
-        if not np.isfinite(value).all():
-            raise SystemExit(
-                f"--gain-init {path}: field {key!r} holds {int((~np.isfinite(value)).sum())} null/NaN/inf entries; "
-                f"they would switch ReCAST's credit off (W uniform). {fix}"
-            )
-        if key in ("n", "s2") and (value < 0).any():
-            raise SystemExit(
-                f"--gain-init {path}: field {key!r} holds {int((value < 0).sum())} negative entries (a count, a sum "
-                f"of squares); they would switch ReCAST's credit off (W uniform). {fix}"
-            )
-        stats.append(value if key == "n" else value[rows])
-    return stats
+# recorded as absolute paths when a run starts (`recast_controls.record_absolute_paths`)
+FILE_FLAGS = ("gain_init", "credit_file")
 
 
 # =============================================================================

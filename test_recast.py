@@ -24,6 +24,7 @@ import torch
 
 import nft
 import recast
+import recast_controls
 import rvge
 import sd3
 from conftest import TINY_REWARDS, assert_loads_as_trained, brightness, read_metrics, tiny_argv
@@ -356,13 +357,13 @@ def test_W_col_sums_other_marginals_default_unchanged(seed):
 def test_gradient_unit_W_columns_are_proportional_to_one_over_g_and_equal_columns_split_the_loss():
     rng = np.random.default_rng(3)
     sig, lam = nft.shifted_sigmas(10, 3.0), np.array([1.0, 2.0])
-    cols = recast.gradient_unit_columns(sig, lam)
+    cols = recast_controls.gradient_unit_columns(sig, lam)
     W = recast.solve_W(lam, recast.profiles(rng.random((2, 10)) ** 3), col_sums=cols)
     g = sig[:-1]  # velocity-space gradient size per unit weight, derivations.ipynb §11
     assert np.allclose(W.sum(1), lam, atol=1e-9)
     assert np.allclose(W.sum(0) * g / (W.sum(0) * g).mean(), 1.0, atol=1e-9)  # column sums propto 1 / g_j
     # omega_j L(r~_j) with the equal-column W' is the W-weighted sum of per-reward NFT losses
-    omega, W_eq = recast.equal_columns(W)
+    omega, W_eq = recast_controls.equal_columns(W)
     assert np.allclose(W_eq.sum(0), lam.sum() / 10, atol=1e-12) and np.allclose(omega.mean(), 1.0)
     N, d = 40, 3
     step = torch.as_tensor(rng.integers(0, 10, N))
@@ -384,7 +385,8 @@ def test_nft_update_weighs_each_step_by_omega_with_gradient_column_units(monkeyp
     loss where the columns differ)."""
     rng = np.random.default_rng(4)
     sig, lam, T, N = nft.shifted_sigmas(10, 3.0), np.array([0.7, 0.3]), 10, 12
-    W = recast.solve_W(lam, recast.profiles(rng.random((2, T)) ** 3), col_sums=recast.gradient_unit_columns(sig, lam))
+    cols = recast_controls.gradient_unit_columns(sig, lam)
+    W = recast.solve_W(lam, recast.profiles(rng.random((2, T)) ** 3), col_sums=cols)
     r = rng.random((N, 2))
     monkeypatch.setattr(nft, "update_loop", lambda run, b, args, gen, on_step, policy_loss: policy_loss)
     j = torch.as_tensor(rng.integers(0, T, N))
@@ -428,7 +430,7 @@ def test_column_units_gradient_in_a_run(tiny, tmp_path, monkeypatch, credit):
     )
     recast.train(recast.parse_args(argv), extra_rewards=TINY_REWARDS)
     m = read_metrics(out)[0]
-    cols = recast.gradient_unit_columns(np.array(m["recast/sigmas"]), [0.6, 0.4])
+    cols = recast_controls.gradient_unit_columns(np.array(m["recast/sigmas"]), [0.6, 0.4])
     W = np.array(m["recast/W"])
     assert np.abs(W.sum(1) - [0.6, 0.4]).max() < 1e-9 and np.abs(W.sum(0) - cols).max() < 1e-9
     assert cols[-1] / cols[0] > 50  # the last training step's small t: a real reweighting
@@ -507,7 +509,7 @@ def test_time_reversed_W_is_W_flipped_with_the_same_marginals():
     assert np.abs(Wr - W[:, ::-1]).max() < 1e-9 and np.abs(Wr - W).max() > 1e-3
     sigmas = np.linspace(1, 0, P.shape[1] + 1)
     sigmas[-2] = 0.01
-    cols = recast.gradient_unit_columns(sigmas, lam)
+    cols = recast_controls.gradient_unit_columns(sigmas, lam)
     Wg = recast.solve_W(lam, P[:, ::-1], col_sums=cols)
     assert np.abs(Wg.sum(1) - lam).max() < 1e-9 and np.abs(Wg.sum(0) - cols).max() < 1e-9
 
@@ -689,8 +691,9 @@ def banners(path):
 def test_diffusionnft_is_written_once_in_nft_py_and_each_function_has_one_name():
     """Neither script defines a function of nft.py again, and none hands one on under its own name (recast.optimality
     does not exist: the toy, the tests and the notebook all call nft.optimality); the two scripts' shared sections
-    (after each method's own, the NOTES.md sections, and recast.py's controls for the experiments) come in the same
-    order, so a reader moving from one script to the other finds each part where the other had it."""
+    (after each method's own, the NOTES.md sections) come in the same order and are all there is (ReCAST's controls
+    are recast_controls.py's), so a reader moving from one script to the other finds each part where the other had
+    it."""
     defined = top_level_names(nft.__file__)
     assert {"optimality", "nft_loss", "tree_rollout", "update_loop", "global_stats", "optimizer_step"} <= defined
     for script in (recast, rvge):
@@ -699,7 +702,7 @@ def test_diffusionnft_is_written_once_in_nft_py_and_each_function_has_one_name()
         assert not [n for n in defined - declared if hasattr(script, n)], script.__name__
     skeleton = [
         [re.sub("ReCAST|RVGE", "<method>", b.split(":")[0]) for b in banners(script.__file__) if not b.startswith(own)]
-        for script, own in ((recast, ("NOTES.md", "Controls for the experiments")), (rvge, "NOTES.md"))
+        for script, own in ((recast, "NOTES.md"), (rvge, "NOTES.md"))
     ]
     assert (
         skeleton[0]
@@ -728,19 +731,19 @@ def test_gain_init_reads_the_runs_rewards_rows_and_refuses_a_mismatch(tmp_path):
     }
     path = tmp_path / "profiles.json"
     path.write_text(json.dumps(saved))
-    n, got1, got2 = recast.read_level_stats(path, ["c", "a"], T)
+    n, got1, got2 = recast_controls.read_level_stats(path, ["c", "a"], T)
     assert (
         n.tolist() == [5.0] * (T + 1)
         and got1.tolist() == [s1[2].tolist(), s1[0].tolist()]
         and got2.tolist() == (got1**2).tolist()
     )
     with pytest.raises(SystemExit, match="--steps 10"):
-        recast.read_level_stats(path, ["a"], 10)
+        recast_controls.read_level_stats(path, ["a"], 10)
     with pytest.raises(SystemExit, match="holding rewards \\['a', 'zzz'\\]"):
-        recast.read_level_stats(path, ["a", "zzz"], T)
+        recast_controls.read_level_stats(path, ["a", "zzz"], T)
     path.write_text("{not json")
     with pytest.raises(SystemExit, match="--gain-init"):
-        recast.read_level_stats(path, ["a"], T)
+        recast_controls.read_level_stats(path, ["a"], T)
 
 
 def test_gain_init_refuses_negative_counts_and_another_grid_or_world(tmp_path):
@@ -754,17 +757,16 @@ def test_gain_init_refuses_negative_counts_and_another_grid_or_world(tmp_path):
     for key, bad in (("n", [5.0, -1.0, 5.0, 5.0, 5.0]), ("s2", [[0.2] * 5, [0.2, 0.2, -0.1, 0.2, 0.2]])):
         path.write_text(json.dumps({**saved, key: bad}))
         with pytest.raises(SystemExit, match=f"field '{key}' holds 1 negative entries"):
-            recast.read_level_stats(path, names, T)
+            recast_controls.read_level_stats(path, names, T)
     path.write_text(json.dumps({**saved, "sigmas": grid, "world": "abc"}))
-    assert recast.read_level_stats(path, names, T, sigmas=np.array(grid, dtype=np.float32), world="abc")[0].shape == (
-        5,
-    )
+    grid32 = np.array(grid, dtype=np.float32)
+    assert recast_controls.read_level_stats(path, names, T, sigmas=grid32, world="abc")[0].shape == (5,)
     with pytest.raises(SystemExit, match="measured on the sampler grid"):
-        recast.read_level_stats(path, names, T, sigmas=np.array([1.0, 0.9, 0.5, 0.2, 0.0]))
+        recast_controls.read_level_stats(path, names, T, sigmas=np.array([1.0, 0.9, 0.5, 0.2, 0.0]))
     with pytest.raises(SystemExit, match="measured on world abc, this run's model is world xyz"):
-        recast.read_level_stats(path, names, T, world="xyz")
+        recast_controls.read_level_stats(path, names, T, world="xyz")
     path.write_text(json.dumps(saved))
-    assert recast.read_level_stats(path, names, T, sigmas=np.array(grid), world="xyz")[0].shape == (5,)
+    assert recast_controls.read_level_stats(path, names, T, sigmas=np.array(grid), world="xyz")[0].shape == (5,)
 
 
 def test_gain_init_world_starts_the_embedded_defaults_from_the_worlds_profiles_and_nothing_else():
@@ -776,14 +778,15 @@ def test_gain_init_world_starts_the_embedded_defaults_from_the_worlds_profiles_a
     saved = json.loads(shapes_world.PROFILES_PATH.read_text())
     assert saved["world"] == shapes_world.world_id() and set(shapes_world.DEFAULT_REWARDS) <= set(saved["names"])
     names = list(shapes_world.DEFAULT_REWARDS)
-    n, s1, s2 = recast.gain_prior(recast.parse_args([]), names)
+    n, s1, s2 = recast_controls.gain_prior(recast.parse_args([]), names)
     rows = [saved["names"].index(k) for k in names]
     assert n.tolist() == saved["n"] and s1.tolist() == [saved["s1"][i] for i in rows]
     assert s2.tolist() == [saved["s2"][i] for i in rows]
     for flags in (["--gain-init", "none"], ["--steps", "12"], ["--gain-estimator", "denoised"], ["--sampler", "ode"]):
-        assert recast.gain_prior(recast.parse_args(flags), names) is None, flags
-    assert recast.gain_prior(recast.parse_args([]), ["texture_lines"]) is None  # a reward the file does not hold
-    assert recast.gain_prior(recast.parse_args(["--model", "elsewhere"]), names) is None  # another model or world
+        assert recast_controls.gain_prior(recast.parse_args(flags), names) is None, flags
+    # a reward the file does not hold; another model or world
+    assert recast_controls.gain_prior(recast.parse_args([]), ["texture_lines"]) is None
+    assert recast_controls.gain_prior(recast.parse_args(["--model", "elsewhere"]), names) is None
 
 
 # -----------------------------------------------------------------------------
@@ -834,12 +837,12 @@ def test_where_to_change_what_names_functions_that_exist(module):
     names = set(re.findall(r"\b(?:[a-z0-9]+_[a-z0-9_]+|Args|Run|[A-Z_]{4,})\b", block)) - words
     assert len(names) > 20
     kit = [importlib.import_module(f"kit.{p.stem}") for p in Path(reward_models.__file__).parent.glob("*.py")]
-    homes = (script, nft, sd3, *kit)
+    homes = (script, nft, sd3, recast_controls, *kit)
     missing = [n for n in names if not any(hasattr(home, n) for home in homes)]
     assert not missing, (
         f"the map in {module}.py's docstring names {missing}, which neither {module}.py, nft.py nor the kit defines"
     )
-    for home in (nft, sd3, *kit):  # a qualified name lives where it says
+    for home in (nft, sd3, recast_controls, *kit):  # a qualified name lives where it says
         named = set(re.findall(rf"\b{home.__name__.split('.')[-1]}\.([A-Za-z0-9_]+)\b", block)) - {"x", "py"}
         assert (named or home is not nft) and not [n for n in named if not hasattr(home, n)], (home.__name__, named)
 

@@ -16,9 +16,9 @@ linear reward; the kappa(t) / kappa(t_b) transfer; local vs broad groups for smo
 measured credit (the shipped tree rollout, levels and evidence shrinkage) against the exact D_2 and W.
 
 Checks 6d (each method's implied target diagnosed, issue 16) and 7 (end-to-end training in 2-D) are experiments on
-this toy, not checks of the math: `python experiments/toy_checks.py` (same numbering, same table; it imports this file,
+this toy, not checks of the math: `python -m experiments.toy_checks` (same numbering, same table; it imports this file,
 never the reverse). The trainable toy (the exact mixture velocity as the pretrained model, a correction of it
-fine-tuned with the scripts' own losses and credit) is one too: `python experiments/toy_train.py`.
+fine-tuned with the scripts' own losses and credit) is one too: `python -m experiments.toy_train`.
 
 Notation map (code name -> symbol)
     x0, xt   (n, d)    clean sample, noisy sample x_t = (1 - t) x0 + t eps (t = 1 is noise)

@@ -1,30 +1,30 @@
 """Experiments on the embedded model, one command each: DiffusionNFT vs ReCAST vs DiffusionRVGE.
 
-    python experiments/bench.py multi            # side by side: 6 methods x 2 budget vectors (not run on this world)
+    python -m experiments.bench multi            # side by side: 6 methods x 2 budget vectors (not run on this world)
     # single reward (one smooth, one discrete): RVGE vs DiffusionNFT, speed-up
-    python experiments/bench.py rvge-single
-    python experiments/bench.py rvge-joint       # all five world rewards: RVGE vs NFT at equal compute and at 1/5 of it
+    python -m experiments.bench rvge-single
+    python -m experiments.bench rvge-joint       # all five world rewards: RVGE vs NFT at equal compute and at 1/5 of it
     # does RVGE at 1/5 of the compute match NFT? 13 seeds, the large final evaluation, non-inferiority
-    python experiments/bench.py rvge-joint-fifth
+    python -m experiments.bench rvge-joint-fifth
     # why RVGE trails jointly: broad groups for every reward, or half the lr
-    python experiments/bench.py rvge-joint-why
-    python experiments/bench.py rvge-joint-eta   # and whether a smaller step (--eta 0.1, 0.05) stops its drift
+    python -m experiments.bench rvge-joint-why
+    python -m experiments.bench rvge-joint-eta   # and whether a smaller step (--eta 0.1, 0.05) stops its drift
     # RVGE's drift on one reward: a noisy direction or a longer step? (permuted, --eta)
-    python experiments/bench.py rvge-drift --seeds 8  # 5 seeds by default; the committed results hold 8
-    python experiments/bench.py recast-protocol  # setting A x 5 budget vectors x {nft, uniform, recast, recast_prior}
-    python experiments/bench.py recast-protocol-B  # the same for setting B
+    python -m experiments.bench rvge-drift --seeds 8  # 5 seeds by default; the committed results hold 8
+    python -m experiments.bench recast-protocol  # setting A x 5 budget vectors x {nft, uniform, recast, recast_prior}
+    python -m experiments.bench recast-protocol-B  # the same for setting B
     # the control for credit in time: W from the profiles vs the same W reversed
-    python experiments/bench.py recast-reversed
+    python -m experiments.bench recast-reversed
     # and uniform W at the budgets those two W give in effect: timing or budgets?
-    python experiments/bench.py recast-matched
-    python experiments/bench.py recast-units     # the same two W with columns equal in gradient units
+    python -m experiments.bench recast-matched
+    python -m experiments.bench recast-units     # the same two W with columns equal in gradient units
     # credit where a reward is decided, or where it is learnable? saturation's weight at steps 1-2 vs 3-4
-    python experiments/bench.py recast-steps
+    python -m experiments.bench recast-steps
     # the same on the late reward grain: its weight where decided (steps 7-8) or where consistent (5-6)
-    python experiments/bench.py grain-steps
+    python -m experiments.bench grain-steps
     # the embedded default for 100 iterations: DiffusionNFT vs uniform W vs ReCAST
-    python experiments/bench.py recast-100
-    python experiments/bench.py nft-steps        # DiffusionNFT with 1 vs 8 optimizer steps per iteration
+    python -m experiments.bench recast-100
+    python -m experiments.bench nft-steps        # DiffusionNFT with 1 vs 8 optimizer steps per iteration
     options: [--quick] [--jobs N] [--seeds N] [--out DIR] [--tables-only] [--iterations N] [--prompts-per-iter N]
              [--results-md FILE] [--replace-results] [--dry-run]
 
@@ -131,7 +131,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python experiments/bench.py`: the project's modules
+if not __package__:  # run by path, as the results' tables quote the rebuild (COMMAND): the root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import world as shapes_world  # noqa: E402
 from experiments import protocol, reports  # noqa: E402  (the reports import nothing of this file)
 from experiments.reports import (  # noqa: E402
@@ -148,6 +149,9 @@ from experiments.reports import (  # noqa: E402
 )
 
 HERE = Path(__file__).resolve().parent  # experiments/
+# the rebuild command a results folder's README quotes above its tables (`results_block`): by path, as the committed
+# tables were written with it; `python -m experiments.bench` is the same command
+COMMAND = "python experiments/bench.py"
 ROOT = HERE.parent  # the project: the scripts, and where the runs' processes start
 
 
@@ -1448,9 +1452,7 @@ def main(argv=None):
         try:
             text, res = build_report(exp, exp_dir, planned)
             if args.results_md is not None:
-                command = " ".join(
-                    ["python experiments/bench.py", exp.name, *(["--quick"] if args.quick else []), *sizes]
-                )
+                command = " ".join([COMMAND, exp.name, *(["--quick"] if args.quick else []), *sizes])
                 block = results_block(text, res.records, exp_dir, args.results_md, command + " --tables-only")
                 write_results_md(args.results_md, marker, block)
         except OSError as err:  # a full disk, a folder made read-only meanwhile: the results themselves are kept

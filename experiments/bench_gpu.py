@@ -1,14 +1,14 @@
 """Profile the configs/ recipes (DiffusionNFT, ReCAST, DiffusionRVGE on SD3.5-Medium): time, memory and MFU per phase.
 
     # one GPU: every SD3.5-M recipe in configs/ at its real size (per process), SD3.5-M-sized random pipeline
-    python experiments/bench_gpu.py
+    python -m experiments.bench_gpu
     # some recipes, shrunk to 1 prompt group per process (time per iteration extrapolated to the recipe's 6)
-    python experiments/bench_gpu.py --config configs/nft-geneval.yaml configs/rvge-sd35m.yaml --prompts-per-iter 1
+    python -m experiments.bench_gpu --config configs/nft-geneval.yaml configs/rvge-sd35m.yaml --prompts-per-iter 1
     # does a bigger micro-batch fit, and is it faster?
-    python experiments/bench_gpu.py --config configs/nft-geneval.yaml --train-batch 16 --rollout-batch 32
+    python -m experiments.bench_gpu --config configs/nft-geneval.yaml --train-batch 16 --rollout-batch 32
     # the same code on CPU at toy size: the three methods (what the test runs), or a recipe at toy size
-    python experiments/bench_gpu.py --tiny
-    python experiments/bench_gpu.py --tiny --config configs/nft-geneval.yaml
+    python -m experiments.bench_gpu --tiny
+    python -m experiments.bench_gpu --tiny --config configs/nft-geneval.yaml
 
 Run it on one GPU of the kind you mean to rent, before renting a cluster of them: it says whether a recipe's
 micro-batches fit (peak memory per phase; on running out of memory it halves --train-batch and --rollout-batch until
@@ -59,7 +59,6 @@ import json
 import math
 import shlex
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -68,12 +67,12 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+import nft
+import recast
+import rvge
+import sd3
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # `python experiments/bench_gpu.py`: the scripts
-import nft  # noqa: E402
-import recast  # noqa: E402
-import rvge  # noqa: E402
-import sd3  # noqa: E402
 
 METHODS = {  # --tiny without --config: name -> (module, flags)
     "recast": (recast, ["--credit", "recast"]),

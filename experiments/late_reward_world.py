@@ -9,7 +9,7 @@ experiment's candidate late rewards and its world variant, registered into the w
   (``world.render(prompt, seed, "signed")``), the sign's ideal observer that chose its depth, and its build, a
   fine-tune of the shipped world into its own folder, whose ``world.json`` names this module as its world:
 
-    OMP_NUM_THREADS=1 python experiments/late_reward_world.py build --variant signed [--out world/assets-signed]
+    OMP_NUM_THREADS=1 python -m experiments.late_reward_world build --variant signed [--out world/assets-signed]
 
 This module offers the world's interface (world/__init__.py: REWARDS, DEFAULT_REWARDS, JUDGES, frechet_distance,
 GEN_KWARGS, parse_prompt, sample_prompts, splits, PROFILES_PATH, world_id, ...), so that a variant's pipeline folder
@@ -20,17 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-if __name__ == "__main__":  # run as a script: the repository root on the path, as the experiments' scripts do
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from world import (  # noqa: E402  (the world's interface, offered again: a variant's folder names this module)
+from world import (  # (the world's interface, offered again: a variant's folder names this module)
     ASSETS,
     DEFAULT_BUDGETS,
     DEFAULT_REWARDS,
@@ -61,9 +57,9 @@ from world import (  # noqa: E402  (the world's interface, offered again: a vari
     world_id,
     write_world_file,
 )
-from world.build import VAE_TEXTURE_AMP, _world_dataset, train_transformer, train_vae  # noqa: E402
-from world.checker import _as_array, _line_features, foreground  # noqa: E402
-from world.rewards import _checked, reward_geneval_strict  # noqa: E402
+from world.build import VAE_TEXTURE_AMP, _world_dataset, train_transformer, train_vae
+from world.checker import _as_array, _line_features, foreground
+from world.rewards import _checked, reward_geneval_strict
 
 __all__ = [
     "DEFAULT_BUDGETS",

@@ -1,8 +1,8 @@
 """The activation memory of one SD3.5-Medium block per sample, measured on the CPU (issue 63).
 
-    nice -n 5 python experiments/memory_fit.py                    # every configuration, then the fit
-    python experiments/memory_fit.py --fit-only                   # refit the results JSON already written
-    python experiments/memory_fit.py --one '{"L": 1, "B": 1, ...}'  # one configuration (what each subprocess runs)
+    nice -n 5 python -m experiments.memory_fit                    # every configuration, then the fit
+    python -m experiments.memory_fit --fit-only                   # refit the results JSON already written
+    python -m experiments.memory_fit --one '{"L": 1, "B": 1, ...}'  # one configuration (what each subprocess runs)
 
 SD3.5-Medium's transformer (world/assets/sd3.5-medium-transformer.json: hidden 24 x 64 = 1536, joint attention dim 4096)
 cut to `num_layers` L = 2 or 3, random weights (`SD3Transformer2DModel.from_config`, no download), in --dtype weights,
@@ -44,7 +44,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # as a script: the project's modules
 
 OUT = ROOT / "experiments/results/memory-fit"
 CONFIG = ROOT / "world/assets/sd3.5-medium-transformer.json"
@@ -382,7 +381,7 @@ def main():
             if time.time() - start > 60 * args.budget_min:
                 print("budget spent; stopping", flush=True)
                 break
-            cmd = ["nice", "-n", "5", sys.executable, __file__, "--one", json.dumps(spec)]
+            cmd = ["nice", "-n", "5", sys.executable, "-m", "experiments.memory_fit", "--one", json.dumps(spec)]
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **MALLOC})
             lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if not lines:

@@ -1,8 +1,8 @@
 """Checks 6d and 7 of the Gaussian-mixture toy: experiments on its exact mixtures, not checks of the math.
 
-    python experiments/toy_checks.py                        # both; the table, figures and 6d's CSV in --out
-    python experiments/toy_checks.py --only rvge_diagnosis  # check 6d alone (experiments/results/rvge-defaults/)
-    python experiments/toy_checks.py --quick                # smaller samples and fewer steps (the tests)
+    python -m experiments.toy_checks                        # both; the table, figures and 6d's CSV in --out
+    python -m experiments.toy_checks --only rvge_diagnosis  # check 6d alone (experiments/results/rvge-defaults/)
+    python -m experiments.toy_checks --quick                # smaller samples and fewer steps (the tests)
 
 6d (issue 16, item 3): the target each method implies at sampled (x_t, t), RVGE with each ablation and DiffusionNFT,
 against the exact tilted shift, at equal reward evaluations (d = 2 and d = 16, smooth and 0/1 rewards): the diagnosis
@@ -18,16 +18,13 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the project's modules
-
-import nft  # noqa: E402
-import recast  # noqa: E402
-import rvge  # noqa: E402
-from toy_gaussian import (  # noqa: E402
+import nft
+import recast
+import rvge
+from toy_gaussian import (
     E1,
     MIX2,
     GaussianMixture,

@@ -1,10 +1,10 @@
 """The trainable Gaussian-mixture toy: the credit mechanism (ReCAST) and RVGE's step, trained, many seeds at once.
 
-    python experiments/toy_train.py                   # 64 paired seeds per arm -> experiments/results/toy-train/
-    python experiments/toy_train.py --tables-only     # the analysis, tables and figure again from runs.csv
-    python experiments/toy_train.py --quick --out DIR # toy sizes (the tests)
-    python experiments/toy_train.py --online          # online W vs grad_uniform -> .../toy-train/online/
-    python experiments/toy_train.py --online --groups 128  # append a batch size to that run (others not rerun)
+    python -m experiments.toy_train                   # 64 paired seeds per arm -> experiments/results/toy-train/
+    python -m experiments.toy_train --tables-only     # the analysis, tables and figure again from runs.csv
+    python -m experiments.toy_train --quick --out DIR # toy sizes (the tests)
+    python -m experiments.toy_train --online          # online W vs grad_uniform -> .../toy-train/online/
+    python -m experiments.toy_train --online --groups 128  # append a batch size to that run (others not rerun)
 
 The exact velocity of a Gaussian mixture (MIX7, toy_checks.py's check 7) is the pretrained model; a correction of it is
 fine-tuned with the scripts' own losses and credit (ReCAST arms: nft, uniform, exact-profile, time-reversed, online and
@@ -25,10 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python experiments/toy_train.py`: the project's modules
+if not __package__:  # run by path, as the committed tables say they were written: the root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nft  # noqa: E402
 import recast  # noqa: E402
+import recast_controls  # noqa: E402
 import rvge  # noqa: E402
 from experiments.stats import (  # noqa: E402  the experiments' statistics: the same tests as the embedded model's
     holm,
@@ -86,7 +88,7 @@ RVGE_ARMS = tuple(f"{m}:{r}{p}" for r in ("smooth", "discrete") for p in ("", "-
 
 @dataclass
 class TrainConfig:
-    """Sizes of `python experiments/toy_train.py` (QUICK_TRAIN: --quick)."""
+    """Sizes of `python -m experiments.toy_train` (QUICK_TRAIN: --quick)."""
 
     seeds: int = 64  # paired seeds per arm
     iterations: int = 60  # rollout + one AdamW step each (DiffusionNFT: one optimizer step per epoch)
@@ -311,7 +313,7 @@ def recast_plan(arms, seeds, sigmas, P):
     propto 1 / s_j) on uniform or exact profiles; nft: uniform W over copies of the raw-sum optimality; online
     starts uniform."""
     T, lam = len(sigmas) - 1, TRAIN_LAM
-    cols = recast.gradient_unit_columns(sigmas, lam)
+    cols = recast_controls.gradient_unit_columns(sigmas, lam)
     Ws = {
         "nft": recast.uniform_W(lam, T),
         "uniform": recast.uniform_W(lam, T),
@@ -323,7 +325,7 @@ def recast_plan(arms, seeds, sigmas, P):
     }
     W, omega = [], []
     for arm, _ in [(a, s) for a in arms for s in seeds]:
-        om, Weq = recast.equal_columns(Ws[arm])
+        om, Weq = recast_controls.equal_columns(Ws[arm])
         W.append(Weq), omega.append(om)
     flags = np.array([a for a in arms for _ in seeds])
     plan = ArmPlan("recast", tuple(arms), tuple(seeds), np.stack(W), np.stack(omega), flags == "online", flags == "nft")
@@ -1029,7 +1031,7 @@ ONLINE_EFFECT = 0.02  # fixed before the run: 2% of grad_uniform's weighted gain
 
 @dataclass
 class OnlineConfig(TrainConfig):
-    """Sizes of `python experiments/toy_train.py --online` (QUICK_ONLINE: --online --quick)."""
+    """Sizes of `python -m experiments.toy_train --online` (QUICK_ONLINE: --online --quick)."""
 
     iterations: int = 40
     groups: tuple = (8, 32, 128)  # prompt groups per iteration: the estimator's sample size (groups / 8 per level)
@@ -1101,12 +1103,12 @@ def online_plan(arms, seeds, sig, P_exact, priors):
         "online_noshrink": recast.uniform_W(lam, T),
         "exact": W_exact,
         "grad_uniform": recast.solve_W(
-            lam, np.full_like(P_exact, 1.0 / T), col_sums=recast.gradient_unit_columns(sig, lam)
+            lam, np.full_like(P_exact, 1.0 / T), col_sums=recast_controls.gradient_unit_columns(sig, lam)
         ),
     }
     W, omega = [], []
     for arm, seed in [(a, s) for a in arms for s in seeds]:
-        om, Weq = recast.equal_columns(fixed[arm] if arm in fixed else priors[int(arm[5:])][seed][0])
+        om, Weq = recast_controls.equal_columns(fixed[arm] if arm in fixed else priors[int(arm[5:])][seed][0])
         W.append(Weq), omega.append(om)
     flags = np.array([a for a in arms for _ in seeds])
     online = np.isin(flags, ("online", "online_noshrink"))

@@ -480,7 +480,7 @@ def print_time(args, plan, flops, cost, eval_prompts):
     )
     print(
         f"time (ESTIMATE: {ASSUMED_MFU:.0%} MFU of an H100's {PEAK_TFLOPS:g} TFLOP/s dense bf16/fp16, assumed; "
-        "python experiments/bench_gpu.py measures the real MFU on a GPU):"
+        "python -m experiments.bench_gpu measures the real MFU on a GPU):"
     )
     print(
         f"  FLOPs per sample (meta device, {args.resolution or 512} px): forward {flops[0] / 1e12:.2f} TFLOP, "

@@ -93,6 +93,40 @@ def test_every_python_command_names_a_script_that_exists(doc):
     assert not missing, f"{doc} quotes commands of scripts that do not exist: {missing}"
 
 
+MODULE = re.compile(r"\bpython3? -m ((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)")
+
+
+def runnable_module_missing(name):
+    """Why `python -m name` does not run a module of the project (None where it does, or where name's package is
+    no folder of the project, as pytest): pkg/mod.py with a `__main__` block, or a package with __main__.py."""
+    path = ROOT.joinpath(*name.split("."))
+    if not (ROOT / name.split(".")[0]).is_dir():
+        return None
+    if (path / "__main__.py").is_file():
+        return None
+    if not path.with_suffix(".py").is_file():
+        return f"{name}: no {path.relative_to(ROOT)}.py"
+    if '__name__ == "__main__"' not in path.with_suffix(".py").read_text():
+        return f"{name}: {path.relative_to(ROOT)}.py runs nothing as a script"
+    return None
+
+
+def test_the_module_pattern_sees_commands():
+    text = "`python -m experiments.bench rvge-joint`, `python3 -m world.build --out x`, `python -m pytest -q`"
+    assert MODULE.findall(text) == ["experiments.bench", "world.build", "pytest"]
+    assert runnable_module_missing("experiments.bench") is None and runnable_module_missing("pytest") is None
+    assert "no experiments/no_such_module.py" in runnable_module_missing("experiments.no_such_module")
+    assert "runs nothing" in runnable_module_missing("experiments.stats")  # a library module: nothing to run
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_python_m_command_names_a_module_that_runs(doc):
+    """Every `python -m pkg.mod` a Markdown file quotes whose package is a folder of the project (experiments/,
+    world/) names a module there that runs as a script: the experiments are run as modules from the root."""
+    missing = sorted(filter(None, map(runnable_module_missing, set(MODULE.findall((ROOT / doc).read_text())))))
+    assert not missing, f"{doc} quotes `python -m` commands that run nothing: {missing}"
+
+
 def test_the_readme_map_names_code_and_tests_that_exist():
     """The README's claim -> code -> test map, within its first ~60 lines: every `module.name` it cites is defined
     there (nft.* in nft.py; where nft.py is absent, in the module it moves from), every test it names is defined in a
@@ -106,7 +140,7 @@ def test_the_readme_map_names_code_and_tests_that_exist():
     rows = lines[start + 2 : end]
     assert len(rows) >= 10
     kit = [p.stem for p in sorted((ROOT / "kit").glob("*.py"))]
-    homes = {m: [m] for m in ("recast", "rvge", "nft", "sd3")} | {m: [f"kit.{m}"] for m in kit}
+    homes = {m: [m] for m in ("recast_controls", "recast", "rvge", "nft", "sd3")} | {m: [f"kit.{m}"] for m in kit}
     tests = "\n".join(p.read_text() for p in [ROOT / "test_recast.py", *sorted((ROOT / "tests").glob("test_*.py"))])
     missing = []
     for row in rows:

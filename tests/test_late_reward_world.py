@@ -281,6 +281,7 @@ def test_phase_gate_part3_step_arms_fit_recast(tmp_path, monkeypatch):
     from pathlib import Path
 
     import recast
+    import recast_controls
 
     path = Path(__file__).resolve().parents[1] / "experiments" / "results" / "late-reward" / "phase_gate.py"
     spec = importlib.util.spec_from_file_location("phase_gate_for_test3", path)
@@ -298,11 +299,11 @@ def test_phase_gate_part3_step_arms_fit_recast(tmp_path, monkeypatch):
     for label in ("early", "late"):
         f = tmp_path / f"test_gate_W_{label}.json"
         args = recast.parse_args(["--rewards", "signed", "--budgets", "1", "--credit", "file", "--credit-file", str(f)])
-        W = recast.fixed_W_of(args, ["signed"], [1.0])
+        W = recast_controls.fixed_W_of(args, ["signed"], [1.0])
         assert W.shape == (1, 10) and np.array_equal(W[0] > 0, arms[label] > 0)
     f.write_text(json.dumps({"rewards": ["grain"], "W": json.loads(f.read_text())["W"]}))
     with pytest.raises(SystemExit, match="not --rewards"):
-        recast.fixed_W_of(args, ["signed"], [1.0])
+        recast_controls.fixed_W_of(args, ["signed"], [1.0])
 
 
 def test_nft_update_adds_across_groups_for_a_signed_reward_and_cancels_for_an_energy():

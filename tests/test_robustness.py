@@ -23,6 +23,7 @@ import yaml
 
 import evaluate
 import recast
+import recast_controls
 import rvge
 from conftest import TINY_REWARDS, copy_of, read_metrics, snapshot, tiny_argv
 from kit import figures, folders
@@ -557,7 +558,7 @@ def test_a_credit_file_W_with_a_zero_column_trains_and_that_steps_samples_carry_
     W = np.random.default_rng(1).random((2, T)) + 0.1
     W[:, 3] = 0.0
     W /= W.sum()
-    omega, W_eq = recast.equal_columns(W)
+    omega, W_eq = recast_controls.equal_columns(W)
     assert (
         np.isfinite(omega).all() and np.isfinite(W_eq).all() and omega[3] == 0 and (omega[np.arange(T) != 3] > 0).all()
     )
@@ -721,10 +722,10 @@ def test_a_credit_file_whose_rewards_is_a_string_and_credit_file_without_a_file_
     path = tmp_path / "W.json"
     path.write_text(json.dumps({"rewards": "brightness,redness", "W": (np.ones((2, 10)) / 20).tolist()}))
     with pytest.raises(SystemExit) as err:
-        recast.read_credit_file(str(path), ["brightness", "redness"], 10, [0.6, 0.4])
+        recast_controls.read_credit_file(str(path), ["brightness", "redness"], 10, [0.6, 0.4])
     assert "rewards is 'brightness,redness', not a list of names" in str(err.value) and "['b'" not in str(err.value)
     with pytest.raises(SystemExit) as err:
-        recast.read_credit_file("", ["brightness", "redness"], 10, [0.6, 0.4])
+        recast_controls.read_credit_file("", ["brightness", "redness"], 10, [0.6, 0.4])
     assert "none was given" in str(err.value) and " . " not in str(err.value) and ". is not" not in str(err.value)
 
 

@@ -25,6 +25,7 @@ from PIL import Image
 
 import nft
 import recast
+import recast_controls
 import rvge
 import sd3
 from conftest import (
@@ -377,7 +378,7 @@ def test_a_bad_gain_init_file_is_refused_before_the_model_loads_or_the_run_folde
     if damage == "null_in_s2":  # the same file with the value: accepted, rows in the run's order
         saved["s2"][0][1] = 1.0
         path.write_text(json.dumps(saved))
-        assert recast.read_level_stats(path, ["redness", "brightness"], T)[2].shape == (2, T + 1)
+        assert recast_controls.read_level_stats(path, ["redness", "brightness"], T)[2].shape == (2, T + 1)
 
 
 def test_a_full_disk_before_config_json_leaves_no_tmp_and_the_same_command_runs_again(tiny, tmp_path, monkeypatch):
