@@ -45,7 +45,7 @@ def evaluate(runs):
     out_dir = HERE / "confirm"
     out_dir.mkdir(exist_ok=True)
     pipe = sd3.load_pipeline(recast.parse_args([]), "cpu", torch.float32)
-    for label, run in {"pretrained": None} | {Path(r).name: Path(r) for r in runs}.items():
+    for label, run in ({"pretrained": None} | {Path(r).name: Path(r) for r in runs}).items():
         path = out_dir / f"{label}.json"
         if path.is_file():
             continue
