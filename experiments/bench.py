@@ -22,6 +22,7 @@
     python -m experiments.bench recast-steps
     # the same on the late reward grain: its weight where decided (steps 7-8) or where consistent (5-6)
     python -m experiments.bench grain-steps
+    python -m experiments.bench grain-steps-permuted  # its control, grain permuted within groups (if decided wins)
     # the embedded default for 100 iterations: DiffusionNFT vs uniform W vs ReCAST
     python -m experiments.bench recast-100
     python -m experiments.bench nft-steps        # DiffusionNFT with 1 vs 8 optimizer steps per iteration
@@ -106,6 +107,7 @@ Sizes (`estimate_minutes`; `test_bench.py` checks each stays under the hour):
     recast-units         12      8       24 x 3                  8         96   ~31 min (+ final evaluation; 48 taken)
     recast-steps          2     20       24 x 3                  8         40   ~26 min (+ final evaluation)
     grain-steps           2     20       24 x 3                  8         40   ~26 min (+ final evaluation)
+    grain-steps-permuted  2     20       24 x 3                  8         40   ~26 min (+ final evaluation)
     recast-100            3      3      100 x 8                 10          9   ~59 min
     nft-steps             2      3      100 x 8                 10          6   ~35 min
 
@@ -317,6 +319,9 @@ STEPS_ARMS = {"early12": (0, 1), "early34": (2, 3)}  # label -> the W columns (s
 STEPS_DESIGNS = {  # experiment -> (the reward whose weight moves, {label: the W columns it goes to}), in setting A
     "recast-steps": (STEPS_REWARD, STEPS_ARMS),
     "grain-steps": (SMOOTH_REWARD, {"consistent": (4, 5), "decided": (6, 7)}),
+    # its control (run only if `decided` wins, results/grain-steps/README.md): the same two W, grain's scores permuted
+    # within each prompt group (--permute-rewards grain: the same step weights, no relation to the images)
+    "grain-steps-permuted": (SMOOTH_REWARD, {"consistent_permuted": (4, 5), "decided_permuted": (6, 7)}),
 }
 SPLIT_HALF = ROOT / "experiments/results/late-reward/splithalf_round1.json"  # the measured gradient sizes
 
@@ -358,12 +363,16 @@ def write_steps_W(exp_dir: Path, profiles: Path, reward=STEPS_REWARD, arms=STEPS
         write_atomic(exp_dir / f"W_{label}.json", json.dumps({"rewards": list(SETTINGS["A"]), "W": W.tolist()}) + "\n")
 
 
-def _steps_cells(arms=STEPS_ARMS):
-    """A steps experiment: setting A's uniform cell, --credit file with each of `steps_W`'s W (one per arm)."""
+def _steps_cells(arms=STEPS_ARMS, extra=()):
+    """A steps experiment: setting A's uniform cell, --credit file with each of `steps_W`'s W (one per arm), and the
+    `extra` flags of a control."""
     rewards = ("--rewards", ",".join(SETTINGS["A"]), "--budgets", budget_vectors()["uniform"])
     return tuple(
         Cell(
-            "recast", (*rewards, "--credit", "file", "--credit-file", f"{{exp_dir}}/W_{label}.json"), label, STEPS_CELL
+            "recast",
+            (*rewards, "--credit", "file", "--credit-file", f"{{exp_dir}}/W_{label}.json", *extra),
+            label,
+            STEPS_CELL,
         )
         for label in arms
     )
@@ -573,6 +582,12 @@ EXPERIMENTS = {
             _steps_cells(STEPS_DESIGNS["grain-steps"][1]),
             **{**CONTROL_RUNS, "seeds": 20},
             pairs=(("decided", "consistent"),),
+        ),
+        Experiment(  # its control: the same two W with grain's scores permuted within each prompt group
+            "grain-steps-permuted",
+            _steps_cells(STEPS_DESIGNS["grain-steps-permuted"][1], ("--permute-rewards", SMOOTH_REWARD)),
+            **{**CONTROL_RUNS, "seeds": 20},
+            pairs=(("decided_permuted", "consistent_permuted"),),
         ),
         Experiment(
             "recast-100",

@@ -45,7 +45,7 @@ def evaluate(runs):
     out_dir = HERE / "confirm"
     out_dir.mkdir(exist_ok=True)
     pipe = sd3.load_pipeline(recast.parse_args([]), "cpu", torch.float32)
-    for label, run in {"pretrained": None} | {Path(r).name: Path(r) for r in runs}.items():
+    for label, run in ({"pretrained": None} | {Path(r).name: Path(r) for r in runs}).items():
         path = out_dir / f"{label}.json"
         if path.is_file():
             continue
@@ -84,7 +84,7 @@ def read():
 
     out = {"seeds": [int(x.rsplit("-", 1)[1]) for x in done], "not_finished": sorted(set(labels) - set(done))}
     out |= {"noise_seeds": list(FRESH), "effect_that_matters": EFFECT, "rows": {}}
-    for key in ["weighted", *REWARDS, "cnn_judge"]:
+    for key in ["weighted", *REWARDS, "judge/cnn"]:
         for noise in [*map(str, FRESH), "mean"]:
             sets = list(map(str, FRESH)) if noise == "mean" else [noise]
             diffs = [float(np.mean([value(runs[x][n], key) - value(base[n], key) for n in sets])) for x in done]

@@ -5,6 +5,7 @@ the secondary family. Written before any grain-steps run; checked on recast-step
 saturation), which is where the plan's sd comes from:
 
     python experiments/results/grain-steps/readings.py                      # grain-steps: decided - consistent, grain
+                                                                            # (and its permuted control, once run)
     python experiments/results/grain-steps/readings.py --exp recast-steps --mine early34 --other early12
 """
 
@@ -94,6 +95,33 @@ def readings(folder: Path, mine: str, other: str, reward: str, seeds: int) -> li
     return lines
 
 
+def control_lines(folder: Path, control: Path, reward: str, seeds: int) -> list[str]:
+    """The control the plan names for a positive primary: the same two W with the reward permuted within each prompt
+    group (grain-steps-permuted). Per seed (decided - consistent) - (decided_permuted - consistent_permuted) on the
+    reward, each run's value the mean over both noise sets; D needs it resolved above 0 (paired t and exact test)."""
+
+    def arm_diff(where, mine, other, noises=NOISES):
+        return np.array(
+            [
+                mean_over(final(where, mine, s), reward, noises) - mean_over(final(where, other, s), reward, noises)
+                for s in range(seeds)
+            ]
+        )
+
+    lines = [f"Control (grain-steps-permuted, {reward} permuted within each prompt group), {seeds} paired seeds:"]
+    for noises, label in ((NOISES, "both noise sets"), *(((n,), f"noise set {n} alone") for n in NOISES)):
+        y = arm_diff(folder, "decided", "consistent", noises)
+        yc = arm_diff(control, "decided_permuted", "consistent_permuted", noises)
+        cm, clo, chi, cn = stats.mean_ci(yc)
+        dm, dlo, dhi, dn = stats.mean_ci(y - yc)
+        lines.append(
+            f"  {label}: decided_permuted − consistent_permuted {fmt(cm, clo, chi, stats.p_value(cm, clo, chi, cn))};"
+            f" difference of differences {fmt(dm, dlo, dhi, stats.p_value(dm, dlo, dhi, dn))}, exact p "
+            f"{stats.sign_flip_p(y - yc):.2g}"
+        )
+    return lines
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--exp", default="grain-steps", help="the experiment's folder under experiments/results/")
@@ -104,6 +132,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     folder = ROOT / "experiments" / "results" / args.exp / "runs"
     print("\n".join(readings(folder, args.mine, args.other, args.reward, args.seeds)))
+    control = ROOT / "experiments" / "results" / f"{args.exp}-permuted" / "runs"
+    if args.exp == "grain-steps" and control.is_dir():
+        print("\n" + "\n".join(control_lines(folder, control, args.reward, args.seeds)))
 
 
 if __name__ == "__main__":
