@@ -522,3 +522,23 @@ def test_first_run_arm_u_reading_quotes_arm_u_json():
     for key, quoted in (("weighted (noise mean)", 4), ("detail (noise mean)", 3), ("shape (noise mean)", 3)):
         r = rows[key]
         assert f"{r['mean']:+.{quoted}f} [{r['lo']:+.{quoted}f}, {r['hi']:+.{quoted}f}]" in said, key
+
+
+def test_first_run_confirmation_quotes_confirm_json():
+    """The first run's out-of-sample confirmation (fresh seeds 3-5, fresh noise sets 3-4): confirm.py read recomputes
+    confirm.json from confirm/*.json and final/*.json (the committed file must be what it writes), and README and the
+    folder's README quote its weighted change, the in-sample mean and the verdict."""
+    folder = RESULTS / "first-run"
+    committed = (folder / "confirm.json").read_text()
+    subprocess.run([sys.executable, str(folder / "confirm.py"), "read"], check=True, capture_output=True)
+    assert (folder / "confirm.json").read_text() == committed
+    got = json.loads(committed)
+    r = got["rows"]["weighted (noise mean)"]
+    quoted = f"{r['mean']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}]"
+    assert got["verdict"] == "confirmed" and got["seeds"] == [3, 4, 5] and not got["not_finished"]
+    assert r["lo"] > got["effect_that_matters"]
+    for doc in (ROOT / "README.md", folder / "README.md"):
+        said = text(doc)
+        assert quoted in said and f"{got['in_sample']['mean']:+.3f}" in said, doc
+    w = got["fresh_minus_in_sample"]
+    assert f"{w['mean']:+.3f} [{w['lo']:+.3f}, {w['hi']:+.3f}]" in text(folder / "README.md")
