@@ -542,3 +542,26 @@ def test_first_run_confirmation_quotes_confirm_json():
         assert quoted in said and f"{got['in_sample']['mean']:+.3f}" in said, doc
     w = got["fresh_minus_in_sample"]
     assert f"{w['mean']:+.3f} [{w['lo']:+.3f}, {w['hi']:+.3f}]" in text(folder / "README.md")
+
+
+def test_grain_steps_reading_quotes_its_files():
+    """grain-steps (claims row 2's late half): the primary and the permuted control's difference of differences, as
+    readings.py computes them from the committed result files, are the numbers README, RESULTS and the folder's README
+    quote, and the rule's conditions for D hold (resolved by t and the exact test, the same sign on each noise set,
+    the control's difference of differences resolved above 0)."""
+    sys.path.insert(0, str(RESULTS / "grain-steps"))
+    import readings
+
+    folder, control = RESULTS / "grain-steps" / "runs", RESULTS / "grain-steps-permuted" / "runs"
+    primary = readings.readings(folder, "decided", "consistent", "grain", 20)
+    line = next(x for x in primary if x.startswith("Primary"))
+    quoted = re.search(r"([+-]\d\.\d{4} \[[+-]\d\.\d{4}, [+-]\d\.\d{4}\]) p ([\d.e-]+), exact p ([\d.e-]+)", line)
+    assert quoted and float(quoted.group(2)) < 0.05 and float(quoted.group(3)) < 0.05
+    sets = [x for x in primary if "alone:" in x]
+    assert len(sets) == 2 and all(x.split("alone: ")[1].startswith("+") for x in sets)
+    ctrl = readings.control_lines(folder, control, "grain", 20)[1]  # both noise sets
+    dd = re.search(r"difference of differences ([+-]\d\.\d{4} \[([+-]\d\.\d{4}), [+-]\d\.\d{4}\])", ctrl)
+    assert dd and float(dd.group(2)) > 0
+    for doc in (ROOT / "README.md", ROOT / "experiments" / "RESULTS.md", RESULTS / "grain-steps" / "README.md"):
+        said = text(doc)
+        assert quoted.group(1) in said and dd.group(1) in said, doc
