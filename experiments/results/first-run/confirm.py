@@ -10,9 +10,7 @@ and the run's metrics.jsonl beside them (confirm/<run>.jsonl.gz); read needs no 
 """
 
 import argparse
-import gzip
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -21,10 +19,10 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 sys.path.insert(0, str(HERE))
+import first_run  # noqa: E402
 from arm_u import weighted  # noqa: E402  (budgets 0.4, 0.3, 0.2, 0.1 over geneval, grain, detail, shape)
-from first_run import NOISES, run_settings, write_json  # noqa: E402
 
-from experiments import protocol, stats  # noqa: E402
+from experiments import stats  # noqa: E402
 
 FRESH = (3, 4)  # first_run.py's evaluations used protocol.EVAL_SEEDS = (1, 2)
 SEEDS = (3, 4, 5)  # first-run's arms trained seeds 0-2 (and kernel runs of seed 0)
@@ -33,34 +31,8 @@ REWARDS = ("geneval", "grain", "detail", "shape")
 
 
 def evaluate(runs):
-    import torch
-
-    import recast
-    import sd3
-    import world as shapes_world
-    from evaluate import read_checkpoint
-
-    torch.set_num_threads(1)
-    prompts = [c for c in shapes_world.splits()["heldout"] for _ in range(NOISES)]
-    out_dir = HERE / "confirm"
-    out_dir.mkdir(exist_ok=True)
-    pipe = sd3.load_pipeline(recast.parse_args([]), "cpu", torch.float32)
-    for label, run in ({"pretrained": None} | {Path(r).name: Path(r) for r in runs}).items():
-        path = out_dir / f"{label}.json"
-        if path.is_file():
-            continue
-        ckpt, state = (None, None) if run is None else read_checkpoint(run)
-        lora = None if state is None else state["lora"]["default"]
-        out = {"checkpoint": str(ckpt), "images_per_seed": len(prompts), "world": shapes_world.world_id()}
-        out |= {"settings": run_settings(run)} if run is not None else {}
-        for seed in FRESH:
-            scores = protocol.final_scores(protocol.final_eval_images(pipe, lora, prompts, seed), prompts)
-            out[str(seed)] = {k: (float(np.nanmean(v)) if isinstance(v, list) else v) for k, v in scores.items()}
-        write_json(path, out)
-        if run is not None:
-            with open(run / "metrics.jsonl", "rb") as src, gzip.open(out_dir / f"{label}.jsonl.gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
-        print(f"evaluated {label}", flush=True)
+    """`first_run.evaluate` at the fresh noise seeds, into confirm/ (each model's scores and each run's metrics)."""
+    first_run.evaluate(runs, FRESH, HERE / "confirm", HERE / "confirm")
 
 
 def welch(a, b):

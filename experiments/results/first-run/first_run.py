@@ -6,8 +6,8 @@
 
 eval: each run's newest checkpoint and the pretrained model on every held-out caption x 8 noises at each of
 protocol.EVAL_SEEDS (the same images for every model: paired), protocol.final_scores (every candidate reward, the CNN
-and preference judges, the set's Fréchet distance); cached per model in work/final/ and copied, without images, to
-final/<run>.json (committed), so that `table` needs no run folder.
+and preference judges, the set's Fréchet distance); written per model, without images, to final/<run>.json
+(committed; a model already there is not evaluated again), so that `table` needs no run folder.
 
 table: per arm (the runs work/<phase>-<arm>-<seed>, their metrics.jsonl copied to runs/<phase>-<arm>-<seed>.jsonl.gz,
 committed), over its seeds: each metric of the full evaluation as run - pretrained on the first evaluation seed, mean
@@ -34,7 +34,9 @@ NOISES = 8
 IN_RUN_FLOOR = 0.021  # sd of one in-run held-out weighted (rvge-joint/eval_floor.json, 16 noise sets)
 
 
-def evaluate(runs):
+def evaluate(runs, seeds=protocol.EVAL_SEEDS, final=HERE / "final", kept=HERE / "runs"):
+    """Each run's newest checkpoint and the pretrained model at each noise seed of `seeds`, one file per model in
+    `final` (a model already there is not evaluated again); each run's metrics.jsonl copied into `kept`."""
     import torch
 
     import recast
@@ -44,8 +46,6 @@ def evaluate(runs):
 
     torch.set_num_threads(1)
     prompts = [c for c in shapes_world.splits()["heldout"] for _ in range(NOISES)]
-    cache, final = HERE / "work" / "final", HERE / "final"
-    cache.mkdir(parents=True, exist_ok=True)
     final.mkdir(exist_ok=True)
     pipe = sd3.load_pipeline(recast.parse_args([]), "cpu", torch.float32)
     models = {"pretrained": None} | {Path(r).name: Path(r) for r in runs}
@@ -59,14 +59,14 @@ def evaluate(runs):
         out = {"checkpoint": str(ckpt), "images_per_seed": len(prompts), "world": shapes_world.world_id()}
         settings = {} if run is None else run_settings(run)
         out |= {"settings": settings} if settings else {}
-        for seed in protocol.EVAL_SEEDS:
+        for seed in seeds:
             images = protocol.final_eval_images(pipe, lora, prompts, seed)
             scores = protocol.final_scores(images, prompts)
             out[str(seed)] = {k: (float(np.nanmean(v)) if isinstance(v, list) else v) for k, v in scores.items()}
         write_json(path, out)
         print(f"evaluated {label}", flush=True)
         if run is not None:  # the run's metrics beside it, for the in-run columns
-            keep_metrics([run])
+            keep_metrics([run], kept)
 
 
 def write_json(path, obj):
@@ -237,12 +237,12 @@ def alone_lines(models, base, floor, checks) -> list[str]:
     return lines
 
 
-def keep_metrics(runs):
-    """Each run's metrics.jsonl copied to runs/<run>.jsonl.gz (committed): evaluated runs' for the in-run columns,
-    `pulls`' check runs' for `pull_checks`."""
-    (HERE / "runs").mkdir(exist_ok=True)
+def keep_metrics(runs, kept=HERE / "runs"):
+    """Each run's metrics.jsonl copied to `kept`/<run>.jsonl.gz (runs/, committed): evaluated runs' for the in-run
+    columns, `pulls`' check runs' for `pull_checks`."""
+    kept.mkdir(exist_ok=True)
     for run in map(Path, runs):
-        with open(run / "metrics.jsonl", "rb") as src, gzip.open(HERE / "runs" / f"{run.name}.jsonl.gz", "wb") as dst:
+        with open(run / "metrics.jsonl", "rb") as src, gzip.open(kept / f"{run.name}.jsonl.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
 
 
