@@ -3,9 +3,13 @@ from configs (diffusers' get_dummy_components pattern, nothing downloaded), two 
 run, a finished run to copy, and readers of what a run writes. Under `pytest -n N` (pytest-xdist, the README's test
 command) each worker and the scripts it starts use one thread: N workers share the cores."""
 
+import contextlib
+import http.server
 import json
 import os
+import pickle
 import shutil
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -267,3 +271,34 @@ def transformer_inputs(transformer, seed=0):
         pooled_projections=torch.randn(2, c.pooled_projection_dim, generator=g),
         return_dict=True,
     )
+
+
+class PickleReplyHandler(http.server.BaseHTTPRequestHandler):
+    """A local stand-in for a reward server (FlowGRPO's GenEval server speaks pickles over HTTP POST): `reply` answers
+    with a pickled object; requests are not logged."""
+
+    def reply(self, obj):
+        body = pickle.dumps(obj)
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def serving(handler, **attributes):
+    """A ThreadingHTTPServer on a free local port with `handler`, its `attributes` set, for the with block."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    for name, value in attributes.items():
+        setattr(server, name, value)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()

@@ -2,10 +2,8 @@
 DiffusionNFT's checkpoint-N/lora, each holding a tiny run's LoRA and evaluated as the run's own checkpoint is; the
 guidance option; GenEval's accuracies as DiffusionNFT reports them."""
 
-import http.server
 import json
 import pickle
-import threading
 
 import numpy as np
 import pytest
@@ -14,6 +12,7 @@ from PIL import Image
 
 import evaluate
 import sd3
+from conftest import PickleReplyHandler, serving
 from kit import reward_models
 
 
@@ -207,7 +206,7 @@ def test_geneval_accuracies_are_read_as_diffusionnft_reads_them(tmp_path, monkey
     assert len(requests) == 4
 
 
-class _GenEvalServer(http.server.BaseHTTPRequestHandler):
+class _GenEvalServer(PickleReplyHandler):
     """The reward server's protocol (reward_server/gen_eval.py's compute_geneval): each prompt's metadata says what
     it scores ("want": partial credit; correct and strict-correct from it)."""
 
@@ -219,7 +218,7 @@ class _GenEvalServer(http.server.BaseHTTPRequestHandler):
         correct, strict = [float(s >= 0.5) for s in scores], [float(s == 1.0) for s in scores]
         tags = ("single_object", "counting")
         group = lambda v: {t: [x if m["tag"] == t else -10.0 for x, m in zip(v, metas)] for t in tags}  # noqa: E731
-        body = pickle.dumps(
+        self.reply(
             {
                 "scores": scores,
                 "rewards": correct,
@@ -228,13 +227,6 @@ class _GenEvalServer(http.server.BaseHTTPRequestHandler):
                 "group_strict_rewards": group(strict),
             }  # fmt: skip
         )
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
 
 
 def test_evaluate_with_the_geneval_reward_reports_diffusionnfts_accuracies(tiny, lora, tmp_path):
@@ -246,20 +238,12 @@ def test_evaluate_with_the_geneval_reward_reports_diffusionnfts_accuracies(tiny,
     metadata.write_text(
         "".join(json.dumps({"prompt": p, "tag": t, "want": w}) + "\n" for p, t, w in zip(prompts, tags, wants))
     )
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _GenEvalServer)
-    server.requests = []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(_GenEvalServer, requests=[]) as server:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         recipe = tmp_path / "geneval.yaml"
         text = lora[0].read_text().replace("rewards: pixel,contrast", "rewards: geneval").replace('"0.5,0.5"', '"1"')
         recipe.write_text(text + f"geneval-url: {url}\ngeneval-metadata: {metadata}\n")
         got = evaluate.main([str(lora[1]["diffusers"]), "--config", str(recipe), "--json", str(tmp_path / "g.json")])
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
     assert server.requests == [(4, True), (4, False)]  # the training reward's request, then the accuracies'
     assert got["eval/geneval"] == pytest.approx(np.mean(wants))
     assert got["eval/judge/geneval_accuracy"] == pytest.approx(0.75)  # correct: credit >= 0.5 here

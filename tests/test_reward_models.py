@@ -1,6 +1,5 @@
 """Reward models: tiny random CLIP models from configs, the real RapidOCR models, a local GenEval server."""
 
-import http.server
 import io
 import json
 import os
@@ -8,7 +7,6 @@ import pickle
 import socket
 import subprocess
 import sys
-import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,6 +15,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 import recast
+from conftest import PickleReplyHandler, serving
 from kit import reward_models
 
 # -----------------------------------------------------------------------------
@@ -230,7 +229,7 @@ def test_ocr_training_prompts_must_quote_their_text(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-class _GenEvalHandler(http.server.BaseHTTPRequestHandler):
+class _GenEvalHandler(PickleReplyHandler):
     """Speaks the reward-server protocol; score = metadata "want" if the image's red channel is bright."""
 
     def do_POST(self):
@@ -244,7 +243,7 @@ class _GenEvalHandler(http.server.BaseHTTPRequestHandler):
         images = [Image.open(io.BytesIO(b), formats=["jpeg"]) for b in data["images"]]
         scores = [m["want"] * float(np.asarray(im)[..., 0].mean() > 128) for im, m in zip(images, data["meta_datas"])]
         strict = [float(s == 1.0) for s in scores]
-        body = pickle.dumps(
+        self.reply(
             {
                 "scores": scores,
                 "rewards": [0.0] * len(scores),
@@ -253,25 +252,12 @@ class _GenEvalHandler(http.server.BaseHTTPRequestHandler):
                 "group_strict_rewards": {"counting": strict},
             }
         )
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
 
 
 @pytest.fixture
 def geneval_server():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _GenEvalHandler)
-    server.batches = []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join()
+    with serving(_GenEvalHandler, batches=[]) as server:
+        yield server
 
 
 def test_geneval_client_decodes_server_scores(geneval_server, tmp_path):
