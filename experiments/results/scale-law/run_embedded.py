@@ -201,8 +201,38 @@ def read():
     out["verdict"] = verdict
     lines += ["", f"**Verdict by PLAN.md part 2's rules: {verdict}.**"]
     (OUT / "reading.md").write_text("\n".join(lines) + "\n")
-    (OUT / "summary.json").write_text(json.dumps(out, indent=1))
+    (OUT / "summary.json").write_text(json.dumps(stats.rounded(out), indent=1) + "\n")
+    plot(out)
     print("\n".join(lines))
+
+
+def plot(out):
+    """embedded/advantage_vs_M.png: late - early on grain against M with its 95% intervals, the effect that matters,
+    and the crossing the law predicts from grain's measured s (measure.json, t = 0.278) far to the right."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    crossing = json.loads((HERE / "measure.json").read_text())["predicted_crossing"]["embedded_grain"]["t=0.278"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    t8, t32 = out["tests"]["late - early, M = 8"], out["tests"]["late - early, M = 32"]
+    y = np.array([t8["mean"], t32["mean"]])
+    err = np.array([[t8["mean"] - t8["lo"], t32["mean"] - t32["lo"]], [t8["hi"] - t8["mean"], t32["hi"] - t32["mean"]]])
+    ax.errorbar(SIZES, y, yerr=err, color="k", marker="o", capsize=3, label="late - early on grain (95% t)")
+    ax.axvline(crossing["M_star"], color="tab:purple", lw=1.2, label=f"predicted M* = {crossing['M_star']:.0f}")
+    ax.axvspan(*crossing["M_star_ci"], color="tab:purple", alpha=0.12)
+    ax.axhline(0, color="grey", lw=0.6)
+    ax.axhline(EFFECT, color="grey", lw=0.6, ls="--", label=f"effect that matters ({EFFECT})")
+    ax.set_xscale("log")
+    ax.set_xlim(4, 2000)
+    ax.set_xlabel("groups per update M (8 leaves each)")
+    ax.set_ylabel("held-out grain, late - early")
+    ax.set_title(f"embedded model: late credit vs batch size ({len(out['seeds'])} paired seeds)", fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(OUT / "advantage_vs_M.png", dpi=120)
+    plt.close(fig)
 
 
 def main(argv=None):
