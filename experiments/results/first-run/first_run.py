@@ -394,30 +394,52 @@ def timed(name: str) -> tuple[float, str]:
     return float(text.split("wall ")[1].split(" s")[0]), text.splitlines()[1].split("Model name: ")[1].strip()
 
 
+def confirmation_clause() -> str:
+    """The README block's words on the out-of-sample confirmation (confirm.py's confirm.json), or that it has not been
+    run."""
+    path = HERE / "confirm.json"
+    if not path.is_file():
+        return "a confirmation on fresh seeds has not been run."
+    c = json.loads(path.read_text())
+    r = c["rows"]["weighted (noise mean)"]
+    seeds, noises = c["seeds"], c["noise_seeds"]
+    return (
+        f"out of sample, the same command at fresh seeds ({seeds[0]}-{seeds[-1]}) on fresh noise sets "
+        f"({noises[0]}-{noises[-1]}): weighted {r['mean']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}] (in sample "
+        f"{c['in_sample']['mean']:+.3f}): {c['verdict']} ([the confirmation]({FOLDER}/README.md"
+        "#confirmation-on-fresh-seeds-and-fresh-noise-plan-written-before-its-runs))."
+    )
+
+
 def uniform_control_line():
-    """The README block's words on arm U, the uniform-W control at the defaults (`arm_u.py`'s arm_u.json), or that it
-    has not been run."""
+    """The README block's words on arm U, the uniform-W control at the defaults (`arm_u.py`'s arm_u.json), and on the
+    confirmation (or that they have not been run)."""
     path = HERE / "arm_u.json"
     if not path.is_file():
-        return "a confirmation on fresh seeds and a uniform-W control at these defaults have not been run."
+        return f"a uniform-W control at these defaults has not been run; {confirmation_clause()}"
     u = json.loads(path.read_text())
     r = u["rows"]["weighted (noise mean)"]
     return (
         f"the uniform-W control at these defaults (arm U, `--credit uniform`, {len(u['seeds'])} paired seeds): M - U on "
         f"the weighted change {r['mean']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}] (both noise sets averaged; "
-        f"`{FOLDER}/arm_u.json`); a confirmation on fresh seeds has not been run."
+        f"`{FOLDER}/arm_u.json`); {confirmation_clause()}"
     )
 
 
 def timing_line(arm: str) -> str:
-    """The main command's time alone on a 2-core machine, measured for the arm itself (main_command_time-<arm>.txt;
-    main_command_time.txt for arm TIMED): measured timings only, each with its CPU (issue 62: an estimate scaled from
-    another arm's timing on another CPU is no measurement and is not quoted)."""
-    name = "main_command_time.txt" if arm == TIMED else f"main_command_time-{arm}.txt"
-    if not (HERE / name).is_file():
+    """The main command's time alone on a 2-core machine, measured for the arm itself on each CPU kind it was timed
+    on (main_command_time-<arm>[-<cpu>].txt; main_command_time.txt for arm TIMED): measured timings only, each with its
+    CPU (issue 62: an estimate scaled from another arm's timing on another CPU is no measurement and is not quoted)."""
+    names = ["main_command_time.txt"] if arm == TIMED else []
+    names += sorted(p.name for p in HERE.glob(f"main_command_time-{arm}.txt"))
+    names += sorted(p.name for p in HERE.glob(f"main_command_time-{arm}-*.txt"))
+    if not names:
         return "The command alone: not timed for these defaults."
-    wall, cpu = timed(name)
-    return f"The command alone: {minutes(wall)} on a 2-core {cpu} (measured: `{FOLDER}/{name}`)."
+    said = []
+    for name in names:
+        wall, cpu = timed(name)
+        said.append(f"{minutes(wall)} on a 2-core {cpu} (`{FOLDER}/{name}`)")
+    return f"The command alone, measured: {'; '.join(said)}."
 
 
 def weighted_of(result: dict, seed: str, conf: dict) -> float:
