@@ -510,6 +510,38 @@ def test_the_scale_law_sentences_quote_the_scale_law_files():
     assert f"{ceilings[0.465]:.3f} at t = 0.465 and {ceilings[0.278]:.4f} at 0.278 with 8 leaves" in late
 
 
+def test_the_embedded_dose_response_reading_quotes_its_files(tmp_path, monkeypatch):
+    """scale-law PLAN.md part 2 (grain's late-only against early-only step weights at 8 and 32 groups per update):
+    `run_embedded.py read` rebuilds summary.json and reading.md from runs.csv alone (the committed files must be what it
+    writes), its verdict follows the plan's rules from the tests' numbers, and README, RESULTS and scale-law's README
+    quote its seeds, its M = 32 difference and the interaction."""
+    import shutil
+
+    folder = RESULTS / "scale-law"
+    sys.path.insert(0, str(folder))
+    import run_embedded
+
+    shutil.copy(folder / "embedded" / "runs.csv", tmp_path / "runs.csv")
+    monkeypatch.setattr(run_embedded, "OUT", tmp_path)
+    run_embedded.read()
+    for name in ("summary.json", "reading.md"):
+        assert (tmp_path / name).read_text() == (folder / "embedded" / name).read_text(), name
+    got = json.loads((tmp_path / "summary.json").read_text())
+    k, t32, inter = (
+        len(got["seeds"]),
+        got["tests"]["late - early, M = 32"],
+        got["tests"]["interaction (M = 32 minus M = 8)"],
+    )
+    refuted = all(t["lo"] > 0 and t["holm"] < 0.05 for t in (t32, inter))
+    assert got["verdict"].startswith(
+        "the law refuted" if refuted else "not shown at this size" if k < 10 else "consistent"
+    )
+    quoted = [f"{t['mean']:+.4f} [{t['lo']:+.4f}, {t['hi']:+.4f}]" for t in (t32, inter)]
+    for doc in (ROOT / "README.md", ROOT / "experiments" / "RESULTS.md", folder / "README.md"):
+        said = text(doc)
+        assert all(q in said for q in quoted) and f"{k} of 10" in said, doc
+
+
 def test_first_run_arm_u_reading_quotes_arm_u_json():
     """first-run's arm U (the uniform-W control at the defaults): the folder README's numbers are arm_u.py's, which
     recomputes them from final/*.json (run here: the committed file must be what the script writes)."""

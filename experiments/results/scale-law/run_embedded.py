@@ -182,6 +182,12 @@ def read():
             f"| {label} | {fmt(t['mean'], t['lo'], t['hi'], t['p'])} | {t['exact']:.2g} | {h:.2g} | {t['sd']:.4f} |"
             f" {t['n80']} |"
         )
+    lines += ["", "Each arm's held-out grain (descriptive; mean and range over the seeds):", ""]
+    for groups in SIZES:
+        for arm in ARMS:
+            v = [value[(s, groups, arm)]["both"] for s in seeds]
+            out["per_arm"] = out.get("per_arm", {}) | {f"{arm}-M{groups}": v}
+            lines.append(f"- {arm}, M = {groups}: {np.mean(v):.4f} ({min(v):.4f} to {max(v):.4f})")
     lines += ["", "Each evaluation seed alone (descriptive):", ""]
     for groups in SIZES:
         for key in EVAL_SEEDS:
