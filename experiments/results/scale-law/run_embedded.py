@@ -235,7 +235,7 @@ def plot(out):
     ax.set_xlabel("groups per update M (8 leaves each)")
     ax.set_ylabel("held-out grain, late - early")
     ax.set_title(f"embedded model: late credit vs batch size ({len(out['seeds'])} paired seeds)", fontsize=8)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(OUT / "advantage_vs_M.png", dpi=120)
     plt.close(fig)
