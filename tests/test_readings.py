@@ -518,7 +518,7 @@ def test_the_embedded_dose_response_reading_quotes_its_files(tmp_path, monkeypat
     import shutil
 
     folder = RESULTS / "scale-law"
-    sys.path.insert(0, str(folder))
+    monkeypatch.syspath_prepend(str(folder))
     import run_embedded
 
     shutil.copy(folder / "embedded" / "runs.csv", tmp_path / "runs.csv")
@@ -534,12 +534,12 @@ def test_the_embedded_dose_response_reading_quotes_its_files(tmp_path, monkeypat
     )
     refuted = all(t["lo"] > 0 and t["holm"] < 0.05 for t in (t32, inter))
     assert got["verdict"].startswith(
-        "the law refuted" if refuted else "not shown at this size" if k < 10 else "consistent"
+        "the law refuted" if refuted else "not shown at this size" if k < run_embedded.PLANNED else "consistent"
     )
     quoted = [f"{t['mean']:+.4f} [{t['lo']:+.4f}, {t['hi']:+.4f}]" for t in (t32, inter)]
     for doc in (ROOT / "README.md", ROOT / "experiments" / "RESULTS.md", folder / "README.md"):
         said = text(doc)
-        assert all(q in said for q in quoted) and f"{k} of 10" in said, doc
+        assert all(q in said for q in quoted) and f"{k} of {run_embedded.PLANNED}" in said, doc
 
 
 def test_first_run_arm_u_reading_quotes_arm_u_json():
