@@ -14,10 +14,10 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
+from run_embedded import ITERATIONS, WORK, name  # noqa: E402  (this folder: the script's own directory is on the path)
+
 import world as shapes_world  # noqa: E402
 from experiments import protocol  # noqa: E402
-
-RUNS = HERE / "work" / "embedded" / "runs"
 
 
 def main(argv=None):
@@ -40,7 +40,9 @@ def main(argv=None):
     rows = [("pretrained", None)]
     for seed in a.seeds.split(","):
         for arm in ("late", "early"):
-            state = RUNS / f"{arm}-M{a.groups}-{seed}" / "checkpoints" / "iter_000039" / "state.pt"
+            state = (
+                WORK / "runs" / name(arm, a.groups, seed) / "checkpoints" / f"iter_{ITERATIONS - 1:06d}" / "state.pt"
+            )
             rows.append((state.parents[2].name, torch.load(state, weights_only=False)["lora"]["default"]))
     fig, ax = plt.subplots(len(rows), len(prompts), figsize=(1.5 * len(prompts), 1.6 * len(rows)))
     for i, (label, state) in enumerate(rows):
