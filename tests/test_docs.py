@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted(
     str(p.relative_to(ROOT))
     for p in ROOT.rglob("*.md")
-    if not {"runs", "work", ".git", "set-aside"} & set(p.relative_to(ROOT).parts)
-)  # every Markdown file of the project, the results folders' READMEs and tables included
+    if not {"runs", "work", ".git", ".pytest_cache", "set-aside"} & set(p.relative_to(ROOT).parts)
+)  # every Markdown file of the project, the results folders' READMEs and tables included (not pytest's cache README,
+# which exists only after a first run: the suite's size would depend on it)
 
 
 def prose_lines(path):
