@@ -6,12 +6,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 import sd3
 from kit.records import metrics_lines, run_identity
+
+
+def checkpoint_dir(out, iteration):
+    """A run's checkpoint folder for `iteration`: <out>/checkpoints/iter_N (N zero-padded to 6 digits)."""
+    return Path(out) / "checkpoints" / f"iter_{iteration:06d}"
 
 
 def save_checkpoint(out, iteration, transformer, opt, state, keep=2, scaler=None):
@@ -33,8 +39,8 @@ def save_checkpoint(out, iteration, transformer, opt, state, keep=2, scaler=None
             f"non-finite LoRA weights ({bad[0]}, {len(bad)} tensors) at iteration {iteration}: not saved; "
             f"the last good checkpoint in {out}/checkpoints is kept"
         )
-    root = out / "checkpoints"
-    final, tmp = root / f"iter_{iteration:06d}", root / f"iter_{iteration:06d}.tmp"
+    final = checkpoint_dir(out, iteration)
+    root, tmp = final.parent, final.with_name(final.name + ".tmp")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -23,6 +23,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 import world as shapes_world  # noqa: E402
 from experiments import late_reward_world, protocol, stats  # noqa: E402,F401  (late_reward_world: registers its rewards)
+from kit.checkpoints import checkpoint_dir  # noqa: E402
 
 SCORES = ("texture", "grain", "texture_soft", "texture_along", "texture_lines", "lines_along", "saturation", "geneval")
 
@@ -31,7 +32,7 @@ def checkpoint(run, iteration=None):
     """The run's checkpoint folder at `iteration` (recast.py keeps the last two), else its latest."""
     ckpts = Path(run) / "checkpoints"
     if iteration is not None:
-        path = ckpts / f"iter_{iteration:06d}"
+        path = checkpoint_dir(run, iteration)
         if not (path / "state.pt").is_file():
             raise SystemExit(f"{run}: no checkpoint at iteration {iteration} (kept: {sorted(ckpts.glob('iter_*'))})")
         return path

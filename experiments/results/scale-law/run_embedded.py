@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 sys.path.insert(0, str(ROOT))
 from experiments.protocol import EVAL_SEEDS as NOISE_SEEDS  # noqa: E402
+from kit.checkpoints import checkpoint_dir  # noqa: E402
 
 ARMS = ("late", "early")
 SIZES = (8, 32)
@@ -50,6 +51,12 @@ def name(arm, groups, seed):
     return f"{arm}-M{groups}-{seed}"
 
 
+def last_checkpoint(arm, groups, seed):
+    """The run's folder and its final state.pt (iteration ITERATIONS - 1)."""
+    run = WORK / "runs" / name(arm, groups, seed)
+    return run, checkpoint_dir(run, ITERATIONS - 1) / "state.pt"
+
+
 def finished():
     """{(seed, groups, arm)} already in runs.csv."""
     path = OUT / "runs.csv"
@@ -61,8 +68,7 @@ def finished():
 
 def train(arm, groups, seed):
     """recast.py to its last checkpoint (resumed in place when an earlier attempt stopped part way)."""
-    run = WORK / "runs" / name(arm, groups, seed)
-    last = run / "checkpoints" / f"iter_{ITERATIONS - 1:06d}" / "state.pt"
+    run, last = last_checkpoint(arm, groups, seed)
     if last.is_file():
         return run
     if (run / "checkpoints" / "latest").is_file():

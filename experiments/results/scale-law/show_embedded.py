@@ -14,7 +14,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
-from run_embedded import ITERATIONS, WORK, name  # noqa: E402  (this folder: the script's own directory is on the path)
+from run_embedded import last_checkpoint  # noqa: E402  (this folder: the script's own directory is on the path)
 
 import world as shapes_world  # noqa: E402
 from experiments import protocol  # noqa: E402
@@ -40,10 +40,8 @@ def main(argv=None):
     rows = [("pretrained", None)]
     for seed in a.seeds.split(","):
         for arm in ("late", "early"):
-            state = (
-                WORK / "runs" / name(arm, a.groups, seed) / "checkpoints" / f"iter_{ITERATIONS - 1:06d}" / "state.pt"
-            )
-            rows.append((state.parents[2].name, torch.load(state, weights_only=False)["lora"]["default"]))
+            run, state = last_checkpoint(arm, a.groups, seed)
+            rows.append((run.name, torch.load(state, weights_only=False)["lora"]["default"]))
     fig, ax = plt.subplots(len(rows), len(prompts), figsize=(1.5 * len(prompts), 1.6 * len(rows)))
     for i, (label, state) in enumerate(rows):
         images = protocol.final_eval_images(pipe, state, prompts, protocol.EVAL_SEEDS[0])
