@@ -514,7 +514,8 @@ def test_the_embedded_dose_response_reading_quotes_its_files(tmp_path, monkeypat
     """scale-law PLAN.md part 2 (grain's late-only against early-only step weights at 8 and 32 groups per update):
     `run_embedded.py read` rebuilds summary.json and reading.md from runs.csv alone (the committed files must be what it
     writes), its verdict follows the plan's rules from the tests' numbers, and README, RESULTS and scale-law's README
-    quote its seeds, its M = 32 difference and the interaction."""
+    quote its seeds, its M = 32 difference and the interaction (RESULTS and the folder README its M = 8 difference
+    too)."""
     import shutil
 
     folder = RESULTS / "scale-law"
@@ -540,6 +541,9 @@ def test_the_embedded_dose_response_reading_quotes_its_files(tmp_path, monkeypat
     for doc in (ROOT / "README.md", ROOT / "experiments" / "RESULTS.md", folder / "README.md"):
         said = text(doc)
         assert all(q in said for q in quoted) and f"{k} of {run_embedded.PLANNED}" in said, doc
+    t8 = got["tests"]["late - early, M = 8"]  # quoted beside them in RESULTS and the folder README
+    for doc in (ROOT / "experiments" / "RESULTS.md", folder / "README.md"):
+        assert f"{t8['mean']:+.4f} [{t8['lo']:+.4f}, {t8['hi']:+.4f}]" in text(doc), doc
 
 
 def test_first_run_arm_u_reading_quotes_arm_u_json():
